@@ -1,0 +1,381 @@
+# Text generation for every backend, gpt-fast style.
+#
+# A backend is anything with
+#     forward(tokens: LongTensor[B, T], input_pos: LongTensor[T] or [B, T]) -> FloatTensor[B, T, V] or [B, 1, V]
+#     max_batch_size, max_seq_length        (ints)
+#     prefill_chunk                         (None: any prompt length in one call; N: prompts go in chunks of exactly N)
+# input_pos [T] means every row sits at the same positions; [B, T] gives each row its own, -1 marking padding.
+# A [B, 1, V] result holds the logits of each row's last valid position (fixed-graph backends such as ONNX return that).
+# The same prefill / decode / sampling code below then drives eager PyTorch, torch.compile, an AOT Inductor package,
+# an ExecuTorch .pte, ONNX Runtime and a Cloud AI 100 QPC.
+import argparse
+import contextlib
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+REPO = Path(__file__).resolve().parent
+DEFAULT_CHECKPOINT = REPO / "checkpoints" / "SmolLM2-135M-Instruct" / "model.pth"
+
+
+# ----------------------------------------------------------------------------------------------------------- sampling
+def logits_to_probs(logits: torch.Tensor, temperature: float, top_k: Optional[int], top_p: Optional[float]):
+    logits = logits / max(temperature, 1e-5)
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if top_p is not None and top_p < 1.0:
+        sorted_probs, idx = torch.sort(probs, dim=-1, descending=True)
+        drop = sorted_probs.cumsum(-1) - sorted_probs > top_p  # keep the smallest prefix whose mass reaches top_p
+        probs = probs.scatter(-1, idx, sorted_probs.masked_fill(drop, 0.0))
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample(logits: torch.Tensor, temperature: float = 0.0, top_k=None, top_p=None, generator=None) -> torch.Tensor:
+    """logits [B, V] -> token ids [B]. temperature 0 is greedy. Sampling runs on the CPU with a seeded generator so a
+    seed gives the same text on every device and backend."""
+    if temperature <= 0:
+        return logits.argmax(-1)
+    probs = logits_to_probs(logits.float().cpu(), temperature, top_k, top_p)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1).to(logits.device)
+
+
+# ----------------------------------------------------------------------------------------------------------- backends
+class TorchBackend:
+    """model.py's Transformer, eager or torch.compile'd (decode step; optionally prefill with a dynamic length)."""
+
+    prefill_chunk = None
+
+    def __init__(self, model, max_batch_size: int, max_seq_length: int, compile=False, compile_prefill=False):
+        device = next(model.parameters()).device
+        with torch.device(device):
+            model.setup_caches(max_batch_size, max_seq_length)
+        self.model = model
+        self.max_batch_size, self.max_seq_length = model.max_batch_size, model.max_seq_length
+        self.decode_fn = self.prefill_fn = model
+        if compile:
+            configure_inductor(device)
+            self.decode_fn = torch.compile(model, mode="reduce-overhead" if device.type == "cuda" else None,
+                                           fullgraph=True)
+        if compile_prefill:
+            self.prefill_fn = torch.compile(model, fullgraph=True, dynamic=True)
+
+    def forward(self, tokens, input_pos):
+        fn = self.decode_fn if tokens.shape[1] == 1 else self.prefill_fn
+        with torch.inference_mode():
+            return fn(tokens, input_pos)
+
+
+def configure_inductor(device: torch.device):
+    import torch._inductor.config as cfg
+    cfg.fx_graph_cache = True
+    if device.type == "cpu":
+        cfg.freezing = True       # weights become constants: folded and packed for the CPU GEMM kernels
+        cfg.cpp_wrapper = True    # C++ launcher: less Python per decode step
+    else:
+        cfg.coordinate_descent_tuning = True
+        cfg.triton.unique_kernel_names = True
+
+
+def load_backend(args, device, dtype, max_batch_size, max_seq_length):
+    """Pick the backend from the command line. Exported artifacts carry their own sizes and precision."""
+    if getattr(args, "aoti_package", None):
+        from aoti_export import AOTIBackend
+        return AOTIBackend(args.aoti_package, device=device)
+    if getattr(args, "pte", None):
+        from et_export import PTEBackend
+        return PTEBackend(args.pte)
+    if getattr(args, "onnx", None):
+        from export_onnx import OnnxBackend
+        return OnnxBackend(args.onnx, max_batch_size=max_batch_size)
+    if getattr(args, "qpc", None):
+        from compile_qaic import QpcBackend
+        return QpcBackend(args.qpc, device_group=args.device_group)
+    from model import load_model
+    model = load_model(args.checkpoint_path, device=device, dtype=dtype)
+    return TorchBackend(model, max_batch_size, max_seq_length, compile=args.compile, compile_prefill=args.compile_prefill)
+
+
+# ----------------------------------------------------------------------------------------------------------- the loop
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def prefill(backend, prompts: list[list[int]], device, chunk: Optional[int] = None, start_pos: int = 0):
+    """Run the prompts through the backend; return each row's logits at its last prompt token, [B, V].
+    Same-length prompts use shared positions [T]; different lengths use per-row positions with -1 padding.
+    With a chunk size (fixed-shape backends), prompts go in chunks of exactly `chunk` tokens."""
+    B = len(prompts)
+    lens = [len(p) for p in prompts]
+    T = max(lens)
+    width = T if not chunk else -(-T // chunk) * chunk
+    tokens = torch.zeros(B, width, dtype=torch.long)
+    pos = torch.full((B, width), -1, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        tokens[b, :len(p)] = torch.tensor(p, dtype=torch.long)
+        pos[b, :len(p)] = torch.arange(start_pos, start_pos + len(p))
+    shared = len(set(lens)) == 1 and not chunk
+    last = None
+    for s in range(0, width, chunk or width):
+        e = s + (chunk or width)
+        ip = pos[0, s:e] if shared else pos[:, s:e]
+        logits = backend.forward(tokens[:, s:e].to(device), ip.to(device))
+        # rows whose last prompt token falls in this chunk take their logits from it
+        for b, n in enumerate(lens):
+            if s <= n - 1 < e:
+                row = logits[b, -1] if logits.shape[1] == 1 else logits[b, n - 1 - s]
+                if last is None:
+                    last = torch.empty(B, row.shape[-1], dtype=row.dtype, device=row.device)
+                last[b] = row
+    return last
+
+
+def generate(backend, prompts: list[list[int]], max_new_tokens: int, device, *, temperature=0.0, top_k=None,
+             top_p=None, stop_ids=(), generator=None, on_token: Optional[Callable[[int, int], None]] = None,
+             start_pos: int = 0, prefill_chunk: Optional[int] = None):
+    """Generate for a batch of prompts. Returns (new token ids per prompt, timing stats).
+    on_token(row, token) is called for every kept token as it is produced (for streaming)."""
+    B = len(prompts)
+    lens = [start_pos + len(p) for p in prompts]
+    if B > backend.max_batch_size:
+        raise ValueError(f"{B} prompts but the backend holds at most {backend.max_batch_size} sequences")
+    if max(lens) + max_new_tokens > backend.max_seq_length:
+        longest = max(lens)
+        if longest >= backend.max_seq_length:
+            raise ValueError(f"prompt of {longest} tokens does not fit the context of {backend.max_seq_length} tokens")
+        max_new_tokens = backend.max_seq_length - longest
+    stop_ids = set(stop_ids)
+    out = [[] for _ in range(B)]
+    done = [False] * B
+
+    def keep(next_ids):
+        for b, t in enumerate(next_ids.tolist()):
+            if done[b]:
+                continue
+            if t in stop_ids:
+                done[b] = True
+                continue
+            out[b].append(t)
+            if on_token:
+                on_token(b, t)
+
+    _sync(device)
+    t0 = time.perf_counter()
+    logits = prefill(backend, prompts, device, chunk=prefill_chunk or backend.prefill_chunk, start_pos=start_pos)
+    nxt = sample(logits, temperature, top_k, top_p, generator)
+    keep(nxt)
+    _sync(device)
+    t_first = time.perf_counter()
+    shared = len(set(lens)) == 1
+    steps = 0
+    for i in range(max_new_tokens - 1):
+        if all(done):
+            break
+        if shared:
+            ip = torch.tensor([lens[0] + i], device=device)
+        else:
+            ip = torch.tensor([[n + i] for n in lens], device=device)
+        logits = backend.forward(nxt.view(B, 1), ip)
+        nxt = sample(logits[:, -1], temperature, top_k, top_p, generator)
+        keep(nxt)
+        steps += 1
+    _sync(device)
+    t_end = time.perf_counter()
+    stats = dict(prompt_tokens=sum(lens) - B * start_pos, ttft_s=t_first - t0, decode_steps=steps,
+                 decode_s=t_end - t_first, new_tokens=sum(len(o) for o in out))
+    stats["prefill_tok_s"] = stats["prompt_tokens"] / max(stats["ttft_s"], 1e-9)
+    stats["decode_tok_s"] = B * steps / stats["decode_s"] if steps else 0.0  # every row advances each step
+    return out, stats
+
+
+def weight_bytes(model) -> int:
+    """Bytes of weights read per decode step (tied embedding/output counted once; the KV cache excluded)."""
+    seen, total = set(), 0
+    for t in list(model.parameters()) + [b for n, b in model.named_buffers() if "cache" not in n and n != "rope"]:
+        if t.data_ptr() in seen:
+            continue
+        seen.add(t.data_ptr())
+        total += t.numel() * t.element_size()
+    return total
+
+
+def peak_memory_mb(device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated() / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+# ----------------------------------------------------------------------------------------------------------- CLI
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description="Generate text with a LLaMA-family model on any backend.")
+    p.add_argument("--checkpoint_path", type=Path, default=None,
+                   help=f"model.pth from scripts/convert_checkpoint.py or quantize.py (default: {DEFAULT_CHECKPOINT.relative_to(REPO)}, prepared on first use)")
+    p.add_argument("--tokenizer_path", type=Path, default=None, help="default: the checkpoint's directory")
+    p.add_argument("--prompt", default="Hello, my name is", help="several prompts separated by '|' run as one batch")
+    p.add_argument("--prompts_file", type=Path, help="one prompt per line, run as one batch")
+    p.add_argument("--chat", action="store_true", help="multi-turn chat with the model's chat template")
+    p.add_argument("--system", default=None, help="system message for --chat")
+    p.add_argument("--num_samples", type=int, default=1)
+    p.add_argument("--max_new_tokens", type=int, default=200)
+    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    p.add_argument("--top_k", type=int, default=200)
+    p.add_argument("--top_p", type=float, default=None)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--compile", action="store_true", help="torch.compile the decode step")
+    p.add_argument("--compile_prefill", action="store_true", help="also compile prefill (dynamic length)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "mps"])
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--max_seq_length", type=int, default=None, help="KV cache length (default: prompt + new tokens)")
+    p.add_argument("--prefill_chunk", type=int, default=None, help="process prompts in fixed chunks of N tokens")
+    p.add_argument("--aoti_package", type=Path, help="run an AOT Inductor .pt2 from aoti_export.py")
+    p.add_argument("--pte", type=Path, help="run an ExecuTorch .pte from et_export.py")
+    p.add_argument("--onnx", type=Path, help="run an ONNX graph from export_onnx.py on ONNX Runtime")
+    p.add_argument("--qpc", type=Path, help="run a Cloud AI 100 QPC from compile_qaic.py")
+    p.add_argument("--device_group", default="0", help="Cloud AI 100 device ids for --qpc, e.g. 0,1")
+    p.add_argument("--quiet", action="store_true", help="print only the generated text")
+    return p.parse_args(argv)
+
+
+def read_prompts(args) -> list[str]:
+    if args.prompts_file:
+        if not args.prompts_file.is_file():
+            raise FileNotFoundError(f"prompts file not found: {args.prompts_file}")
+        prompts = [l for l in args.prompts_file.read_text().splitlines() if l.strip()]
+        if not prompts:
+            raise ValueError(f"prompts file {args.prompts_file} has no prompts")
+        return prompts
+    return args.prompt.split("|")
+
+
+def resolve_checkpoint(args):
+    exported = args.aoti_package or args.pte or args.onnx or args.qpc
+    if args.checkpoint_path is None and not (exported and args.tokenizer_path):
+        if not DEFAULT_CHECKPOINT.is_file():
+            sys.path.insert(0, str(REPO / "scripts"))
+            import download
+            print(f"preparing the default model in {DEFAULT_CHECKPOINT.parent} ...", file=sys.stderr)
+            download.prepare_default(DEFAULT_CHECKPOINT.parent)
+        args.checkpoint_path = DEFAULT_CHECKPOINT
+    if args.tokenizer_path is None:
+        ck = Path(args.checkpoint_path)
+        args.tokenizer_path = ck if ck.is_dir() else ck.parent
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda but no CUDA device is available")
+    if args.device == "mps" and not torch.backends.mps.is_available():
+        raise ValueError("--device mps but MPS is not available")
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype)
+    resolve_checkpoint(args)
+    from tokenizer import load_tokenizer
+    tok = load_tokenizer(args.tokenizer_path)
+    torch.manual_seed(args.seed)
+    if args.chat:
+        return chat(args, tok, device, dtype)
+
+    prompts = read_prompts(args)
+    ids = [tok.encode(p) for p in prompts]
+    if any(len(x) == 0 for x in ids):
+        raise ValueError("empty prompt (and the tokenizer adds no BOS): nothing to condition on")
+    max_seq = args.max_seq_length or max(len(x) for x in ids) + args.max_new_tokens
+    backend = load_backend(args, device, dtype, len(ids), max_seq)
+    log = (lambda *a: None) if args.quiet else (lambda *a: print(*a, file=sys.stderr))
+    stream = len(ids) == 1
+    runs = ([-1] if args.compile else []) + list(range(args.num_samples))
+    for i in runs:
+        gen = torch.Generator().manual_seed(args.seed + max(i, 0))
+        decoder = tok.stream() if stream and i >= 0 else None
+        if decoder is not None:
+            print(prompts[0], end="", flush=True)
+        on_token = (lambda b, t: print(decoder.put(t), end="", flush=True)) if decoder else None
+        out, st = generate(backend, ids, args.max_new_tokens, device, temperature=args.temperature, top_k=args.top_k,
+                           top_p=args.top_p, stop_ids=tok.stop_ids, generator=gen, on_token=on_token,
+                           prefill_chunk=args.prefill_chunk)
+        if i < 0:
+            log(f"compiled and warmed up in {st['ttft_s'] + st['decode_s']:.1f} s")
+            continue
+        if decoder is not None:
+            print(decoder.flush(), flush=True)
+        else:
+            for p, o in zip(prompts, out):
+                print(p + tok.decode(o) + "\n" + "-" * 40, flush=True)
+        report(log, st, backend, device)
+
+
+def report(log, st, backend, device):
+    log(f"TTFT {st['ttft_s'] * 1000:.1f} ms | prefill {st['prefill_tok_s']:.1f} tok/s | "
+        f"decode {st['decode_tok_s']:.2f} tok/s ({st['decode_steps']} steps) | {st['new_tokens']} new tokens")
+    model = getattr(backend, "model", None)
+    if model is not None and st["decode_s"] > 0 and st["decode_steps"]:
+        gb = weight_bytes(model) / 1e9
+        log(f"weights {gb:.3f} GB | achieved bandwidth {gb * st['decode_steps'] / st['decode_s']:.2f} GB/s | "
+            f"peak memory {peak_memory_mb(device):.0f} MB")
+    else:
+        log(f"peak memory {peak_memory_mb(device):.0f} MB")
+
+
+def chat(args, tok, device, dtype):
+    """Multi-turn chat. The conversation is re-rendered with the chat template every turn; the tokens that are already
+    in the KV cache (the common prefix) are not processed again."""
+    max_seq = args.max_seq_length or 2048
+    backend = load_backend(args, device, dtype, 1, max_seq)
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    cached: list[int] = []
+    gen = torch.Generator().manual_seed(args.seed)
+    print(f"chat with the model ({backend.max_seq_length} tokens of context); empty line or Ctrl-D to quit",
+          file=sys.stderr)
+    while True:
+        try:
+            user = input("> ")
+        except EOFError:
+            break
+        if not user.strip():
+            break
+        messages.append({"role": "user", "content": user})
+        ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True), bos=False)
+        common = 0
+        while common < min(len(cached), len(ids) - 1) and cached[common] == ids[common]:
+            common += 1
+        if len(ids) + 1 >= backend.max_seq_length:
+            print("[context full: starting a new conversation]", file=sys.stderr)
+            messages, cached, common = messages[-1:], [], 0
+            ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True), bos=False)
+            if len(ids) + 1 >= backend.max_seq_length:
+                raise ValueError(f"message of {len(ids)} tokens does not fit the context of {backend.max_seq_length}")
+        decoder = tok.stream()
+        out, st = generate(backend, [ids[common:]], args.max_new_tokens, device, temperature=args.temperature,
+                           top_k=args.top_k, top_p=args.top_p, stop_ids=tok.stop_ids, generator=gen,
+                           on_token=lambda b, t: print(decoder.put(t), end="", flush=True), start_pos=common)
+        print(decoder.flush(), flush=True)
+        # the cache now holds the prompt and every reply token except the last sampled one
+        cached = ids + out[0][:-1] if out[0] else ids
+        messages.append({"role": "assistant", "content": tok.decode(out[0])})
+        if not args.quiet:
+            print(f"[{st['new_tokens']} tokens, {st['decode_tok_s']:.1f} tok/s]", file=sys.stderr)
+
+
+def cli(entry: Callable):
+    """Run entry(); turn expected failures into a one-line `error: ...` and exit code 1 (no traceback)."""
+    try:
+        entry()
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except (FileNotFoundError, ValueError, NotImplementedError, ImportError, RuntimeError, OSError) as e:
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"error: {msg}", file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    cli(main)
