@@ -168,3 +168,210 @@ class KVCache(nn.Module):
         return self.k_cache[slots], self.v_cache[slots]
 
 
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.type_as(x)
+
+
+def rope_frequencies(args: ModelArgs, device=None) -> Tensor:
+    inv_freq = 1.0 / (args.rope_base ** (torch.arange(0, args.head_dim, 2, device=device, dtype=torch.float32)
+                                         / args.head_dim))
+    s = args.rope_scaling
+    if s:  # Llama-3.1 frequency-dependent scaling
+        old = s["original_max_position_embeddings"]
+        low_wl, high_wl = old / s["low_freq_factor"], old / s["high_freq_factor"]
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (old / wavelen - s["low_freq_factor"]) / (s["high_freq_factor"] - s["low_freq_factor"])
+        scaled = torch.where(wavelen > low_wl, inv_freq / s["factor"], inv_freq)
+        mid = (1 - smooth) * inv_freq / s["factor"] + smooth * inv_freq
+        inv_freq = torch.where((wavelen >= high_wl) & (wavelen <= low_wl), mid, scaled)
+    return inv_freq
+
+
+def precompute_rope(args: ModelArgs, seq_len: int, dtype=torch.float32) -> Tensor:
+    inv_freq = rope_frequencies(args)
+    t = torch.arange(seq_len, dtype=torch.float32)
+    freqs = torch.outer(t, inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)          # half-split layout
+    return torch.stack((emb.cos(), emb.sin()), dim=0).to(dtype)  # [2, S, head_dim]
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    # x: [B, T, H, D]; cos/sin: [B or 1, T, 1, D]
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.n_head, self.n_kv, self.head_dim = args.n_head, args.n_local_heads, args.head_dim
+        total = (self.n_head + 2 * self.n_kv) * self.head_dim
+        self.wqkv = nn.Linear(args.dim, total, bias=args.attn_bias)
+        self.wo = nn.Linear(self.n_head * self.head_dim, args.dim, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, args.norm_eps) if args.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, args.norm_eps) if args.qk_norm else None
+        self.kv_cache: Optional[KVCache] = None
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, input_pos: Tensor,
+                batch_index: Optional[Tensor] = None) -> Tensor:
+        B, T, _ = x.shape
+        q_size, kv_size = self.n_head * self.head_dim, self.n_kv * self.head_dim
+        q, k, v = self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(B, T, self.n_head, self.head_dim)
+        k = k.view(B, T, self.n_kv, self.head_dim)
+        v = v.view(B, T, self.n_kv, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
+        k, v = self.kv_cache.update(input_pos, k, v, batch_index)
+        if self.n_kv != self.n_head:
+            k = k.repeat_interleave(self.n_head // self.n_kv, dim=1)
+            v = v.repeat_interleave(self.n_head // self.n_kv, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.wo(y.transpose(1, 2).reshape(B, T, q_size))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.w1 = nn.Linear(args.dim, args.intermediate_size, bias=False)
+        self.w3 = nn.Linear(args.dim, args.intermediate_size, bias=False)
+        self.w2 = nn.Linear(args.intermediate_size, args.dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.attention = Attention(args)
+        self.feed_forward = FeedForward(args)
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+
+    def forward(self, x, cos, sin, mask, input_pos, batch_index=None):
+        h = x + self.attention(self.attention_norm(x), cos, sin, mask, input_pos, batch_index)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.config = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layer))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.max_batch_size = -1
+        self.max_seq_length = -1
+        self.tie_weights()
+
+    def tie_weights(self):
+        if self.config.tie_embeddings and isinstance(self.output, nn.Linear) and isinstance(self.tok_embeddings, nn.Embedding):
+            self.output.weight = self.tok_embeddings.weight
+
+    def setup_caches(self, max_batch_size: int, max_seq_length: int, dtype: Optional[torch.dtype] = None):
+        """Allocate the KV cache and rotary tables. max_seq_length is capped at the model's block_size."""
+        max_seq_length = min(max_seq_length, self.config.block_size)
+        if dtype is None:
+            dtype = self.norm.weight.dtype
+        device = self.norm.weight.device
+        self.max_batch_size, self.max_seq_length = max_batch_size, max_seq_length
+        for layer in self.layers:
+            layer.attention.kv_cache = KVCache(max_batch_size, max_seq_length, self.config.n_local_heads,
+                                               self.config.head_dim, dtype).to(device)
+        self.register_buffer("rope", precompute_rope(self.config, max_seq_length, dtype).to(device), persistent=False)
+
+    def forward(self, idx: Tensor, input_pos: Tensor, batch_index: Optional[Tensor] = None) -> Tensor:
+        """idx [B, T]; input_pos [T] or [B, T] (-1 = padding); batch_index [B] (or [B, 1]): cache slot of each row."""
+        assert self.max_seq_length > 0, "call setup_caches() first"
+        B, T = idx.shape
+        S = self.max_seq_length
+        pos = input_pos.clamp(min=0)  # padding positions (-1) compute garbage that nobody reads, without NaNs
+        cs = self.rope[:, pos]  # [2, T, D] or [2, B, T, D]
+        if pos.dim() == 1:
+            cos, sin = cs[0].view(1, T, 1, -1), cs[1].view(1, T, 1, -1)
+            allowed = torch.arange(S, device=idx.device).view(1, S) <= pos.view(T, 1)      # [T, S]
+            allowed = allowed.view(1, 1, T, S)
+        else:
+            cos, sin = cs[0].view(B, T, 1, -1), cs[1].view(B, T, 1, -1)
+            allowed = torch.arange(S, device=idx.device).view(1, 1, S) <= pos.view(B, T, 1)  # [B, T, S]
+            allowed = allowed.view(B, 1, T, S)
+        x = self.tok_embeddings(idx)
+        mask = torch.zeros(allowed.shape, dtype=x.dtype, device=x.device).masked_fill(~allowed, float("-inf"))
+        for layer in self.layers:
+            x = layer(x, cos, sin, mask, input_pos, batch_index)
+        return self.output(self.norm(x)).float()
+
+
+def load_model(checkpoint_path, device="cpu", dtype: Optional[torch.dtype] = None) -> Transformer:
+    """Load a checkpoint written by scripts/convert_checkpoint.py or quantize.py, safely (weights_only, mmap).
+
+    The file carries its own config under "_config" (a JSON string of ModelArgs) and, when quantized, its recipe
+    under "_quantization" (JSON, applied by quantize.py before the weights are assigned): no flag, no filename
+    parsing. Older files without "_config" fall back to config.json beside them, then to the directory's name."""
+    path = Path(checkpoint_path)
+    if path.is_dir():
+        path = path / "model.pth"
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint not found: {path}")
+    try:
+        sd = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:
+        raise ValueError(f"cannot read checkpoint {path}: not a valid PyTorch weights file ({type(e).__name__})") from None
+    if not isinstance(sd, dict):
+        raise ValueError(f"checkpoint {path} does not hold a state dict")
+    if "_config" in sd:
+        args = ModelArgs.from_dict(json.loads(sd.pop("_config")))
+    elif (path.parent / "config.json").is_file():
+        args = ModelArgs.from_dict(json.loads((path.parent / "config.json").read_text()))
+    else:
+        args = ModelArgs.from_name(path.parent.name)
+    recipe = sd.pop("_quantization", None)
+    with torch.device("meta"):
+        model = Transformer(args)
+    if recipe:
+        import quantize  # only quantized checkpoints need it
+        model = quantize.apply_recipe(model, json.loads(recipe))
+    if args.tie_embeddings:
+        sd.pop("output.weight", None)
+    missing, unexpected = model.load_state_dict(sd, strict=False, assign=True)
+    missing = [k for k in missing if not (args.tie_embeddings and k == "output.weight")]
+    if missing or unexpected:
+        raise ValueError(f"checkpoint {path} does not match its config: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    model.tie_weights()
+    if dtype is not None:
+        model = model.to(dtype=dtype)  # casts floating-point tensors only; quantized integer weights stay as they are
+    return model.to(device).eval().requires_grad_(False)
+
+
+def checkpoint_state(model: Transformer, quantization: Optional[dict] = None) -> dict:
+    """The dict that load_model() reads back: weights (tied output dropped) + config (+ quantization recipe)."""
+    sd = {k: v for k, v in model.state_dict().items() if not (model.config.tie_embeddings and k == "output.weight")}
+    sd["_config"] = json.dumps(asdict(model.config))
+    if quantization:
+        sd["_quantization"] = json.dumps(quantization)
+    return sd
+
+
+def save_checkpoint(sd: dict, path) -> None:
+    """Write atomically: a temp file beside the target, then rename, so no half-written checkpoint is left."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        torch.save(sd, str(tmp))
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
