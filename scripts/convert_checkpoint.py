@@ -1,0 +1,420 @@
+#!/usr/bin/env python
+"""Convert a LLaMA-family checkpoint into this repo's format: checkpoints/<NAME>/model.pth (+ config.json, tokenizer).
+
+    python scripts/convert_checkpoint.py SRC [--output_dir checkpoints/NAME] [--name NAME] [--dtype bfloat16]
+
+SRC (detected automatically) is one of
+  * a Hugging Face directory: config.json + model*.safetensors or pytorch_model*.bin (single or sharded);
+  * a Meta directory: params.json + consolidated.NN.pth (model-parallel shards are merged);
+  * a llama2.c training checkpoint ckpt.pt ({"model": state_dict, "model_args": {...}});
+  * a GGUF file (arch llama, qwen2 or qwen3; F32/F16/BF16 and quantized tensors are dequantized).
+Meta, llama2.c and GGUF (arch llama) store Q/K in the adjacent-pair rotary layout and are permuted into the
+Hugging Face half-split layout that model.py uses. Weights keep the source float dtype (GGUF: float32) unless --dtype.
+"""
+import argparse
+import dataclasses
+import json
+import os
+import pickle
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+from model import ModelArgs, Transformer, save_checkpoint  # noqa: E402
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json")
+HF_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+# canonical tensor -> source name ("{}" = layer index)
+_L = "model.layers.{}."
+HF_NAMES = dict(tok="model.embed_tokens.weight", norm="model.norm.weight", output="lm_head.weight",
+                q=_L + "self_attn.q_proj.weight", k=_L + "self_attn.k_proj.weight", v=_L + "self_attn.v_proj.weight",
+                q_bias=_L + "self_attn.q_proj.bias", k_bias=_L + "self_attn.k_proj.bias",
+                v_bias=_L + "self_attn.v_proj.bias", q_norm=_L + "self_attn.q_norm.weight",
+                k_norm=_L + "self_attn.k_norm.weight", o=_L + "self_attn.o_proj.weight", gate=_L + "mlp.gate_proj.weight",
+                up=_L + "mlp.up_proj.weight", down=_L + "mlp.down_proj.weight", attn_norm=_L + "input_layernorm.weight",
+                ffn_norm=_L + "post_attention_layernorm.weight")
+META_NAMES = dict(tok="tok_embeddings.weight", norm="norm.weight", output="output.weight",
+                  q="layers.{}.attention.wq.weight", k="layers.{}.attention.wk.weight",
+                  v="layers.{}.attention.wv.weight", o="layers.{}.attention.wo.weight",
+                  gate="layers.{}.feed_forward.w1.weight", up="layers.{}.feed_forward.w3.weight",
+                  down="layers.{}.feed_forward.w2.weight", attn_norm="layers.{}.attention_norm.weight",
+                  ffn_norm="layers.{}.ffn_norm.weight")
+GGUF_NAMES = dict(tok="token_embd.weight", norm="output_norm.weight", output="output.weight",
+                  q="blk.{}.attn_q.weight", k="blk.{}.attn_k.weight", v="blk.{}.attn_v.weight",
+                  q_bias="blk.{}.attn_q.bias", k_bias="blk.{}.attn_k.bias", v_bias="blk.{}.attn_v.bias",
+                  q_norm="blk.{}.attn_q_norm.weight", k_norm="blk.{}.attn_k_norm.weight",
+                  o="blk.{}.attn_output.weight", gate="blk.{}.ffn_gate.weight", up="blk.{}.ffn_up.weight",
+                  down="blk.{}.ffn_down.weight", attn_norm="blk.{}.attn_norm.weight",
+                  ffn_norm="blk.{}.ffn_norm.weight")
+
+
+class ConvertError(Exception):
+    pass
+
+
+@dataclasses.dataclass
+class Source:
+    args: ModelArgs
+    names: dict            # canonical -> source name template
+    tensors: dict          # source name -> zero-argument loader returning a torch tensor
+    dtype: torch.dtype     # float dtype of the source weights
+    permute: bool          # Q/K stored in the adjacent-pair rotary layout
+    tied: object = None    # True/False from a config; None = tied when output is absent or equals the embedding
+    tokenizer: object = None  # callable(out_dir) writing the tokenizer files
+    ignore: tuple = ()     # source tensors that are not needed (e.g. rotary tables)
+
+
+def permute_rotary(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Adjacent-pair rotary layout (Meta, llama2.c, GGUF llama) -> Hugging Face half-split, for weights and biases."""
+    head_dim = w.shape[0] // n_heads
+    return w.reshape(n_heads, head_dim // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def meta_hidden_dim(dim, multiple_of, ffn_dim_multiplier=None):
+    hidden = int(2 * 4 * dim / 3)
+    if ffn_dim_multiplier:
+        hidden = int(ffn_dim_multiplier * hidden)
+    return multiple_of * ((hidden + multiple_of - 1) // multiple_of)
+
+
+def torch_load(path: Path):
+    try:
+        try:
+            return torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as e:
+            if "mmap" not in str(e):  # legacy (non-zip) files cannot be memory-mapped
+                raise
+            return torch.load(str(path), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        if "Weights only load failed" in str(e):
+            raise ConvertError(f"{path} holds non-tensor Python objects that cannot be loaded safely "
+                               f"(weights_only=True); re-save it with only tensors and plain containers") from None
+        raise ConvertError(f"cannot read {path}: not a valid PyTorch file ({_oneline(e)})") from None
+    except Exception as e:
+        raise ConvertError(f"cannot read {path}: not a valid PyTorch file ({type(e).__name__}: {_oneline(e)})") from None
+
+
+def _oneline(e, n=200):
+    s = " ".join(str(e).split())
+    return s[:n] + ("..." if len(s) > n else "")
+
+
+def _copy_files(src_dir: Path, names=TOKENIZER_FILES):
+    def write(out_dir: Path):
+        for n in names:
+            if (src_dir / n).is_file():
+                shutil.copyfile(src_dir / n, out_dir / n)
+    return write
+
+
+def tensor_table(files) -> dict:
+    """name -> loader over .safetensors / .bin files (memory-mapped, loaded one tensor at a time)."""
+    from safetensors import safe_open
+    table = {}
+    for f in files:
+        if f.suffix == ".safetensors":
+            try:
+                h = safe_open(str(f), framework="pt")
+                keys = list(h.keys())
+            except Exception as e:
+                raise ConvertError(f"cannot read {f}: not a valid safetensors file ({_oneline(e)})") from None
+            table.update({k: (lambda h=h, k=k: h.get_tensor(k)) for k in keys})
+        else:
+            sd = torch_load(f)
+            if not isinstance(sd, dict):
+                raise ConvertError(f"{f} does not hold a state dict")
+            table.update({k: (lambda v=v: v) for k, v in sd.items() if isinstance(v, torch.Tensor)})
+    return table
+
+
+def load_hf(d: Path) -> Source:
+    try:
+        cfg = json.loads((d / "config.json").read_text())
+    except Exception as e:
+        raise ConvertError(f"cannot read {d / 'config.json'}: {_oneline(e)}") from None
+    arch = (cfg.get("architectures") or ["?"])[0]
+    if arch not in HF_ARCHS:
+        raise ConvertError(f"unsupported architecture {arch!r} in {d / 'config.json'} (supported: {', '.join(HF_ARCHS)})")
+    if cfg.get("hidden_act", "silu") != "silu" or cfg.get("mlp_bias"):
+        raise ConvertError(f"unsupported MLP (hidden_act={cfg.get('hidden_act')}, mlp_bias={cfg.get('mlp_bias')})")
+    files = None
+    for index in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+        if (d / index).is_file():
+            try:
+                files = sorted({d / f for f in json.loads((d / index).read_text())["weight_map"].values()})
+            except Exception as e:
+                raise ConvertError(f"cannot read {d / index}: {_oneline(e)}") from None
+            break
+    files = files or sorted(d.glob("model*.safetensors")) or sorted(d.glob("pytorch_model*.bin"))
+    if not files:
+        raise ConvertError(f"no model*.safetensors or pytorch_model*.bin weights in {d}")
+    try:
+        args = ModelArgs.from_hf_config(cfg)
+    except (KeyError, ValueError) as e:
+        raise ConvertError(f"unsupported config.json: {type(e).__name__} {_oneline(e)}") from None
+    table = tensor_table(files)
+    if "model.embed_tokens.weight" not in table:  # bare LlamaModel without the "model." prefix
+        table = {"model." + k: v for k, v in table.items()}
+    dtype = table["model.embed_tokens.weight"]().dtype if "model.embed_tokens.weight" in table else torch.float32
+    return Source(args, HF_NAMES, table, dtype, permute=False, tied=args.tie_embeddings,
+                  tokenizer=_copy_files(d), ignore=("rotary_emb.inv_freq",))
+
+
+def load_meta(d: Path) -> Source:
+    shards = sorted(d.glob("consolidated.*.pth"))
+    try:
+        p = json.loads((d / "params.json").read_text())
+    except Exception as e:
+        raise ConvertError(f"cannot read {d / 'params.json'}: {_oneline(e)}") from None
+    sds = [torch_load(f) for f in tqdm(shards, desc="loading shards", disable=len(shards) < 2)]
+    for f, sd in zip(shards, sds):
+        if not isinstance(sd, dict) or "tok_embeddings.weight" not in sd:
+            raise ConvertError(f"{f} is not a Meta consolidated checkpoint (no tok_embeddings.weight)")
+
+    def merged(name):
+        if len(sds) == 1 or sds[0][name].dim() == 1:  # norms are replicated on every shard
+            return sds[0][name]
+        if name == "tok_embeddings.weight":  # Llama 2 splits the embedding dim, Llama 3 the vocabulary
+            return torch.cat([sd[name] for sd in sds], dim=int(sds[0][name].shape[1] != p["dim"]))
+        if name.split(".")[-2] in ("wq", "wk", "wv", "w1", "w3", "output"):
+            return torch.cat([sd[name] for sd in sds], dim=0)  # column-parallel
+        return torch.cat([sd[name] for sd in sds], dim=1)  # row-parallel wo/w2
+
+    tok = merged("tok_embeddings.weight")
+    n_head = p["n_heads"]
+    inter = meta_hidden_dim(p["dim"], p.get("multiple_of", 256), p.get("ffn_dim_multiplier"))
+    w1 = merged("layers.0.feed_forward.w1.weight")
+    if w1.shape[0] != inter:
+        raise ConvertError(f"params.json gives intermediate size {inter} but w1 has {w1.shape[0]} rows")
+    scaling = None
+    if p.get("use_scaled_rope"):  # Llama 3.1: factor 8; Llama 3.2 1B/3B: factor 32
+        factor = p.get("rope_scaling_factor") or (32.0 if (p["dim"], p["n_layers"]) in ((2048, 16), (3072, 28)) else 8.0)
+        scaling = dict(factor=float(factor), low_freq_factor=1.0, high_freq_factor=4.0,
+                       original_max_position_embeddings=8192)
+    block_size = p.get("max_seq_len") or (131072 if scaling else 8192 if p.get("rope_theta") else 4096)
+    args = ModelArgs(block_size=block_size,
+                     vocab_size=tok.shape[0], n_layer=p["n_layers"], n_head=n_head, dim=p["dim"],
+                     intermediate_size=inter, n_local_heads=p.get("n_kv_heads") or n_head,
+                     rope_base=float(p.get("rope_theta", 10000.0)), norm_eps=p.get("norm_eps", 1e-5),
+                     rope_scaling=scaling)
+    if p.get("vocab_size", -1) not in (-1, tok.shape[0]):
+        raise ConvertError(f"params.json vocab_size {p['vocab_size']} != embedding rows {tok.shape[0]}")
+    table = {k: (lambda k=k: merged(k)) for k in sds[0]}
+    return Source(args, META_NAMES, table, tok.dtype, permute=True, tokenizer=_copy_files(d, ("tokenizer.model",)),
+                  ignore=("rope.freqs",))
+
+
+def load_llama2c(path: Path) -> Source:
+    ck = torch_load(path)
+    if not (isinstance(ck, dict) and isinstance(ck.get("model"), dict) and isinstance(ck.get("model_args"), dict)):
+        raise ConvertError(f"{path} is not a llama2.c checkpoint (expected keys 'model' and 'model_args')")
+    sd = {k.removeprefix("_orig_mod."): v for k, v in ck["model"].items()}
+    a = ck["model_args"]
+    inter = a.get("hidden_dim") or meta_hidden_dim(a["dim"], a.get("multiple_of", 32))
+    if "layers.0.feed_forward.w1.weight" in sd and sd["layers.0.feed_forward.w1.weight"].shape[0] != inter:
+        raise ConvertError(f"model_args give hidden_dim {inter} but w1 has "
+                           f"{sd['layers.0.feed_forward.w1.weight'].shape[0]} rows")
+    args = ModelArgs(block_size=a.get("max_seq_len", 2048), vocab_size=a["vocab_size"], n_layer=a["n_layers"],
+                     n_head=a["n_heads"], dim=a["dim"], intermediate_size=inter,
+                     n_local_heads=a.get("n_kv_heads") or a["n_heads"], norm_eps=a.get("norm_eps", 1e-5))
+    dtype = sd["tok_embeddings.weight"].dtype if "tok_embeddings.weight" in sd else torch.float32
+    return Source(args, META_NAMES, {k: (lambda v=v: v) for k, v in sd.items()}, dtype, permute=True,
+                  tokenizer=_copy_files(path.parent, ("tokenizer.model",)), ignore=("freqs_cos", "freqs_sin"))
+
+
+def load_gguf(path: Path) -> Source:
+    import gguf
+    import numpy as np
+    try:
+        r = gguf.GGUFReader(str(path))
+    except Exception as e:
+        raise ConvertError(f"cannot read {path}: not a valid GGUF file ({type(e).__name__}: {_oneline(e)})") from None
+    meta = {k: f.contents() for k, f in r.fields.items() if not k.startswith("tokenizer.ggml.")}
+    arch = meta.get("general.architecture")
+    if arch not in ("llama", "qwen2", "qwen3"):
+        raise ConvertError(f"unsupported GGUF architecture {arch!r} (supported: llama, qwen2, qwen3)")
+    infos = {t.name: t for t in r.tensors}
+
+    def load(t):
+        arr = gguf.quants.dequantize(t.data, t.tensor_type)
+        shape = tuple(int(n) for n in reversed(t.shape))  # GGUF lists dimensions innermost first
+        if arr.size != int(np.prod(shape)):
+            raise ConvertError(f"GGUF tensor {t.name} has {arr.size} values, expected {shape}")
+        arr = np.asarray(arr, dtype=np.float32).reshape(shape)
+        return torch.from_numpy(arr if arr.flags.writeable else arr.copy())
+
+    def m(key, default=None):
+        v = meta.get(f"{arch}.{key}", default)
+        if v is None:
+            raise ConvertError(f"GGUF metadata {arch}.{key} is missing")
+        return float(str(np.float32(v))) if isinstance(v, float) else v  # float32 metadata: 1e-05, not 9.99e-06
+
+    if "token_embd.weight" not in infos:
+        raise ConvertError(f"{path} has no token_embd.weight tensor")
+    if meta.get(f"{arch}.rope.scaling.type", "none") not in ("none", "") and "rope_freqs.weight" not in infos:
+        raise ConvertError(f"unsupported GGUF rope scaling {meta[f'{arch}.rope.scaling.type']!r}")
+    dim, n_head = int(m("embedding_length")), int(m("attention.head_count"))
+    vocab = int(infos["token_embd.weight"].shape[1])
+    if int(meta.get(f"{arch}.vocab_size", vocab)) != vocab:
+        raise ConvertError(f"GGUF vocab_size {meta[f'{arch}.vocab_size']} != token_embd rows {vocab}")
+    args = ModelArgs(block_size=int(m("context_length", 2048)), vocab_size=vocab, n_layer=int(m("block_count")),
+                     n_head=n_head, dim=dim, intermediate_size=int(m("feed_forward_length")),
+                     n_local_heads=int(m("attention.head_count_kv", n_head)),
+                     head_dim=int(m("attention.key_length", dim // n_head)), rope_base=float(m("rope.freq_base", 1e4)),
+                     norm_eps=float(m("attention.layer_norm_rms_epsilon", 1e-5)),
+                     attn_bias="blk.0.attn_q.bias" in infos, qk_norm="blk.0.attn_q_norm.weight" in infos)
+    if "rope_freqs.weight" in infos:  # llama.cpp stores Llama-3.1 rope scaling as per-frequency factors
+        args = _match_rope_freqs(args, load(infos["rope_freqs.weight"]))
+
+    def write_tokenizer(out_dir):
+        try:
+            import tokenizer
+            tokenizer.save_tokenizer_from_gguf(str(path), str(out_dir))
+        except (ImportError, AttributeError) as e:
+            print(f"warning: tokenizer not written ({_oneline(e)})", file=sys.stderr)
+
+    return Source(args, GGUF_NAMES, {k: (lambda t=t: load(t)) for k, t in infos.items()}, torch.float32,
+                  permute=arch == "llama", tokenizer=write_tokenizer, ignore=("rope_freqs.weight",))
+
+
+def _match_rope_freqs(args, factors):
+    from model import rope_frequencies
+    base = rope_frequencies(dataclasses.replace(args, rope_scaling=None))
+    for factor in (8.0, 16.0, 32.0, 4.0, 2.0):
+        for old in (8192, 4096, 2048):
+            s = dict(factor=factor, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=old)
+            if torch.allclose(base / rope_frequencies(dataclasses.replace(args, rope_scaling=s)), factors, rtol=1e-3):
+                return dataclasses.replace(args, rope_scaling=s)
+    raise ConvertError("GGUF rope_freqs.weight does not match a known Llama-3.1 rope scaling")
+
+
+def open_source(src: Path) -> Source:
+    if not src.exists():
+        raise ConvertError(f"no such file or directory: {src}")
+    if src.is_file():
+        with open(src, "rb") as f:
+            magic = f.read(4)
+        if magic == b"GGUF":
+            return load_gguf(src)
+        if src.suffix == ".gguf":
+            raise ConvertError(f"{src} is not a GGUF file (bad magic {magic!r})")
+        if src.name.startswith("consolidated.") or src.suffix == ".safetensors" or src.name in ("params.json", "config.json"):
+            return open_source(src.parent)
+        if src.suffix in (".pt", ".pth", ".ckpt", ".bin"):
+            return load_llama2c(src)
+        raise ConvertError(f"unknown checkpoint format: {src}")
+    if (src / "config.json").is_file():
+        return load_hf(src)
+    if (src / "params.json").is_file() and list(src.glob("consolidated.*.pth")):
+        return load_meta(src)
+    if (src / "ckpt.pt").is_file():
+        return load_llama2c(src / "ckpt.pt")
+    ggufs = sorted(src.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return load_gguf(ggufs[0])
+    raise ConvertError(f"unknown checkpoint format in {src}: expected config.json + weights (Hugging Face), "
+                       f"params.json + consolidated.*.pth (Meta), ckpt.pt (llama2.c) or a single .gguf file")
+
+
+def build_state_dict(s: Source, dtype: torch.dtype):
+    args, used = s.args, set()
+
+    def get(key, i=None, required=True):
+        name = s.names.get(key, "\0").format(i)
+        if name not in s.tensors:
+            if required:
+                raise ConvertError(f"missing tensor {name}")
+            return None
+        used.add(name)
+        return s.tensors[name]().to(dtype)
+
+    sd = {"tok_embeddings.weight": get("tok"), "norm.weight": get("norm")}
+    out = get("output", required=False)
+    tied = s.tied if s.tied is not None else out is None or torch.equal(out, sd["tok_embeddings.weight"])
+    if out is None and not tied:
+        raise ConvertError(f"missing tensor {s.names['output']} (the config says the output is not tied)")
+    if not tied:
+        sd["output.weight"] = out
+    args = dataclasses.replace(args, tie_embeddings=tied)
+    for i in tqdm(range(args.n_layer), desc="converting layers"):
+        p = f"layers.{i}."
+        q, k = get("q", i), get("k", i)
+        if s.permute:
+            q, k = permute_rotary(q, args.n_head), permute_rotary(k, args.n_local_heads)
+        sd[p + "attention.wqkv.weight"] = torch.cat([q, k, get("v", i)])
+        if args.attn_bias:
+            qb, kb = get("q_bias", i), get("k_bias", i)
+            if s.permute:
+                qb, kb = permute_rotary(qb, args.n_head), permute_rotary(kb, args.n_local_heads)
+            sd[p + "attention.wqkv.bias"] = torch.cat([qb, kb, get("v_bias", i)])
+        if args.qk_norm:
+            sd[p + "attention.q_norm.weight"], sd[p + "attention.k_norm.weight"] = get("q_norm", i), get("k_norm", i)
+        sd[p + "attention.wo.weight"] = get("o", i)
+        sd[p + "feed_forward.w1.weight"] = get("gate", i)
+        sd[p + "feed_forward.w3.weight"] = get("up", i)
+        sd[p + "feed_forward.w2.weight"] = get("down", i)
+        sd[p + "attention_norm.weight"] = get("attn_norm", i)
+        sd[p + "ffn_norm.weight"] = get("ffn_norm", i)
+    extra = sorted(n for n in set(s.tensors) - used if not n.endswith(s.ignore) and n != s.names["output"])
+    if extra:
+        raise ConvertError(f"unsupported tensors in checkpoint (not part of model.py): {', '.join(extra[:4])}"
+                           + (f" and {len(extra) - 4} more" if len(extra) > 4 else ""))
+    with torch.device("meta"):
+        expected = Transformer(args).state_dict()
+    for name, t in sd.items():
+        if tuple(t.shape) != tuple(expected[name].shape):
+            raise ConvertError(f"shape mismatch for {name}: checkpoint {tuple(t.shape)}, "
+                               f"config expects {tuple(expected[name].shape)}")
+    return sd, args
+
+
+def convert(src, output_dir, dtype=None) -> Path:
+    """Convert SRC into output_dir (model.pth, config.json, tokenizer); returns the model.pth path.
+    dtype: None (keep the source's float dtype; GGUF gives float32), a torch.dtype or one of DTYPES' names."""
+    s = open_source(Path(src))
+    if isinstance(dtype, str):
+        dtype = DTYPES[dtype]
+    sd, args = build_state_dict(s, dtype or s.dtype)
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    config = dataclasses.asdict(args)
+    sd["_config"] = json.dumps(config)
+    save_checkpoint(sd, out / "model.pth")
+    tmp = out / "config.json.tmp"
+    tmp.write_text(json.dumps(config, indent=2) + "\n")
+    os.replace(tmp, out / "config.json")
+    if s.tokenizer:
+        s.tokenizer(out)
+    return out / "model.pth"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("src", help="Hugging Face dir, Meta dir (params.json + consolidated.*.pth), llama2.c ckpt.pt, or .gguf")
+    ap.add_argument("--output_dir", default=None, help="default: checkpoints/<name>")
+    ap.add_argument("--name", default=None, help="model name (default: the source's directory or file name)")
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: keep the source dtype")
+    a = ap.parse_args(argv)
+    src = Path(a.src)
+    name = a.name or (src.stem if src.is_file() and src.suffix == ".gguf" else src.resolve().name)
+    out_dir = Path(a.output_dir or REPO / "checkpoints" / name)
+    try:
+        path = convert(src, out_dir, a.dtype)
+    except ConvertError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
+    except Exception as e:  # corrupt or unexpected files: one line, no traceback
+        print(f"error: converting {src} failed: {type(e).__name__}: {_oneline(e)}", file=sys.stderr)
+        sys.exit(1)
+    print(f"wrote {path} and {out_dir / 'config.json'}")
+
+
+if __name__ == "__main__":
+    main()
