@@ -67,10 +67,10 @@ class TorchBackend:
         if compile_prefill:
             self.prefill_fn = torch.compile(model, fullgraph=True, dynamic=True)
 
-    def forward(self, tokens, input_pos):
+    def forward(self, tokens, input_pos, batch_index=None):
         fn = self.decode_fn if tokens.shape[1] == 1 else self.prefill_fn
         with torch.inference_mode():
-            return fn(tokens, input_pos)
+            return fn(tokens, input_pos) if batch_index is None else fn(tokens, input_pos, batch_index)
 
 
 def configure_inductor(device: torch.device):
@@ -109,10 +109,12 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-def prefill(backend, prompts: list[list[int]], device, chunk: Optional[int] = None, start_pos: int = 0):
+def prefill(backend, prompts: list[list[int]], device, chunk: Optional[int] = None, start_pos: int = 0,
+            batch_index: Optional[torch.Tensor] = None):
     """Run the prompts through the backend; return each row's logits at its last prompt token, [B, V].
     Same-length prompts use shared positions [T]; different lengths use per-row positions with -1 padding.
-    With a chunk size (fixed-shape backends), prompts go in chunks of exactly `chunk` tokens."""
+    With a chunk size (fixed-shape backends), prompts go in chunks of exactly `chunk` tokens.
+    batch_index [B, 1] names the cache slot of each row (continuous batching)."""
     B = len(prompts)
     lens = [len(p) for p in prompts]
     T = max(lens)
@@ -122,12 +124,13 @@ def prefill(backend, prompts: list[list[int]], device, chunk: Optional[int] = No
     for b, p in enumerate(prompts):
         tokens[b, :len(p)] = torch.tensor(p, dtype=torch.long)
         pos[b, :len(p)] = torch.arange(start_pos, start_pos + len(p))
-    shared = len(set(lens)) == 1 and not chunk
+    shared = len(set(lens)) == 1 and not chunk and batch_index is None
+    extra = {} if batch_index is None else {"batch_index": batch_index.to(device)}
     last = None
     for s in range(0, width, chunk or width):
         e = s + (chunk or width)
         ip = pos[0, s:e] if shared else pos[:, s:e]
-        logits = backend.forward(tokens[:, s:e].to(device), ip.to(device))
+        logits = backend.forward(tokens[:, s:e].to(device), ip.to(device), **extra)
         # rows whose last prompt token falls in this chunk take their logits from it
         for b, n in enumerate(lens):
             if s <= n - 1 < e:
@@ -196,6 +199,70 @@ def generate(backend, prompts: list[list[int]], max_new_tokens: int, device, *, 
     return out, stats
 
 
+def generate_continuous(backend, prompts: list[list[int]], max_new_tokens: int, device, full_batch_size: int, *,
+                        temperature=0.0, top_k=None, top_p=None, stop_ids=(), generator=None,
+                        on_token: Optional[Callable[[int, int], None]] = None, prefill_chunk: Optional[int] = None):
+    """Continuous batching: full_batch_size cache slots, more prompts than slots. Each decode step advances every
+    slot by one token (empty slots ride along at position -1); a slot whose sequence ends is refilled at once with
+    the next prompt (prefilled alone, batch 1, into that slot). Returns (new token ids per prompt, stats).
+    The backend's forward must accept batch_index [B, 1] (rows -> cache slots)."""
+    if full_batch_size > backend.max_batch_size:
+        raise ValueError(f"full_batch_size {full_batch_size} exceeds the backend's {backend.max_batch_size} slots")
+    S = backend.max_seq_length
+    for p in prompts:
+        if len(p) >= S:
+            raise ValueError(f"prompt of {len(p)} tokens does not fit the context of {S} tokens")
+    stop_ids = set(stop_ids)
+    out = [[] for _ in prompts]
+    queue = list(range(len(prompts)))
+    seq = [None] * full_batch_size          # which prompt each slot holds
+    pos = [-1] * full_batch_size            # position of the token each slot feeds next
+    tok = [0] * full_batch_size
+    chunk = prefill_chunk or backend.prefill_chunk
+    _sync(device)
+    t0 = time.perf_counter()
+    ttft = None
+    steps = 0
+
+    def accept(slot, t):  # record a sampled token; free the slot when its sequence ends
+        i = seq[slot]
+        if t in stop_ids or len(out[i]) >= max_new_tokens:
+            seq[slot], pos[slot] = None, -1
+            return
+        out[i].append(t)
+        if on_token:
+            on_token(i, t)
+        tok[slot] = t
+        if len(out[i]) >= max_new_tokens or pos[slot] + 1 >= S:
+            seq[slot], pos[slot] = None, -1
+
+    while queue or any(s is not None for s in seq):
+        for slot in range(full_batch_size):
+            if seq[slot] is None and queue:
+                i = queue.pop(0)
+                seq[slot], pos[slot] = i, len(prompts[i])
+                logits = prefill(backend, [prompts[i]], device, chunk=chunk, batch_index=torch.tensor([[slot]]))
+                accept(slot, int(sample(logits, temperature, top_k, top_p, generator)[0]))
+                ttft = ttft if ttft is not None else time.perf_counter() - t0
+        if all(s is None for s in seq):
+            continue
+        ip = torch.tensor([[p] for p in pos], device=device)
+        logits = backend.forward(torch.tensor(tok, device=device).view(-1, 1), ip,
+                                 batch_index=torch.arange(full_batch_size, device=device).view(-1, 1))
+        nxt = sample(logits[:, -1], temperature, top_k, top_p, generator).tolist()
+        steps += 1
+        for slot in range(full_batch_size):
+            if seq[slot] is not None:
+                pos[slot] += 1
+                accept(slot, nxt[slot])
+    _sync(device)
+    total = time.perf_counter() - t0
+    n = sum(len(o) for o in out)
+    stats = dict(prompt_tokens=sum(map(len, prompts)), ttft_s=ttft or 0.0, decode_steps=steps, decode_s=total,
+                 new_tokens=n, prefill_tok_s=0.0, decode_tok_s=n / total)
+    return out, stats
+
+
 def weight_bytes(model) -> int:
     """Bytes of weights read per decode step (tied embedding/output counted once; the KV cache excluded)."""
     seen, total = set(), 0
@@ -235,6 +302,8 @@ def parse_args(argv=None):
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--max_seq_length", type=int, default=None, help="KV cache length (default: prompt + new tokens)")
     p.add_argument("--prefill_chunk", type=int, default=None, help="process prompts in fixed chunks of N tokens")
+    p.add_argument("--full_batch_size", type=int, default=None,
+                   help="continuous batching with N cache slots (more prompts than slots: each slot is refilled)")
     p.add_argument("--aoti_package", type=Path, help="run an AOT Inductor .pt2 from aoti_export.py")
     p.add_argument("--pte", type=Path, help="run an ExecuTorch .pte from et_export.py")
     p.add_argument("--onnx", type=Path, help="run an ONNX graph from export_onnx.py on ONNX Runtime")
@@ -289,9 +358,9 @@ def main(argv=None):
     if any(len(x) == 0 for x in ids):
         raise ValueError("empty prompt (and the tokenizer adds no BOS): nothing to condition on")
     max_seq = args.max_seq_length or max(len(x) for x in ids) + args.max_new_tokens
-    backend = load_backend(args, device, dtype, len(ids), max_seq)
+    backend = load_backend(args, device, dtype, args.full_batch_size or len(ids), max_seq)
     log = (lambda *a: None) if args.quiet else (lambda *a: print(*a, file=sys.stderr))
-    stream = len(ids) == 1
+    stream = len(ids) == 1 and not args.full_batch_size
     runs = ([-1] if args.compile else []) + list(range(args.num_samples))
     for i in runs:
         gen = torch.Generator().manual_seed(args.seed + max(i, 0))
@@ -299,9 +368,12 @@ def main(argv=None):
         if decoder is not None:
             print(prompts[0], end="", flush=True)
         on_token = (lambda b, t: print(decoder.put(t), end="", flush=True)) if decoder else None
-        out, st = generate(backend, ids, args.max_new_tokens, device, temperature=args.temperature, top_k=args.top_k,
-                           top_p=args.top_p, stop_ids=tok.stop_ids, generator=gen, on_token=on_token,
-                           prefill_chunk=args.prefill_chunk)
+        sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, stop_ids=tok.stop_ids,
+                        generator=gen, on_token=on_token, prefill_chunk=args.prefill_chunk)
+        if args.full_batch_size:
+            out, st = generate_continuous(backend, ids, args.max_new_tokens, device, args.full_batch_size, **sampling)
+        else:
+            out, st = generate(backend, ids, args.max_new_tokens, device, **sampling)
         if i < 0:
             log(f"compiled and warmed up in {st['ttft_s'] + st['decode_s']:.1f} s")
             continue
