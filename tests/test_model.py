@@ -1,0 +1,99 @@
+# model.py against Hugging Face transformers (an implementation nobody here wrote), on tiny random configs.
+import pytest
+import torch
+from conftest import hf_greedy, hf_to_model, tiny_hf
+
+from generate import TorchBackend, generate
+from model import ModelArgs, Transformer, transformer_configs
+
+ARCHS = [("llama", {}), ("llama", {"tie": True}), ("mistral", {}), ("qwen2", {}), ("qwen3", {}),
+         ("llama", {"rope_scaling": dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                         original_max_position_embeddings=32)})]
+
+
+@pytest.mark.parametrize("arch,kw", ARCHS, ids=["llama", "llama-tied", "mistral", "qwen2", "qwen3", "llama3-rope"])
+@torch.no_grad()
+def test_logits_prefill_and_every_decode_step(arch, kw):
+    hf = tiny_hf(arch, **kw)
+    model = hf_to_model(hf)
+    model.setup_caches(1, 64)
+    ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(1))
+    ref = hf(ids).logits
+    got = model(ids[:, :24], torch.arange(24))
+    assert (got - ref[:, :24]).abs().max() <= 1e-4
+    for t in range(24, 40):  # one token at a time through the cache
+        got = model(ids[:, t:t + 1], torch.tensor([t]))
+        assert (got[:, 0] - ref[:, t]).abs().max() <= 1e-4, f"decode step at position {t}"
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_greedy_tokens_batch_of_different_lengths(arch, cpu):
+    hf = tiny_hf(arch, seed=3)
+    model = hf_to_model(hf)
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (9, 3, 17, 1)]
+    expected = [hf_greedy(hf, p, 32) for p in prompts]
+    backend = TorchBackend(model, max_batch_size=4, max_seq_length=64)
+    out, stats = generate(backend, prompts, 32, cpu)  # one padded batch, per-row positions
+    assert out == expected
+    assert stats["decode_steps"] == 31
+    out1, _ = generate(backend, prompts[:1], 32, cpu)  # batch 1, shared positions
+    assert out1 == expected[:1]
+
+
+def test_padding_rows_do_not_disturb_others():
+    hf = tiny_hf("mistral", seed=5)
+    model = hf_to_model(hf)
+    model.setup_caches(2, 32)
+    ids = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(2))
+    pos = torch.stack([torch.arange(8), torch.tensor([0, 1, 2, -1, -1, -1, -1, -1])])
+    with torch.no_grad():
+        got = model(ids, pos)
+        assert torch.isfinite(got).all()
+        assert (got[0] - hf(ids[:1]).logits[0]).abs().max() <= 1e-4
+        assert (got[1, :3] - hf(ids[1:, :3]).logits[0]).abs().max() <= 1e-4
+
+
+def test_batch_index_writes_the_named_slot():
+    hf = tiny_hf("llama", seed=4)
+    model = hf_to_model(hf)
+    model.setup_caches(3, 32)
+    ids = torch.randint(0, 256, (1, 6), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ref = hf(ids).logits
+        got = model(ids[:, :5], torch.arange(5).view(1, 5), batch_index=torch.tensor([[2]]))
+        assert (got - ref[:, :5]).abs().max() <= 1e-4
+        assert model.layers[0].attention.kv_cache.k_cache[:2].abs().sum() == 0  # other slots untouched
+        got = model(ids[:, 5:], torch.tensor([[5]]), batch_index=torch.tensor([[2]]))
+        assert (got[:, 0] - ref[:, 5]).abs().max() <= 1e-4
+
+
+def test_config_from_hf_and_named_configs():
+    hf = tiny_hf("qwen2")
+    a = ModelArgs.from_hf_config(hf.config.to_dict())
+    assert (a.attn_bias, a.qk_norm, a.n_local_heads, a.head_dim) == (True, False, 2, 16)
+    a = ModelArgs.from_hf_config(tiny_hf("qwen3").config.to_dict())
+    assert (a.qk_norm, a.head_dim) == (True, 24)
+    smol = ModelArgs.from_name("SmolLM2-135M-Instruct")
+    assert (smol.n_layer, smol.dim, smol.n_head, smol.n_local_heads, smol.vocab_size) == (30, 576, 9, 3, 49152)
+    assert smol.tie_embeddings and ModelArgs.from_name("Meta-Llama-3.1-8B-Instruct").rope_scaling
+    for name in transformer_configs:  # every named config builds (on the meta device: no memory)
+        with torch.device("meta"):
+            Transformer(ModelArgs.from_name(name))
+    with pytest.raises(ValueError, match="unknown model name"):
+        ModelArgs.from_name("not-a-model")
+
+
+def test_export_with_dynamic_length():
+    from torch.export import Dim, export
+
+    model = hf_to_model(tiny_hf("llama"))
+    model.setup_caches(1, 32)
+    T = Dim("T", min=1, max=32)
+    ep = export(model, (torch.zeros(1, 4, dtype=torch.long), torch.arange(4)),
+                dynamic_shapes={"idx": {1: T}, "input_pos": {0: T}}, strict=False)
+    ids = torch.randint(0, 256, (1, 7))
+    model.setup_caches(1, 32)
+    with torch.no_grad():
+        ref = model(ids, torch.arange(7))
+    assert torch.allclose(ep.module()(ids, torch.arange(7)), ref, atol=1e-5)
