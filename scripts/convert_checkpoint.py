@@ -139,7 +139,9 @@ def load_hf(d: Path) -> Source:
         cfg = json.loads((d / "config.json").read_text())
     except Exception as e:
         raise ConvertError(f"cannot read {d / 'config.json'}: {_oneline(e)}") from None
-    arch = (cfg.get("architectures") or ["?"])[0]
+    arch = (cfg.get("architectures") or [None])[0] or {
+        "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+        "qwen3": "Qwen3ForCausalLM"}.get(cfg.get("model_type"), f"model_type={cfg.get('model_type')}")
     if arch not in HF_ARCHS:
         raise ConvertError(f"unsupported architecture {arch!r} in {d / 'config.json'} (supported: {', '.join(HF_ARCHS)})")
     if cfg.get("hidden_act", "silu") != "silu" or cfg.get("mlp_bias"):
