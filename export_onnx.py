@@ -1,0 +1,499 @@
+# Export model.py's Transformer to ONE ONNX graph shared by prefill and decode (the graph contract Qualcomm's
+# QEfficient uses for Cloud AI 100), check it on ONNX Runtime, and run it there (OnnxBackend).
+#
+#     python export_onnx.py --checkpoint_path checkpoints/SmolLM2-135M-Instruct/model.pth --output_dir out/
+#     python export_onnx.py ... --full_batch_size 4          # continuous batching: adds a batch_index input
+#     python generate.py --onnx out/model.onnx --tokenizer_path out --prompt "a|b|c"
+#
+# Graph contract (B = batch_size, S = seq_len, C = ctx_len; all three dynamic):
+#   inputs   input_ids [B, S] int64, position_ids [B, S] int64 (-1 = padding),
+#            [batch_index [B, 1] int64: the cache slot of each row, only with --full_batch_size],
+#            past_key.N / past_value.N [B or full_batch_size, n_kv_heads, C, head_dim] float32, N = 0..n_layer-1
+#   outputs  logits [B, 1, vocab] float32 (each row's last valid position, i.e. argmax(position_ids)),
+#            past_key.N_RetainedState / past_value.N_RetainedState (the inputs with this call's K/V scattered in)
+# The network is model.py's, unchanged. Two of its submodules are swapped for the export:
+#   * every Attention.kv_cache (model.KVCache, buffers mutated in place) -> RetainedStateKVCache, whose update() writes
+#     the new K/V into the past tensors handed in as graph inputs with one index_put (ONNX ScatterND) at
+#     (slot, head, position) and records the result, which becomes the *_RetainedState output;
+#   * Transformer.output (the LM head Linear) -> LastPositionHead, which keeps only each row's last valid position
+#     before calling that same Linear (what QEfficient does: no [B, S, vocab] logits for a 32-token prompt chunk).
+# model.forward derives the attention mask from position_ids and its cache length (set to past_key.0's dim 2 while
+# tracing, so ctx_len stays a dynamic axis); there is no mask input. Padding positions (-1) write into the last cache
+# slot, which only a query at position C-1 reads, after its own write (model.KVCache's convention).
+#
+# Exporter: the TorchScript exporter (torch.onnx.export(dynamo=False)) at opset 17 is the default. The dynamo exporter
+# (--dynamo) also lowers index_put to a single ScatterND and its graph matches PyTorch as closely, but it only builds
+# opset >= 18 and onnx's down-converter cannot take this graph back to 17 ("No Adapter From Version 18 for Split"),
+# while the Cloud AI 100 toolchain (QEfficient) exports opset 13/17; it is also ~10x slower to export on a small CPU.
+#
+# After export every float32 constant is clipped to the float16 range (-65504..65504; -inf kept, as in QEfficient's
+# FP16ClipTransform) so that the compiler's -convert-to-fp16 does not overflow; weights go to model.onnx.data
+# (external data, always). Metadata (vocab, ctx_len, bos/eos, n_layers, KV shape, tokenizer, ...) is stored in the
+# graph's metadata_props (one JSON value per key) and in model.meta.json beside it; the tokenizer files are copied
+# next to the graph. Files are written to a temporary directory, checked on ONNX Runtime against PyTorch (prefill of a
+# padded batch + decode steps: greedy tokens equal, logits close) and only then moved into place.
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+import uuid
+import warnings
+from dataclasses import asdict
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.nn as nn
+from torch import Tensor
+
+REPO = Path(__file__).resolve().parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from model import Transformer, load_model, precompute_rope  # noqa: E402
+
+FP16_MAX = float(np.finfo(np.float16).max)  # 65504
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
+                   "generation_config.json", "chat_template.jinja", "chat_template.json")
+META_KEY_PREFIX = ""  # metadata_props keys are the plain field names
+
+
+# ------------------------------------------------------------------------------------------ the swapped submodules
+class RetainedStateKVCache(nn.Module):
+    """Drop-in for model.KVCache during export: the cache is an explicit tensor (a graph input), not a buffer.
+    update() scatters k/v [B, H, T, D] into `past` at (slot, head, position) and returns the rows the batch attends
+    over; the updated tensors are kept in new_k/new_v for the wrapper to return as *_RetainedState outputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.past_k: Optional[Tensor] = None
+        self.past_v: Optional[Tensor] = None
+        self.new_k: Optional[Tensor] = None
+        self.new_v: Optional[Tensor] = None
+
+    def update(self, input_pos: Tensor, k: Tensor, v: Tensor, batch_index: Optional[Tensor] = None):
+        B, H, T, _ = k.shape
+        S = self.past_k.shape[2]
+        pos = input_pos.expand(B, -1) if input_pos.dim() == 1 else input_pos
+        pos = torch.where(pos >= 0, pos, S - 1)  # padding -> last slot (model.KVCache's convention)
+        slots = torch.arange(B, device=k.device) if batch_index is None else batch_index.reshape(B)
+        idx = (slots.view(B, 1, 1).expand(B, H, T),
+               torch.arange(H, device=k.device).view(1, H, 1).expand(B, H, T),
+               pos.view(B, 1, T).expand(B, H, T))
+        self.new_k = self.past_k.index_put(idx, k)  # ONNX ScatterND, indices [B, H, T, 3]
+        self.new_v = self.past_v.index_put(idx, v)
+        if batch_index is None:
+            return self.new_k, self.new_v
+        return self.new_k[slots], self.new_v[slots]
+
+
+class LastPositionHead(nn.Module):
+    """Wraps the model's LM head: keeps each row's last valid position (argmax of position_ids), then applies it."""
+
+    def __init__(self, head: nn.Module):
+        super().__init__()
+        self.head = head
+        self.index: Optional[Tensor] = None  # [B, 1], set by the wrapper before each forward
+
+    def forward(self, x: Tensor) -> Tensor:
+        rows = torch.arange(x.shape[0], device=x.device).unsqueeze(1)
+        return self.head(x[rows, self.index])  # [B, 1, dim] -> [B, 1, vocab]
+
+
+class RetainedStateWrapper(nn.Module):
+    """forward(input_ids, position_ids, [batch_index,] past_key.0, past_value.0, ...) ->
+    (logits [B, 1, V], past_key.0_RetainedState, past_value.0_RetainedState, ...)."""
+
+    def __init__(self, model: Transformer, continuous_batching: bool, rope_len: int):
+        super().__init__()
+        self.model = model
+        self.cb = continuous_batching
+        self.caches = []
+        for layer in model.layers:
+            layer.attention.kv_cache = RetainedStateKVCache()
+            self.caches.append(layer.attention.kv_cache)
+        model.output = LastPositionHead(model.output)
+        # the rotary table covers every position the graph may be run at (ctx_len <= rope_len)
+        model.register_buffer("rope", precompute_rope(model.config, rope_len, torch.float32), persistent=False)
+        model.max_batch_size = -1
+
+    def forward(self, input_ids: Tensor, position_ids: Tensor, *rest: Tensor):
+        batch_index = rest[0] if self.cb else None
+        past = rest[1:] if self.cb else rest
+        for i, cache in enumerate(self.caches):
+            cache.past_k, cache.past_v = past[2 * i], past[2 * i + 1]
+        self.model.max_seq_length = past[0].shape[2]  # the mask spans ctx_len, a dynamic axis
+        self.model.output.index = position_ids.argmax(1, keepdim=True)
+        logits = self.model(input_ids, position_ids, batch_index)
+        out = [logits]
+        for cache in self.caches:
+            out += [cache.new_k, cache.new_v]
+        return tuple(out)
+
+
+# ------------------------------------------------------------------------------------------------- names and shapes
+def kv_names(n_layer: int) -> list[str]:
+    return [f"past_{kind}.{i}" for i in range(n_layer) for kind in ("key", "value")]
+
+
+def io_spec(n_layer: int, continuous_batching: bool):
+    inputs = ["input_ids", "position_ids"] + (["batch_index"] if continuous_batching else []) + kv_names(n_layer)
+    outputs = ["logits"] + [n + "_RetainedState" for n in kv_names(n_layer)]
+    rows = "full_batch_size" if continuous_batching else "batch_size"
+    axes = {"input_ids": {0: "batch_size", 1: "seq_len"}, "position_ids": {0: "batch_size", 1: "seq_len"},
+            "logits": {0: "batch_size"}}
+    if continuous_batching:
+        axes["batch_index"] = {0: "batch_size"}
+    for n in kv_names(n_layer):
+        axes[n] = axes[n + "_RetainedState"] = {0: rows, 2: "ctx_len"}
+    return inputs, outputs, axes
+
+
+# ------------------------------------------------------------------------------------------------- fp16 clipping
+def _all_tensors(graph):
+    yield from graph.initializer
+    for node in graph.node:
+        for attr in node.attribute:
+            if attr.HasField("t"):
+                yield attr.t
+            yield from attr.tensors
+            if attr.HasField("g"):
+                yield from _all_tensors(attr.g)
+            for g in attr.graphs:
+                yield from _all_tensors(g)
+
+
+def clip_to_fp16_range(model_proto) -> int:
+    """Clip every float32 tensor in the graph (initializers, Constant / ConstantOfShape values, subgraphs) to
+    [-65504, 65504], keeping -inf (an additive mask stays a mask in float16). Returns how many values changed.
+    Tensors must be loaded (not external)."""
+    from onnx import TensorProto, numpy_helper
+    changed = 0
+    for t in _all_tensors(model_proto.graph):
+        if t.data_type != TensorProto.FLOAT:
+            continue
+        a = numpy_helper.to_array(t)
+        over = (a > FP16_MAX) | ((a < -FP16_MAX) & ~np.isneginf(a))
+        if over.any():
+            changed += int(over.sum())
+            clipped = np.where(np.isneginf(a), a, np.clip(a, -FP16_MAX, FP16_MAX)).astype(np.float32)
+            t.CopyFrom(numpy_helper.from_array(clipped, t.name))
+    return changed
+
+
+# ------------------------------------------------------------------------------------------------- metadata
+def read_metadata(onnx_path) -> dict:
+    """The export metadata of a graph written by this script (from its metadata_props)."""
+    import onnx
+    m = onnx.load(str(onnx_path), load_external_data=False)
+    meta = {}
+    for p in m.metadata_props:
+        try:
+            meta[p.key] = json.loads(p.value)
+        except json.JSONDecodeError:
+            meta[p.key] = p.value
+    return meta
+
+
+def _tokenizer_info(ck_dir: Path) -> dict:
+    try:
+        from tokenizer import load_tokenizer
+        tok = load_tokenizer(ck_dir)
+    except Exception:  # no tokenizer next to the checkpoint (tests, bare weights): metadata without it
+        return dict(bos_id=None, eos_id=None, stop_ids=[], tokenizer_dir=None)
+    return dict(bos_id=tok.bos_id, eos_id=tok.eos_id, stop_ids=sorted(tok.stop_ids), tokenizer_dir=str(ck_dir))
+
+
+# ------------------------------------------------------------------------------------------------- export
+def _example_inputs(cfg, continuous_batching: bool):
+    # distinct odd sizes so no traced size coincides with another (B=2, S=3, slots=5, ctx=7)
+    B, S, C = 2, 3, 7
+    rows = 5 if continuous_batching else B
+    ids = torch.zeros(B, S, dtype=torch.long)
+    pos = torch.arange(S).repeat(B, 1)
+    pos[1, -1] = -1
+    extra = [torch.tensor([[3], [1]])] if continuous_batching else []
+    past = [torch.zeros(rows, cfg.n_local_heads, C, cfg.head_dim) for _ in range(2 * cfg.n_layer)]
+    return (ids, pos, *extra, *past)
+
+
+def _torch_export(wrapper, example, path: Path, n_layer: int, cb: bool, opset: int, dynamo: bool):
+    inputs, outputs, axes = io_spec(n_layer, cb)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if not dynamo:
+            torch.onnx.export(wrapper, example, str(path), dynamo=False, opset_version=opset, input_names=inputs,
+                              output_names=outputs, dynamic_axes=axes, do_constant_folding=True)
+            return opset
+        from torch.export import Dim
+        dims = {"batch_size": Dim("batch_size", min=1, max=4096), "seq_len": Dim("seq_len", min=1, max=1 << 20),
+                "ctx_len": Dim("ctx_len", min=2, max=1 << 20), "full_batch_size": Dim("full_batch_size", min=1, max=4096)}
+        shapes = tuple({k: dims[v] for k, v in axes[n].items()} for n in inputs)
+        prog = torch.onnx.export(wrapper, example, None, dynamo=True, dynamic_shapes=shapes, input_names=inputs,
+                                 output_names=outputs, opset_version=max(opset, 18), verbose=False)
+        prog.save(str(path), external_data=True)
+        return max(opset, 18)
+
+
+def export(checkpoint_path, output_dir, *, ctx_len: Optional[int] = None, max_ctx_len: Optional[int] = None,
+           full_batch_size: Optional[int] = None, opset: int = 17, dynamo: bool = False, check: bool = True,
+           atol: float = 1e-4, check_steps: int = 4, log=print) -> dict:
+    """Export, clip, check on ONNX Runtime, then move model.onnx (+ .data, .meta.json, tokenizer files) into
+    output_dir. Returns the metadata, with the self-check result under "check"."""
+    t0 = time.perf_counter()
+    checkpoint_path = Path(checkpoint_path)
+    ck_file = checkpoint_path / "model.pth" if checkpoint_path.is_dir() else checkpoint_path
+    output_dir = Path(output_dir)
+    model = load_model(ck_file, dtype=torch.float32)
+    cfg = model.config
+    max_ctx = min(max_ctx_len or cfg.block_size, cfg.block_size)
+    ctx = min(ctx_len or min(1024, max_ctx), max_ctx)
+    if full_batch_size is not None and full_batch_size < 1:
+        raise ValueError(f"--full_batch_size must be >= 1, got {full_batch_size}")
+    cb = full_batch_size is not None
+    wrapper = RetainedStateWrapper(model, cb, max_ctx).eval()
+
+    output_dir.mkdir(parents=True, exist_ok=True)
+    tmp = output_dir / f".export-tmp-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    tmp.mkdir()
+    try:
+        raw = tmp / "raw"
+        raw.mkdir()
+        with torch.no_grad():
+            used_opset = _torch_export(wrapper, _example_inputs(cfg, cb), raw / "model.onnx", cfg.n_layer, cb,
+                                       opset, dynamo)
+        t_export = time.perf_counter() - t0
+        import onnx
+        proto = onnx.load(str(raw / "model.onnx"))  # with its weights, wherever the exporter put them
+        clipped = clip_to_fp16_range(proto)
+        for o in proto.graph.output:  # shape inference cannot tell that the gathered position axis is 1
+            if o.name == "logits":
+                dims = o.type.tensor_type.shape.dim
+                dims[0].dim_param, dims[1].dim_value = "batch_size", 1
+        has_tok = False
+        for name in TOKENIZER_FILES:  # the tokenizer travels with the graph: --tokenizer_path <output_dir> works
+            src = ck_file.parent / name
+            if src.is_file():
+                shutil.copy2(src, tmp / name)
+                has_tok = True
+        tok_info = _tokenizer_info(ck_file.parent)
+        if has_tok:
+            tok_info["tokenizer_dir"] = "."  # relative to the graph's directory
+        meta = dict(
+            format="export_onnx/1", export_id=uuid.uuid4().hex, exporter="dynamo" if dynamo else "torchscript",
+            opset=used_opset, checkpoint=str(ck_file.resolve()), checkpoint_size=ck_file.stat().st_size,
+            checkpoint_mtime_ns=ck_file.stat().st_mtime_ns, vocab_size=cfg.vocab_size, ctx_len=ctx,
+            max_ctx_len=max_ctx, n_layers=cfg.n_layer, n_heads=cfg.n_head, n_kv_heads=cfg.n_local_heads,
+            head_dim=cfg.head_dim, kv_shape=[full_batch_size or "batch_size", cfg.n_local_heads, "ctx_len", cfg.head_dim],
+            kv_dtype="float32", full_batch_size=full_batch_size, fp16_clipped_values=clipped,
+            model_args=asdict(cfg), **tok_info)
+        del proto.metadata_props[:]
+        for k, v in meta.items():
+            proto.metadata_props.add(key=k, value=json.dumps(v))
+        onnx.save_model(proto, str(tmp / "model.onnx"), save_as_external_data=True, all_tensors_to_one_file=True,
+                        location="model.onnx.data", size_threshold=0)
+        del proto
+        shutil.rmtree(raw)
+        onnx.checker.check_model(str(tmp / "model.onnx"))
+        os.chmod(tmp / "model.onnx.data", 0o644)
+        log(f"exported {ck_file} -> {output_dir / 'model.onnx'} ({meta['exporter']} exporter, opset {used_opset}, "
+            f"{cfg.n_layer} layers, ctx_len {ctx} (dynamic, <= {max_ctx}){', full_batch_size %d' % full_batch_size if cb else ''}; "
+            f"{clipped} float values clipped to the fp16 range) in {t_export:.1f} s")
+        if check:
+            reference = load_model(ck_file, dtype=torch.float32)
+            res = self_check(tmp / "model.onnx", reference, steps=check_steps, atol=atol,
+                             tokenizer_dir=ck_file.parent if has_tok else None)
+            meta["check"] = res
+            log(res["summary"])
+            if not res["passed"]:
+                raise RuntimeError(f"ONNX Runtime self-check failed: {res['summary']}")
+        (tmp / "model.meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+        # publish: the old graph goes first, the new one last, so model.onnx never points at foreign weights
+        (output_dir / "model.onnx").unlink(missing_ok=True)
+        for f in sorted(tmp.iterdir(), key=lambda p: p.name == "model.onnx"):
+            os.replace(f, output_dir / f.name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return meta
+
+
+# ------------------------------------------------------------------------------------------------- self-check
+def self_check(onnx_path, model: Transformer, steps: int = 4, atol: float = 1e-4, tokenizer_dir=None) -> dict:
+    """Prefill a padded batch of two prompts of different lengths and decode `steps` greedy tokens on ONNX Runtime
+    and in eager PyTorch (model.py with its own KVCache); both are fed PyTorch's tokens, so every step compares.
+    With a continuous-batching graph the rows go to swapped cache slots through batch_index."""
+    from generate import TorchBackend
+    V = model.config.vocab_size
+    prompts = None
+    if tokenizer_dir is not None:
+        try:
+            from tokenizer import load_tokenizer
+            tok = load_tokenizer(tokenizer_dir)
+            prompts = [tok.encode("The capital of France is"), tok.encode("Hello")]
+            prompts = [p for p in prompts if p] if all(max(p) < V for p in prompts if p) else None
+        except Exception:
+            prompts = None
+    if not prompts or len(prompts) < 2 or len(prompts[0]) == len(prompts[1]):
+        g = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(0, V, (7,), generator=g).tolist(), torch.randint(0, V, (4,), generator=g).tolist()]
+    ort_b = OnnxBackend(onnx_path, max_batch_size=2)
+    ctx = min(ort_b.max_seq_length, max(len(p) for p in prompts) + steps + 1)
+    pt_b = TorchBackend(model, 2, ort_b.max_seq_length)
+    B, T = 2, max(len(p) for p in prompts)
+    tokens = torch.zeros(B, T, dtype=torch.long)
+    pos = torch.full((B, T), -1, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        tokens[b, :len(p)] = torch.tensor(p)
+        pos[b, :len(p)] = torch.arange(len(p))
+    slots = torch.tensor([[1], [0]]) if ort_b.continuous_batching else None
+    last = torch.tensor([len(p) - 1 for p in prompts])
+    lp = pt_b.forward(tokens, pos)[torch.arange(B), last]
+    lo = ort_b.forward(tokens, pos, batch_index=slots)[:, 0]
+    diffs, equal, total = [(lo - lp).abs().max().item()], 0, 0
+    for step in range(steps + 1):
+        nxt_p, nxt_o = lp.argmax(-1), lo.argmax(-1)
+        equal += int((nxt_p == nxt_o).sum())
+        total += B
+        if step == steps or int(last.max()) + 1 >= ctx:
+            break
+        last = last + 1
+        lp = pt_b.forward(nxt_p.view(B, 1), last.view(B, 1))[:, -1]
+        lo = ort_b.forward(nxt_p.view(B, 1), last.view(B, 1), batch_index=slots)[:, 0]
+        diffs.append((lo - lp).abs().max().item())
+    max_diff = max(diffs)
+    passed = equal == total and max_diff <= atol
+    summary = (f"ONNX Runtime self-check vs PyTorch: batch of 2 (prompt lengths {len(prompts[0])} and "
+               f"{len(prompts[1])}, -1 padding{', batch_index slots [1, 0]' if slots is not None else ''}), "
+               f"prefill + {len(diffs) - 1} decode steps: greedy tokens equal {equal}/{total}, "
+               f"max |logits diff| {max_diff:.2e} (atol {atol:.0e}): {'PASS' if passed else 'FAIL'}")
+    return dict(passed=passed, tokens_equal=equal, tokens_total=total, max_abs_diff=max_diff, atol=atol,
+                decode_steps=len(diffs) - 1, summary=summary)
+
+
+# ------------------------------------------------------------------------------------------------- the backend
+class OnnxBackend:
+    """generate.py backend running an export_onnx.py graph on ONNX Runtime (CPU).
+
+    The KV cache lives here as numpy arrays [slots, n_kv_heads, ctx_len, head_dim] per layer; each call feeds them as
+    past_* inputs and keeps the *_RetainedState outputs for the next call. forward(tokens [B, T], input_pos [T] or
+    [B, T], batch_index=None or [B] / [B, 1]) returns logits [B, 1, V] (each row's last valid position).
+    batch_index maps rows to cache slots (continuous batching); it works with both graph kinds: a graph exported with
+    --full_batch_size takes it as an input, for the other kind the rows' slots are gathered and scattered here."""
+
+    prefill_chunk = None  # the graph takes any seq_len
+
+    def __init__(self, path, max_batch_size: int = 1, ctx_len: Optional[int] = None, threads: Optional[int] = None):
+        import onnxruntime as ort
+        path = Path(path)
+        if path.is_dir():
+            path = path / "model.onnx"
+        if not path.is_file():
+            raise FileNotFoundError(f"ONNX graph not found: {path}")
+        so = ort.SessionOptions()
+        so.log_severity_level = 3
+        if threads:
+            so.intra_op_num_threads = threads
+        self.session = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+        raw = self.session.get_modelmeta().custom_metadata_map
+        self.meta = {}
+        for k, v in raw.items():
+            try:
+                self.meta[k] = json.loads(v)
+            except json.JSONDecodeError:
+                self.meta[k] = v
+        inputs = {i.name: i for i in self.session.get_inputs()}
+        self.kv_names = [n for n in inputs if n.startswith("past_")]
+        if not self.kv_names or "input_ids" not in inputs or "position_ids" not in inputs:
+            raise ValueError(f"{path} is not a graph from export_onnx.py (needs input_ids, position_ids, past_*)")
+        self.continuous_batching = "batch_index" in inputs
+        self.output_names = ["logits"] + [n + "_RetainedState" for n in self.kv_names]
+        shape = inputs[self.kv_names[0]].shape  # [rows, n_kv_heads, ctx_len, head_dim]
+        max_ctx = self.meta.get("max_ctx_len")
+        self.max_seq_length = int(ctx_len or self.meta.get("ctx_len") or 2048)
+        if max_ctx and self.max_seq_length > max_ctx:
+            raise ValueError(f"ctx_len {self.max_seq_length} exceeds the graph's rotary table ({max_ctx} positions)")
+        self.max_batch_size = int(max_batch_size)
+        self.vocab_size = self.meta.get("vocab_size")
+        tdir = self.meta.get("tokenizer_dir")
+        self.tokenizer_dir = None if not tdir else (path.parent if tdir == "." else Path(tdir))
+        n_kv, head_dim = int(shape[1]), int(shape[3])
+        self.past = [np.zeros((self.max_batch_size, n_kv, self.max_seq_length, head_dim), np.float32)
+                     for _ in self.kv_names]
+
+    def forward(self, tokens, input_pos, batch_index=None):
+        tokens = np.ascontiguousarray(torch.as_tensor(tokens).cpu().numpy(), dtype=np.int64)
+        B, T = tokens.shape
+        pos = torch.as_tensor(input_pos).cpu().numpy().astype(np.int64)
+        pos = np.ascontiguousarray(np.broadcast_to(pos, (B, T)) if pos.ndim == 1 else pos)
+        if pos.shape != (B, T):
+            raise ValueError(f"input_pos {tuple(pos.shape)} does not match tokens {(B, T)}")
+        if pos.max() >= self.max_seq_length:
+            raise ValueError(f"position {int(pos.max())} is outside the context of {self.max_seq_length} tokens")
+        slots = None
+        if batch_index is not None:
+            slots = torch.as_tensor(batch_index).cpu().numpy().astype(np.int64).reshape(B)
+            if slots.min() < 0 or slots.max() >= self.max_batch_size:
+                raise ValueError(f"batch_index {slots.tolist()} outside the {self.max_batch_size} cache slots")
+        elif B > self.max_batch_size:
+            raise ValueError(f"{B} rows but the backend holds at most {self.max_batch_size} sequences")
+        feed = {"input_ids": tokens, "position_ids": pos}
+        if self.continuous_batching:  # the graph scatters into the slots itself: hand it every slot
+            feed["batch_index"] = (np.arange(B, dtype=np.int64) if slots is None else slots).reshape(B, 1)
+            feed.update(zip(self.kv_names, self.past))
+            out = self.session.run(self.output_names, feed)
+            self.past = out[1:]
+        elif slots is None and B == self.max_batch_size:
+            feed.update(zip(self.kv_names, self.past))
+            out = self.session.run(self.output_names, feed)
+            self.past = out[1:]
+        else:  # a subset of the rows, or rows mapped to slots: gather them, run, scatter the result back
+            rows = np.arange(B) if slots is None else slots
+            feed.update((n, p[rows]) for n, p in zip(self.kv_names, self.past))
+            out = self.session.run(self.output_names, feed)
+            for p, new in zip(self.past, out[1:]):
+                p[rows] = new
+        return torch.from_numpy(out[0])
+
+
+# ------------------------------------------------------------------------------------------------- CLI
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description="Export a model.py checkpoint to one ONNX graph (prefill + decode, "
+                                            "retained-state KV) and check it on ONNX Runtime.")
+    p.add_argument("--checkpoint_path", type=Path, default=None,
+                   help="model.pth from scripts/convert_checkpoint.py (default: the SmolLM2-135M-Instruct checkpoint)")
+    p.add_argument("--output_dir", type=Path, default=Path("out"), help="where model.onnx (+ .data) go (default: out)")
+    p.add_argument("--ctx_len", type=int, default=None,
+                   help="context length recorded as the default for runners (the axis stays dynamic); default "
+                        "min(1024, max_ctx_len)")
+    p.add_argument("--max_ctx_len", type=int, default=None,
+                   help="longest context the graph supports (rotary table size); default the model's block_size")
+    p.add_argument("--full_batch_size", type=int, default=None,
+                   help="continuous batching: add a batch_index input mapping rows to cache slots")
+    p.add_argument("--opset", type=int, default=17)
+    p.add_argument("--dynamo", action="store_true", help="use the dynamo exporter (opset >= 18) instead of TorchScript")
+    p.add_argument("--skip_check", action="store_true", help="do not run the ONNX Runtime self-check")
+    p.add_argument("--atol", type=float, default=1e-3, help="self-check: largest allowed |logits difference|")
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.checkpoint_path is None:
+        from generate import resolve_checkpoint
+        ns = argparse.Namespace(checkpoint_path=None, tokenizer_path=None, aoti_package=None, pte=None, onnx=None,
+                                qpc=None)
+        resolve_checkpoint(ns)
+        args.checkpoint_path = ns.checkpoint_path
+    export(args.checkpoint_path, args.output_dir, ctx_len=args.ctx_len, max_ctx_len=args.max_ctx_len,
+           full_batch_size=args.full_batch_size, opset=args.opset, dynamo=args.dynamo, check=not args.skip_check,
+           atol=args.atol)
+    print(f"run it: python generate.py --onnx {args.output_dir / 'model.onnx'} --tokenizer_path {args.output_dir} "
+          f"--prompt \"Hello|How are you\"")
+
+
+if __name__ == "__main__":
+    from generate import cli
+    cli(main)
