@@ -128,8 +128,8 @@ def render_chat_template(template: str, messages: list, add_generation_prompt: b
     env.globals.update(raise_exception=raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt))
     try:
         return env.from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt, **variables)
-    except jinja2.exceptions.TemplateError as e:
-        raise ValueError(f"chat template failed: {e}") from None
+    except Exception as e:  # template errors, raise_exception(), or e.g. TypeError on a None content
+        raise ValueError(f"chat template failed: {type(e).__name__}: {e}") from None
 
 
 class StreamDecoder:
@@ -176,6 +176,9 @@ class BPETokenizer(Tokenizer):
         self._rx = regex.compile(pattern)
         self._digits_rx = regex.compile(DIGIT_PATTERN)
         self._cache, self._bytes = {}, {}
+
+    def token_text(self, i):
+        return None if i is None else self.special_text.get(i, self.id_to_token.get(i))
 
     def pre_tokenize(self, text: str) -> list:
         if self.nfc:
@@ -265,7 +268,7 @@ class SentencePieceTokenizer(Tokenizer):
     def _encode_ordinary(self, text: str) -> list:
         return self.sp.encode(text)
 
-    def decode(self, ids, skip_special: bool = True) -> str:  # control tokens (<s>, </s>) decode to "" as in sentencepiece
+    def decode(self, ids, skip_special: bool = False) -> str:  # control tokens (<s>, </s>) always decode to ""
         return self.sp.decode([int(i) for i in ids if 0 <= int(i) < self.vocab_size])
 
 
@@ -338,7 +341,9 @@ def _parse_pre_tokenizer(pt) -> tuple:
     """HF pre_tokenizer -> (pattern, digits_split, add_prefix_space). Supported: [Digits(individual)] then one regex
     (ByteLevel use_regex=True = GPT-2 regex, or Split(Regex, Isolated) + ByteLevel(use_regex=False))."""
     steps = pt.get("pretokenizers", []) if pt and pt.get("type") == "Sequence" else [pt] if pt else []
-    pattern, digits, prefix, byte_level = None, False, False, False
+    if not any(s.get("type") == "ByteLevel" for s in steps):  # e.g. Llama 2's Metaspace / no pre_tokenizer
+        raise _NotByteLevel("not a byte-level BPE tokenizer.json (no ByteLevel pre_tokenizer)")
+    pattern, digits, prefix = None, False, False
     for s in steps:
         t = s.get("type")
         if t == "Digits" and s.get("individual_digits") and pattern is None:
@@ -347,15 +352,13 @@ def _parse_pre_tokenizer(pt) -> tuple:
             pat = s.get("pattern", {})
             pattern = pat["Regex"] if "Regex" in pat else regex.escape(pat.get("String", ""))
         elif t == "ByteLevel":
-            byte_level, prefix = True, bool(s.get("add_prefix_space"))
+            prefix = bool(s.get("add_prefix_space"))
             if s.get("use_regex", True):
                 if pattern is not None:
                     raise ValueError("unsupported pre_tokenizer: two regex splits")
                 pattern = GPT2_PATTERN
         else:
             raise ValueError(f"unsupported pre_tokenizer step {json.dumps(s)[:200]}")
-    if not byte_level:
-        raise _NotByteLevel("not a byte-level BPE tokenizer.json (no ByteLevel pre_tokenizer)")
     return pattern or r"(?s).+", digits, prefix
 
 

@@ -319,6 +319,13 @@ def test_sentencepiece_matches_library(sp_model, tmp_path):
     tok = T.load_tokenizer(tmp_path)
     check_sp(tok, sp)
     assert tok.sp.get_piece_size() == tok.vocab_size == 400
+    # Llama 2 style checkpoint: a SentencePiece-flavoured tokenizer.json next to tokenizer.model -> the latter is used
+    llama2_json = {"model": {"type": "BPE", "vocab": {"<unk>": 0}, "merges": [], "byte_fallback": True},
+                   "pre_tokenizer": {"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": "first"}}
+    (tmp_path / "tokenizer.json").write_text(json.dumps(llama2_json))
+    check_sp(T.load_tokenizer(tmp_path), sp)
+    bad(tmp_path / "tokenizer.json", match="byte-level")
+    (tmp_path / "tokenizer.json").unlink()
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"add_bos_token": False, "chat_template": CHATML}))
     tok = T.load_tokenizer(tmp_path / "tokenizer.model")
     check_sp(tok, sp, bos_default=False)
@@ -406,7 +413,7 @@ def test_bad_inputs(tmp_path, hf_dirs):
     (tmp_path / "g3.json").write_text(json.dumps({"model": {"type": "WordPiece", "vocab": {"a": 0}}}))
     bad(tmp_path / "g3.json")
     j = json.loads(hf_dirs["gpt2"][1].to_str())
-    j["pre_tokenizer"] = {"type": "Whitespace"}
+    j["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [{"type": "Whitespace"}, j["pre_tokenizer"]]}
     (tmp_path / "g4.json").write_text(json.dumps(j))
     bad(tmp_path / "g4.json", match="unsupported pre_tokenizer")
     (tmp_path / "g5").mkdir()
