@@ -16,6 +16,7 @@ import dataclasses
 import json
 import os
 import pickle
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -93,10 +94,11 @@ def torch_load(path: Path):
                 raise
             return torch.load(str(path), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
-        if "Weights only load failed" in str(e):
-            raise ConvertError(f"{path} holds non-tensor Python objects that cannot be loaded safely "
-                               f"(weights_only=True); re-save it with only tensors and plain containers") from None
-        raise ConvertError(f"cannot read {path}: not a valid PyTorch file ({_oneline(e)})") from None
+        found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(e))
+        if found:
+            raise ConvertError(f"{path} holds non-tensor Python objects ({found.group(1)}) that cannot be loaded "
+                               f"safely (weights_only=True); re-save it with only tensors and plain containers") from None
+        raise ConvertError(f"cannot read {path}: not a valid PyTorch file (unpickling failed)") from None
     except Exception as e:
         raise ConvertError(f"cannot read {path}: not a valid PyTorch file ({type(e).__name__}: {_oneline(e)})") from None
 
@@ -104,6 +106,12 @@ def torch_load(path: Path):
 def _oneline(e, n=200):
     s = " ".join(str(e).split())
     return s[:n] + ("..." if len(s) > n else "")
+
+
+def _require(d: dict, keys, where):
+    missing = [k for k in keys if k not in d]
+    if missing:
+        raise ConvertError(f"{where} lacks {', '.join(missing)}")
 
 
 def _copy_files(src_dir: Path, names=TOKENIZER_FILES):
@@ -175,6 +183,7 @@ def load_meta(d: Path) -> Source:
         p = json.loads((d / "params.json").read_text())
     except Exception as e:
         raise ConvertError(f"cannot read {d / 'params.json'}: {_oneline(e)}") from None
+    _require(p, ("dim", "n_layers", "n_heads"), d / "params.json")
     sds = [torch_load(f) for f in tqdm(shards, desc="loading shards", disable=len(shards) < 2)]
     for f, sd in zip(shards, sds):
         if not isinstance(sd, dict) or "tok_embeddings.weight" not in sd:
@@ -219,6 +228,7 @@ def load_llama2c(path: Path) -> Source:
         raise ConvertError(f"{path} is not a llama2.c checkpoint (expected keys 'model' and 'model_args')")
     sd = {k.removeprefix("_orig_mod."): v for k, v in ck["model"].items()}
     a = ck["model_args"]
+    _require(a, ("dim", "n_layers", "n_heads", "vocab_size"), f"{path} model_args")
     inter = a.get("hidden_dim") or meta_hidden_dim(a["dim"], a.get("multiple_of", 32))
     if "layers.0.feed_forward.w1.weight" in sd and sd["layers.0.feed_forward.w1.weight"].shape[0] != inter:
         raise ConvertError(f"model_args give hidden_dim {inter} but w1 has "
@@ -279,7 +289,7 @@ def load_gguf(path: Path) -> Source:
         try:
             import tokenizer
             tokenizer.save_tokenizer_from_gguf(str(path), str(out_dir))
-        except (ImportError, AttributeError) as e:
+        except (ImportError, AttributeError, ValueError, NotImplementedError) as e:
             print(f"warning: tokenizer not written ({_oneline(e)})", file=sys.stderr)
 
     return Source(args, GGUF_NAMES, {k: (lambda t=t: load(t)) for k, t in infos.items()}, torch.float32,
@@ -380,11 +390,13 @@ def build_state_dict(s: Source, dtype: torch.dtype):
 def convert(src, output_dir, dtype=None) -> Path:
     """Convert SRC into output_dir (model.pth, config.json, tokenizer); returns the model.pth path.
     dtype: None (keep the source's float dtype; GGUF gives float32), a torch.dtype or one of DTYPES' names."""
-    s = open_source(Path(src))
+    src, out = Path(src), Path(output_dir)
+    if src.is_dir() and out.resolve() == src.resolve():
+        raise ConvertError(f"output directory {out} must differ from the source's directory")
+    s = open_source(src)
     if isinstance(dtype, str):
         dtype = DTYPES[dtype]
     sd, args = build_state_dict(s, dtype or s.dtype)
-    out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     config = dataclasses.asdict(args)
     sd["_config"] = json.dumps(config)

@@ -184,7 +184,7 @@ def test_llama2c(tmp_path):
     check(hf_logits(m), path)
     ck["config"] = {"opts": __import__("argparse").Namespace(lr=1)}  # a non-tensor object: refuse, don't unpickle
     torch.save(ck, tmp_path / "bad.pt")
-    with pytest.raises(C.ConvertError, match="non-tensor"):
+    with pytest.raises(C.ConvertError, match="non-tensor Python objects .argparse.Namespace"):
         C.convert(tmp_path / "bad.pt", tmp_path / "bad")
 
 
@@ -297,49 +297,59 @@ def test_gguf(case, tmp_path):
 
 
 # ---------------------------------------------------------------- command line and bad inputs
-def test_cli_and_bad_inputs(tmp_path):
-    hf_model().save_pretrained(tmp_path / "hf")
-    bad = {}
-    bad["missing"] = tmp_path / "does-not-exist"
+def _bad_inputs(tmp_path):
+    bad = {"missing": tmp_path / "does-not-exist"}
     for name in ("bad_hf", "wrong_shape", "bad_meta", "unknown"):
         (tmp_path / name).mkdir()
-    (tmp_path / "bad_hf" / "config.json").write_text((tmp_path / "hf" / "config.json").read_text())
+    hf_model().save_pretrained(tmp_path / "hf")
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "bad_hf" / "config.json").write_text(json.dumps(cfg))
     (tmp_path / "bad_hf" / "model.safetensors").write_bytes(os.urandom(4096))
     bad["bad_hf"] = tmp_path / "bad_hf"
-    (tmp_path / "random.gguf").write_bytes(os.urandom(4096))
-    bad["random.gguf"] = tmp_path / "random.gguf"
-    (tmp_path / "random.pth").write_bytes(os.urandom(4096))
-    bad["random.pth"] = tmp_path / "random.pth"
-    (tmp_path / "bad_meta" / "params.json").write_text("{}")
-    (tmp_path / "bad_meta" / "consolidated.00.pth").write_bytes(os.urandom(4096))
-    bad["bad_meta"] = tmp_path / "bad_meta"
+    for name in ("random.gguf", "random.pth"):
+        (tmp_path / name).write_bytes(os.urandom(4096))
+        bad[name] = tmp_path / name
     (tmp_path / "unknown" / "notes.txt").write_text("hello")
     bad["unknown"] = tmp_path / "unknown"
-    truncated = tmp_path / "truncated.gguf"
+    (tmp_path / "bad_meta" / "params.json").write_text('{"dim": 64, "n_layers": 2, "n_heads": 4}')
+    (tmp_path / "bad_meta" / "consolidated.00.pth").write_bytes(os.urandom(4096))
+    bad["bad_meta"] = tmp_path / "bad_meta"
     write_gguf(tmp_path / "ok.gguf", hf_model(), Q.F32)
-    truncated.write_bytes((tmp_path / "ok.gguf").read_bytes()[:3000])
-    bad["truncated.gguf"] = truncated
-    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "truncated.gguf").write_bytes((tmp_path / "ok.gguf").read_bytes()[:3000])
+    bad["truncated.gguf"] = tmp_path / "truncated.gguf"
     (tmp_path / "wrong_shape" / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 96}))
     os.symlink(tmp_path / "hf" / "model.safetensors", tmp_path / "wrong_shape" / "model.safetensors")
     bad["wrong_shape"] = tmp_path / "wrong_shape"
+    return bad
 
+
+def test_cli_and_bad_inputs(tmp_path, capsys):
+    bad = _bad_inputs(tmp_path)
+    # the real command line, in parallel (each process pays for importing torch)
     script = str(REPO / "scripts" / "convert_checkpoint.py")
-    run = lambda src, out: subprocess.Popen(  # noqa: E731
-        [sys.executable, script, str(src), "--output_dir", str(out)], stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True)
-    procs = {k: run(v, tmp_path / f"out_{k}") for k, v in bad.items()}
-    good = run(tmp_path / "hf", tmp_path / "out_good")
+    procs = {k: subprocess.Popen([sys.executable, script, str(bad[k]), "--output_dir", str(tmp_path / f"out_{k}")],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for k in ("missing", "bad_hf", "random.gguf", "random.pth", "unknown")}
     errors = {}
     for k, p in procs.items():
-        out, err = p.communicate(timeout=120)
+        _, err = p.communicate(timeout=300)
         errors[k] = [ln for ln in err.splitlines() if ln.startswith("error:")]
         assert p.returncode == 1 and len(errors[k]) == 1 and "Traceback" not in err, (k, err)
+    # the rest through main() in this process: same code path, no extra interpreter start
+    for k in sorted(set(bad) - set(procs)):
+        with pytest.raises(SystemExit) as e:
+            C.main([str(bad[k]), "--output_dir", str(tmp_path / f"out_{k}")])
+        err = capsys.readouterr().err
+        errors[k] = [ln for ln in err.splitlines() if ln.startswith("error:")]
+        assert e.value.code == 1 and len(errors[k]) == 1, (k, err)
+    for k in bad:
         assert not (tmp_path / f"out_{k}" / "model.pth").exists()
     assert "no such file" in errors["missing"][0] and "unknown checkpoint format" in errors["unknown"][0]
+    assert "not a valid safetensors" in errors["bad_hf"][0] and "not a GGUF file" in errors["random.gguf"][0]
     assert "shape mismatch" in errors["wrong_shape"][0], errors["wrong_shape"]
-    out, err = good.communicate(timeout=120)
-    assert good.returncode == 0, err
+    assert all("not a valid PyTorch file" in errors[k][0] for k in ("random.pth", "bad_meta"))
+    C.main([str(tmp_path / "hf"), "--output_dir", str(tmp_path / "out_good")])
+    assert "wrote" in capsys.readouterr().out
     assert (tmp_path / "out_good" / "model.pth").is_file() and (tmp_path / "out_good" / "config.json").is_file()
     assert not list((tmp_path / "out_good").glob("*.tmp"))
 
