@@ -220,18 +220,50 @@ def _example_inputs(cfg, continuous_batching: bool):
     return (ids, pos, *extra, *past)
 
 
+def _sdpa_symbolic(g, query, key, value, attn_mask=None, dropout_p=None, is_causal=None, scale=None,
+                   enable_gqa=None):
+    """TorchScript-exporter lowering of F.scaled_dot_product_attention that also takes enable_gqa (torch's own raises
+    for it): each KV head is repeated for its group of query heads (Unsqueeze + Expand + Reshape, what QEfficient's
+    repeat_kv exports to), then softmax(q k^T * scale + mask) v with plain MatMul / Softmax."""
+    from torch.onnx import symbolic_helper as sh
+    if not sh._is_none(is_causal) and sh._maybe_get_const(is_causal, "b"):
+        raise NotImplementedError("is_causal attention is not exported (model.py passes a mask)")
+    q_sizes, k_sizes = sh._get_tensor_sizes(query), sh._get_tensor_sizes(key)
+    hq, hkv, d = q_sizes[1], k_sizes[1], q_sizes[-1] or k_sizes[-1] or sh._get_tensor_sizes(value)[-1]
+    if None in (hq, hkv, d):
+        raise NotImplementedError(f"exporting attention needs static head counts and head_dim (got q {q_sizes}, "
+                                  f"k {k_sizes})")
+    if hq != hkv:  # grouped-query attention
+        group = hq // hkv
+        key, value = (g.op("Reshape", g.op("Expand", g.op("Unsqueeze", t, g.op("Constant", value_t=torch.tensor([2]))),
+                                           g.op("Constant", value_t=torch.tensor([1, 1, group, 1, 1]))),
+                           g.op("Constant", value_t=torch.tensor([0, hq, -1, d])))
+                      for t in (key, value))
+    s = 1.0 / float(d) ** 0.5 if sh._is_none(scale) else float(sh._maybe_get_const(scale, "f"))
+    scores = g.op("Mul", g.op("MatMul", query, g.op("Transpose", key, perm_i=[0, 1, 3, 2])),
+                  g.op("Constant", value_t=torch.tensor(s, dtype=torch.float32)))
+    if not sh._is_none(attn_mask):
+        scores = g.op("Add", scores, attn_mask)
+    return g.op("MatMul", g.op("Softmax", scores, axis_i=-1), value)
+
+
 def _torch_export(wrapper, example, path: Path, n_layer: int, cb: bool, opset: int, dynamo: bool):
     inputs, outputs, axes = io_spec(n_layer, cb)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         if not dynamo:
-            torch.onnx.export(wrapper, example, str(path), dynamo=False, opset_version=opset, input_names=inputs,
-                              output_names=outputs, dynamic_axes=axes, do_constant_folding=True)
+            torch.onnx.register_custom_op_symbolic("aten::scaled_dot_product_attention", _sdpa_symbolic, opset)
+            try:
+                torch.onnx.export(wrapper, example, str(path), dynamo=False, opset_version=opset, input_names=inputs,
+                                  output_names=outputs, dynamic_axes=axes, do_constant_folding=True)
+            finally:
+                torch.onnx.unregister_custom_op_symbolic("aten::scaled_dot_product_attention", opset)
             return opset
         from torch.export import Dim
         dims = {"batch_size": Dim("batch_size", min=1, max=4096), "seq_len": Dim("seq_len", min=1, max=1 << 20),
                 "ctx_len": Dim("ctx_len", min=2, max=1 << 20), "full_batch_size": Dim("full_batch_size", min=1, max=4096)}
-        shapes = tuple({k: dims[v] for k, v in axes[n].items()} for n in inputs)
+        spec = [{k: dims[v] for k, v in axes[n].items()} for n in inputs]
+        shapes = (spec[0], spec[1], tuple(spec[2:]))  # forward(input_ids, position_ids, *rest)
         prog = torch.onnx.export(wrapper, example, None, dynamo=True, dynamic_shapes=shapes, input_names=inputs,
                                  output_names=outputs, opset_version=max(opset, 18), verbose=False)
         prog.save(str(path), external_data=True)
@@ -294,7 +326,7 @@ def export(checkpoint_path, output_dir, *, ctx_len: Optional[int] = None, max_ct
         for k, v in meta.items():
             proto.metadata_props.add(key=k, value=json.dumps(v))
         onnx.save_model(proto, str(tmp / "model.onnx"), save_as_external_data=True, all_tensors_to_one_file=True,
-                        location="model.onnx.data", size_threshold=0)
+                        location="model.onnx.data", size_threshold=1024)
         del proto
         shutil.rmtree(raw)
         onnx.checker.check_model(str(tmp / "model.onnx"))
