@@ -1,0 +1,387 @@
+#!/usr/bin/env python
+"""Write a tokenizer as tokenizer.bin for the C++ runners (runner-aoti/, runner-et/).
+
+    python scripts/export_tokenizer_bin.py checkpoints/SmolLM2-135M-Instruct/ -o tokenizer.bin
+    python scripts/export_tokenizer_bin.py path/to/tokenizer.model -o tokenizer.bin --llama2c   # llama2.c's exact file
+
+The file starts with llama2.c's format (uint32 max_token_length, then per token: float32 score, uint32 length, bytes),
+so llama2.c's run.c reads it unchanged. For a SentencePiece model those bytes are exactly what llama2.c's
+tokenizer.py export writes. An extension follows (tagged sections, located through a 16-byte footer) with what an
+exact encoder needs and llama2.c's format lacks: token types, special tokens, BOS/EOS/stop ids, the byte-level BPE
+merge ranks, the pre-tokenizer kind and the Unicode class tables (\\p{L}, \\p{N}, \\s) it uses, and the chat template
+kind. runner-common/README.md documents the layout.
+"""
+import argparse
+import math
+import os
+import struct
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+EXT_MAGIC = b"LLTOKEXT"
+FOOTER_MAGIC = b"LLTOKEND"
+VERSION = 1
+
+KIND_SENTENCEPIECE, KIND_BPE = 1, 2
+# pre-tokenizer regexes the C++ encoder implements by hand (tokenizer.py's patterns)
+PRE_NONE, PRE_GPT2, PRE_LLAMA3, PRE_QWEN2 = 0, 1, 2, 3
+CHAT_NONE, CHAT_CHATML, CHAT_LLAMA2, CHAT_LLAMA3, CHAT_ZEPHYR = 0, 1, 2, 3, 4
+CHAT_NAMES = {CHAT_NONE: "none", CHAT_CHATML: "chatml", CHAT_LLAMA2: "llama2", CHAT_LLAMA3: "llama3",
+              CHAT_ZEPHYR: "zephyr"}
+# INFO flags
+F_DIGITS_SPLIT, F_NFC, F_IGNORE_MERGES, F_ADD_PREFIX_SPACE = 1, 2, 4, 8
+F_SP_ADD_DUMMY_PREFIX, F_SP_REMOVE_EXTRA_WS, F_SP_BYTE_FALLBACK, F_SP_NOT_BPE, F_SP_NOT_IDENTITY = 16, 32, 64, 128, 256
+# TYPE values (one byte per token)
+T_NORMAL, T_SPECIAL, T_BYTE, T_UNKNOWN, T_UNUSED, T_USER, T_HOLE = 0, 1, 2, 3, 4, 5, 6
+T_BYTELEVEL = 0x80  # BPE: the vocab string is made of byte-level characters (an ignore_merges lookup may hit it)
+
+
+class ExportError(Exception):
+    pass
+
+
+# ----------------------------------------------------------------------------------------------------------- llama2.c
+def llama2c_entries(sp):
+    """(bytes, score) per token, exactly as llama2.c's tokenizer.py export computes them."""
+    out = []
+    for i in range(sp.vocab_size()):
+        t = sp.id_to_piece(i)
+        s = sp.get_score(i)
+        if i == sp.bos_id():
+            t = "\n<s>\n"
+        elif i == sp.eos_id():
+            t = "\n</s>\n"
+        elif len(t) == 6 and t.startswith("<0x") and t.endswith(">"):
+            t = chr(int(t[3:5], 16))  # llama2.c: '<0x01>' -> '\x01' (then utf-8 encoded, so 0x80.. take two bytes)
+        t = t.replace("\u2581", " ")
+        out.append((t.encode("utf-8"), s))
+    return out
+
+
+def pack_entries(entries) -> bytes:
+    """llama2.c's layout: uint32 max_token_length, then per token float32 score, uint32 length, bytes."""
+    max_len = max((len(b) for b, _ in entries), default=0)
+    parts = [struct.pack("<I", max_len)]
+    for b, s in entries:
+        parts.append(struct.pack("<fI", s, len(b)))
+        parts.append(b)
+    return b"".join(parts)
+
+
+# ----------------------------------------------------------------------------------------------------------- helpers
+def _i32s(values) -> bytes:
+    values = list(values)
+    return struct.pack(f"<i{len(values)}i", len(values), *values)
+
+
+def _blob(b: bytes) -> bytes:
+    return struct.pack("<I", len(b)) + b
+
+
+def _ranges(cps) -> list:
+    """Sorted code points -> inclusive (lo, hi) ranges."""
+    out = []
+    for c in cps:
+        if out and out[-1][1] == c - 1:
+            out[-1][1] = c
+        else:
+            out.append([c, c])
+    return out
+
+
+def _range_section(ranges) -> bytes:
+    flat = [v for r in ranges for v in r]
+    return struct.pack(f"<I{len(flat)}I", len(ranges), *flat)
+
+
+_ALL_CHARS = None
+
+
+def _all_chars() -> str:
+    global _ALL_CHARS
+    if _ALL_CHARS is None:
+        _ALL_CHARS = "".join(chr(c) for c in range(0x110000) if not 0xD800 <= c <= 0xDFFF)
+    return _ALL_CHARS
+
+
+def regex_class_ranges(cls: str) -> list:
+    """Code-point ranges matched by a regex class, computed with the same `regex` module tokenizer.py uses."""
+    import regex
+    return _ranges([ord(c) for m in regex.finditer(f"(?:{cls})+", _all_chars()) for c in m.group()])
+
+
+def python_space_ranges() -> list:
+    """Code points for which str.isspace() is true (str.strip() in the chat templates)."""
+    return _ranges([c for c in range(0x110000) if chr(c).isspace()])
+
+
+def casefold_table() -> list:
+    """For the (?i:'s|'t|'re|'ve|'m|'ll|'d) alternatives: the code points `regex` matches case-insensitively for
+    each of the letters s t r e v m l d (e.g. 'S', and U+017F for 's')."""
+    import regex
+    out = []
+    for letter in "strevmld":
+        rx = regex.compile(f"(?i:{letter})")
+        out.append([c for c in range(0x110000) if not 0xD800 <= c <= 0xDFFF and rx.fullmatch(chr(c))])
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------- chat
+def render_chat(kind: int, messages, add_generation_prompt=True, default_system=None, bos="", eos=""):
+    """The renderings the C++ runner implements (runner-common/tokenizer.h). Used to check a template's kind."""
+    out = ""
+    if kind == CHAT_CHATML:
+        if default_system is not None and (not messages or messages[0]["role"] != "system"):
+            out += "<|im_start|>system\n" + default_system + "<|im_end|>\n"
+        for m in messages:
+            out += "<|im_start|>" + m["role"] + "\n" + m["content"] + "<|im_end|>\n"
+        if add_generation_prompt:
+            out += "<|im_start|>assistant\n"
+    elif kind == CHAT_LLAMA2:
+        system, msgs = None, messages
+        if msgs and msgs[0]["role"] == "system":
+            system, msgs = msgs[0]["content"], msgs[1:]
+        for i, m in enumerate(msgs):
+            content = m["content"]
+            if i == 0 and system is not None:
+                content = "<<SYS>>\n" + system + "\n<</SYS>>\n\n" + content
+            if m["role"] == "user":
+                out += bos + "[INST] " + content.strip() + " [/INST]"
+            elif m["role"] == "assistant":
+                out += " " + content.strip() + " " + eos
+    elif kind == CHAT_LLAMA3:
+        for i, m in enumerate(messages):
+            out += (bos if i == 0 else "") + "<|start_header_id|>" + m["role"] + "<|end_header_id|>\n\n" + \
+                m["content"].strip() + "<|eot_id|>"
+        if add_generation_prompt:
+            out += "<|start_header_id|>assistant<|end_header_id|>\n\n"
+    elif kind == CHAT_ZEPHYR:
+        for m in messages:
+            out += "<|" + m["role"] + "|>\n" + m["content"] + eos + "\n"
+        if add_generation_prompt:
+            out += "<|assistant|>\n"
+    else:
+        raise ValueError(kind)
+    return out
+
+
+_PROBES = [
+    [{"role": "user", "content": "Hi there"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}],
+    [{"role": "system", "content": "S"}, {"role": "user", "content": " a "}, {"role": "assistant", "content": "b\n"},
+     {"role": "user", "content": "c"}],
+    [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}, {"role": "user", "content": "z"}],
+]
+
+
+def detect_chat(tok):
+    """(kind, default system prompt or None): the runner's rendering that reproduces tok's chat template on probe
+    conversations, or (CHAT_NONE, None)."""
+    if not getattr(tok, "chat_template", None):
+        return CHAT_NONE, None
+    try:
+        want = [tok.apply_chat_template(p, add_generation_prompt=True) for p in _PROBES]
+    except Exception:
+        return CHAT_NONE, None
+    bos = tok.token_text(tok.bos_id) or ""
+    eos = tok.token_text(tok.eos_id) or ""
+    default_system = None
+    head = "<|im_start|>system\n"
+    if want[0].startswith(head) and "<|im_end|>\n" in want[0]:
+        default_system = want[0][len(head):want[0].index("<|im_end|>\n")]
+    for kind in (CHAT_CHATML, CHAT_LLAMA2, CHAT_LLAMA3, CHAT_ZEPHYR):
+        ds = default_system if kind == CHAT_CHATML else None
+        if all(render_chat(kind, p, True, ds, bos, eos) == w for p, w in zip(_PROBES, want)):
+            return kind, ds
+    return CHAT_NONE, None
+
+
+# ----------------------------------------------------------------------------------------------------------- export
+def _sections_common(tok, n_vocab, kind, flags, unk_id, pre, types, byte_ids, chat) -> list:
+    bos = tok.bos_id if tok.bos_id is not None else -1
+    info = struct.pack("<10i", n_vocab, kind, bos, tok.eos_id, int(bool(tok.add_bos)), chat[0], flags,
+                       -1 if unk_id is None else unk_id, pre, 0)
+    specials = sorted(tok.special_tokens.items(), key=lambda kv: kv[1])
+    spec = struct.pack("<i", len(specials)) + b"".join(struct.pack("<i", i) + _blob(t.encode("utf-8"))
+                                                        for t, i in specials)
+    sections = [(b"INFO", info), (b"STOP", _i32s(sorted(tok.stop_ids))), (b"TYPE", bytes(types)),
+                (b"BYTE", struct.pack("<256i", *byte_ids)), (b"SPEC", spec),
+                (b"CHAT", struct.pack("<i", chat[0]) + _blob((chat[1] or "").encode("utf-8")) +
+                 struct.pack("<i", int(chat[1] is not None))),
+                (b"PYSP", _range_section(python_space_ranges()))]
+    return sections
+
+
+def sentencepiece_sections(tok, entries, log) -> list:
+    from sentencepiece import sentencepiece_model_pb2 as pb
+    sp = tok.sp
+    proto = pb.ModelProto()
+    proto.ParseFromString(sp.serialized_model_proto())
+    n = sp.vocab_size()
+    ptype = {1: T_NORMAL, 2: T_UNKNOWN, 3: T_SPECIAL, 4: T_USER, 5: T_UNUSED, 6: T_BYTE}
+    types = [ptype.get(p.type, T_NORMAL) for p in proto.pieces]
+    byte_ids = [-1] * 256
+    for i, p in enumerate(proto.pieces):
+        if p.type == 6:
+            byte_ids[int(p.piece[3:5], 16)] = i
+    ns, ts = proto.normalizer_spec, proto.trainer_spec
+    flags = 0
+    if ns.add_dummy_prefix:
+        flags |= F_SP_ADD_DUMMY_PREFIX
+    if ns.remove_extra_whitespaces:
+        flags |= F_SP_REMOVE_EXTRA_WS
+    if ts.byte_fallback or any(b >= 0 for b in byte_ids):
+        flags |= F_SP_BYTE_FALLBACK
+    if ts.model_type != pb.TrainerSpec.BPE:
+        flags |= F_SP_NOT_BPE
+        log("warning: not a BPE SentencePiece model: the C++ encoder (merge by score) approximates its segmentation")
+    if ns.name not in ("identity", "") or ns.precompiled_charsmap:
+        flags |= F_SP_NOT_IDENTITY
+        log(f"warning: SentencePiece normalizer {ns.name!r}: the C++ encoder does not normalize its input")
+    unk = sp.unk_id() if sp.unk_id() >= 0 else None
+    chat = detect_chat(tok)
+    sections = _sections_common(tok, n, KIND_SENTENCEPIECE, flags, unk, PRE_NONE, types, byte_ids, chat)
+    # the pieces as the encoder matches them ('▁' -> ' '), for every token whose llama2.c bytes differ from that
+    # (BOS/EOS, byte tokens); plus the unknown surface for decode
+    fixes = []
+    for i, p in enumerate(proto.pieces):
+        want = p.piece.replace("\u2581", " ").encode("utf-8")
+        if entries[i][0] != want:
+            fixes.append(struct.pack("<i", i) + _blob(want))
+    sections.append((b"PIEC", struct.pack("<i", len(fixes)) + b"".join(fixes)))
+    unk_surface = ts.unk_surface if ts.HasField("unk_surface") else " \u2047 "
+    sections.append((b"UNKS", _blob(unk_surface.encode("utf-8"))))
+    return sections
+
+
+def _pattern_kind(pattern: str) -> int:
+    import tokenizer as T
+    return {T.GPT2_PATTERN: PRE_GPT2, T.LLAMA3_PATTERN: PRE_LLAMA3, T.QWEN2_PATTERN: PRE_QWEN2}.get(pattern, -1)
+
+
+def bpe_export(tok, log):
+    """(llama2.c entries, extension sections) for a byte-level BPE tokenizer."""
+    pre = _pattern_kind(tok.pattern)
+    if pre < 0:
+        raise ExportError(f"pre-tokenizer regex {tok.pattern!r} is not one the C++ encoder implements "
+                          f"(GPT-2, Llama 3, Qwen2)")
+    n = tok.vocab_size
+    byte_decoder = tok.byte_decoder
+    types = [T_HOLE] * n
+    for t, i in tok.vocab.items():
+        types[i] = T_NORMAL | (T_BYTELEVEL if all(c in byte_decoder for c in t) else 0)
+    for t, i in tok.special_tokens.items():
+        types[i] = T_SPECIAL | (types[i] & T_BYTELEVEL if tok.id_to_token.get(i) is not None else 0)
+    entries_bytes = [tok._token_bytes(i) if types[i] != T_HOLE else b"" for i in range(n)]
+    # ignore_merges looks the whole word up among the vocab strings: make sure a byte-level token's bytes are those
+    # of its vocab string (a special token whose text differs from its vocab string loses the flag)
+    for i in range(n):
+        if types[i] & T_BYTELEVEL:
+            vb = bytes(byte_decoder[c] for c in tok.id_to_token[i])
+            if vb != entries_bytes[i]:
+                types[i] &= ~T_BYTELEVEL
+    byte_ids = [tok.vocab.get(tok.byte_encoder[b], -1) for b in range(256)]
+    merges, score = [], {}
+    skipped = 0
+    for rank, (a, b) in enumerate(tok.merges):
+        ia, ib, ir = tok.vocab.get(a), tok.vocab.get(b), tok.vocab.get(a + b)
+        if ia is None or ib is None or ir is None:
+            skipped += 1
+            merges.append((-1, -1, -1))  # keeps the ranks aligned; never matches
+            continue
+        merges.append((ia, ib, ir))
+        score.setdefault(ir, -float(rank))
+    if skipped:
+        log(f"warning: {skipped} merges name tokens missing from the vocab; they are never applied")
+    entries = [(entries_bytes[i], score.get(i, 0.0)) for i in range(n)]
+    flags = 0
+    if tok.digits_split:
+        flags |= F_DIGITS_SPLIT
+    if tok.nfc:
+        flags |= F_NFC
+        log("warning: this tokenizer NFC-normalizes its input; the C++ encoder does not (same ids for NFC text)")
+    if tok.ignore_merges:
+        flags |= F_IGNORE_MERGES
+    if tok.add_prefix_space:
+        flags |= F_ADD_PREFIX_SPACE
+    chat = detect_chat(tok)
+    sections = _sections_common(tok, n, KIND_BPE, flags, tok.unk_id, pre, types, byte_ids, chat)
+    flat = [v for m in merges for v in m]
+    sections.append((b"MERG", struct.pack(f"<i{len(flat)}i", len(merges), *flat)))
+    sections.append((b"UNIL", _range_section(regex_class_ranges(r"\p{L}"))))
+    sections.append((b"UNIN", _range_section(regex_class_ranges(r"\p{N}"))))
+    sections.append((b"UNIS", _range_section(regex_class_ranges(r"\s"))))
+    if pre in (PRE_LLAMA3, PRE_QWEN2):
+        fold = casefold_table()
+        sections.append((b"CASE", b"".join(_i32s(f) for f in fold)))
+    sections.append((b"PATT", _blob(tok.pattern.encode("utf-8"))))
+    return entries, sections
+
+
+def build(tok, llama2c_only: bool = False, log=lambda *a: None) -> bytes:
+    """The bytes of tokenizer.bin for a tokenizer.py Tokenizer."""
+    if tok.kind == "sentencepiece":
+        entries = llama2c_entries(tok.sp)
+        part_a = pack_entries(entries)
+        if llama2c_only:
+            return part_a
+        sections = sentencepiece_sections(tok, entries, log)
+    elif tok.kind == "bpe":
+        if llama2c_only:
+            raise ExportError("--llama2c applies to SentencePiece tokenizers only (llama2.c cannot encode byte-level BPE)")
+        entries, sections = bpe_export(tok, log)
+        part_a = pack_entries(entries)
+    else:
+        raise ExportError(f"unsupported tokenizer kind {tok.kind!r}")
+    for b, s in entries:
+        if not math.isfinite(s):
+            raise ExportError("a token score is not finite")
+    ext = [EXT_MAGIC, struct.pack("<II", VERSION, len(sections))]
+    for tag, payload in sections:
+        assert len(tag) == 4
+        ext.append(tag + struct.pack("<I", len(payload)) + payload)
+    offset = len(part_a)
+    return part_a + b"".join(ext) + struct.pack("<Q", offset) + FOOTER_MAGIC
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="Write tokenizer.bin (llama2.c format + extension) for the C++ runners.")
+    p.add_argument("tokenizer", type=Path, help="checkpoint directory, tokenizer.json, tokenizer.model or *.gguf")
+    p.add_argument("-o", "--output", type=Path, default=Path("tokenizer.bin"))
+    p.add_argument("--llama2c", action="store_true",
+                   help="SentencePiece only: write exactly llama2.c's tokenizer.bin (no extension)")
+    args = p.parse_args(argv)
+    from tokenizer import load_tokenizer
+    tok = load_tokenizer(args.tokenizer)
+    log = lambda *a: print(*a, file=sys.stderr)  # noqa: E731
+    try:
+        data = build(tok, args.llama2c, log)
+    except ExportError as e:
+        raise ValueError(str(e)) from None
+    if not args.output.parent.is_dir():
+        raise FileNotFoundError(f"output directory does not exist: {args.output.parent}")
+    write_atomic(args.output, data)
+    chat = CHAT_NAMES[detect_chat(tok)[0]] if not args.llama2c else "llama2 (llama2.c default)"
+    log(f"wrote {args.output}: {tok.kind}, {tok.vocab_size} tokens, chat template {chat}, {len(data)} bytes")
+
+
+if __name__ == "__main__":
+    from generate import cli
+    cli(main)

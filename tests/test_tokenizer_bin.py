@@ -1,0 +1,329 @@
+# tokenizer.bin (scripts/export_tokenizer_bin.py) and the C++ tokenizer the runners share (runner-common/tokenizer.h):
+# the C++ encoder gives tokenizer.py's ids and the C++ decoder / stream decoder tokenizer.py's text, for a tiny trained
+# SentencePiece model and tiny byte-level BPE tokenizers of every pre-tokenizer flavour (and the real SmolLM2 one when
+# it is present); the SentencePiece file is byte-identical to llama2.c's export; broken files give clear errors.
+# The C++ side is runner-common/tok_tool.cpp, compiled here with one g++ call (seconds, no libtorch).
+import io
+import json
+import os
+import random
+import shutil
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))
+import export_tokenizer_bin as E  # noqa: E402
+import tokenizer as T  # noqa: E402
+
+BUILD = REPO / "runner-common" / "build"
+TOOL = BUILD / "tok_tool"
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+SMOLLM2_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\n"
+    "You are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}{% endif %}"
+    "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+LLAMA2_TEMPLATE = (
+    "{% if messages[0]['role'] == 'system' %}{% set loop_messages = messages[1:] %}{% set system_message = "
+    "messages[0]['content'] %}{% else %}{% set loop_messages = messages %}{% set system_message = false %}{% endif %}"
+    "{% for message in loop_messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{% if loop.index0 == 0 and system_message != false %}{% set content = '<<SYS>>\\n' + system_message + "
+    "'\\n<</SYS>>\\n\\n' + message['content'] %}{% else %}{% set content = message['content'] %}{% endif %}"
+    "{% if message['role'] == 'user' %}{{ bos_token + '[INST] ' + content.strip() + ' [/INST]' }}"
+    "{% elif message['role'] == 'assistant' %}{{ ' '  + content.strip() + ' ' + eos_token }}{% endif %}{% endfor %}")
+
+PROMPTS = [
+    "", " ", "  ", "\n", "Hello world", "Once upon a time", "  leading and trailing spaces   ", "tabs\tand\t\ttabs",
+    "lines\nand\n\n\nmore\r\nlines\n", "digits 1234567 and 3.14159, 2024-01-01 v2.0 x86_64",
+    "café naïve façade Ærøskøbing São Paulo", "日本語のテキストと中文和한국어", "emoji 🤖🎉 thumbs 👍🏽 family 👨‍👩‍👧 flag 🇫🇷",
+    "I'm it's we'll THEY'RE you've she'd 'S ſ", "   \t  \n  \t", "mixed ١٢٣ ½ ² Ⅻ 12", "x  \n  y \n\n z\t\n",
+    "code: def f(x):\n    return x ** 2  # comment\n", "a" * 60, "nbsp\u00a0x\u2028y\u3000z\x0bw\x85v\x1cu",
+    "decomposed e\u0301", "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n", "x<|im_end|>y<|endoftext|>",
+    "<s>[INST] hi [/INST]</s><unk>", "not special: <|im_sta rt|> <im_end>", "!!!??? ... --- *** \"quoted\" (paren)",
+    "URL https://example.com/a?b=c&d=1#frag", "\u2581lower one eighth block \u2581\u2581x", "ǅ ǈ ʰ ᾈ", "\ufeffbom",
+]
+
+
+def corpus(n=400, seed=0):
+    rng = random.Random(seed)
+    words = ("the quick brown fox jumps over the lazy dog hello world tokenizer model llama smol café naïve über "
+             "once upon a time there was 日本 語 中文 🤖 🎉 def return import print self x y 2024 3.14 42 don't I'm it's "
+             "Ærø ½ ١٢").split()
+    seps = [" ", " ", " ", "  ", "\n", "\t", ", ", ". ", "\n\n", "   "]
+    return ["".join(rng.choice(words) + rng.choice(seps) for _ in range(rng.randint(5, 25))) for _ in range(n)]
+
+
+# ----------------------------------------------------------------------------------------------------------- fixtures
+def make_sp_dir(d: Path, vocab_size=400, chat_template=LLAMA2_TEMPLATE) -> Path:
+    """A tiny Llama-style SentencePiece model: BPE, byte fallback, identity normalizer, dummy prefix."""
+    import sentencepiece as spm
+    d.mkdir(parents=True, exist_ok=True)
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(corpus()), model_writer=buf, vocab_size=vocab_size, model_type="bpe",
+        byte_fallback=True, normalization_rule_name="identity", add_dummy_prefix=True,
+        remove_extra_whitespaces=False, split_digits=True, allow_whitespace_only_pieces=True,
+        character_coverage=0.9995, max_sentence_length=100000, minloglevel=2, num_threads=1)
+    (d / "tokenizer.model").write_bytes(buf.getvalue())
+    cfg = {"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True}
+    if chat_template:
+        cfg["chat_template"] = chat_template
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return d
+
+
+BPE_PRE = {"smollm": "digits+bytelevel", "gpt2": "bytelevel", "llama3": T.LLAMA3_PATTERN, "qwen2": T.QWEN2_PATTERN}
+
+
+def make_bpe_dir(d: Path, variant="smollm", vocab_size=500, chat_template=SMOLLM2_TEMPLATE) -> Path:
+    """A tiny byte-level BPE tokenizer.json (SmolLM2-style by default: digit split + GPT-2 regex, ChatML)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    d.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.BPE(ignore_merges=variant == "llama3"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(corpus(), trainers.BpeTrainer(
+        vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=SPECIALS,
+        show_progress=False))
+    pre = BPE_PRE[variant]
+    if pre == "digits+bytelevel":
+        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                     pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    elif pre != "bytelevel":
+        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(pre), "isolated"),
+                                                     pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.save(str(d / "tokenizer.json"))
+    cfg = {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "add_bos_token": False}
+    if chat_template:
+        cfg["chat_template"] = chat_template
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return d
+
+
+def build_tok_tool() -> Path:
+    """Compile runner-common/tok_tool.cpp once (rebuilt when a source is newer than the binary)."""
+    if shutil.which("g++") is None:
+        pytest.skip("g++ is not installed: cannot build the C++ tokenizer")
+    srcs = [REPO / "runner-common" / "tok_tool.cpp", REPO / "runner-common" / "tokenizer.h"]
+    if TOOL.exists() and TOOL.stat().st_mtime > max(s.stat().st_mtime for s in srcs):
+        return TOOL
+    BUILD.mkdir(parents=True, exist_ok=True)
+    tmp = TOOL.with_name(f"tok_tool.{os.getpid()}.tmp")
+    r = subprocess.run(["g++", "-std=c++17", "-O1", "-o", str(tmp), str(srcs[0])], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    os.replace(tmp, TOOL)
+    return TOOL
+
+
+def export_bin(tok_dir: Path, out: Path, *extra) -> Path:
+    r = subprocess.run([sys.executable, str(REPO / "scripts" / "export_tokenizer_bin.py"), str(tok_dir), "-o", str(out),
+                        *extra], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return out
+
+
+def c_encode(tool, bin_path, texts, bos=-1):
+    data = b"\0".join(t.encode("utf-8") for t in texts)
+    r = subprocess.run([str(tool), "encode", str(bin_path), str(bos)], input=data, capture_output=True)
+    assert r.returncode == 0, r.stderr.decode()
+    lines = r.stdout.decode().split("\n")
+    return [[int(x) for x in line.split()] for line in lines[:len(texts)]]
+
+
+def c_decode(tool, bin_path, seqs):
+    data = "".join(" ".join(map(str, s)) + "\n" for s in seqs).encode()
+    r = subprocess.run([str(tool), "decode", str(bin_path)], input=data, capture_output=True)
+    assert r.returncode == 0, r.stderr.decode()
+    out = []
+    for line in r.stdout.decode().splitlines():
+        a, b = line.split(" ")
+        out.append(tuple(bytes.fromhex(x if x != "-" else "").decode("utf-8") for x in (a, b)))
+    return out
+
+
+def c_chat(tool, bin_path, messages):
+    data = "\x1e".join(m["role"] + "\x1f" + m["content"] for m in messages).encode()
+    r = subprocess.run([str(tool), "chat", str(bin_path)], input=data, capture_output=True)
+    return r.returncode, r.stdout.decode("utf-8"), r.stderr.decode()
+
+
+def py_stream(tok, ids):
+    s = tok.stream()
+    return "".join(s.put(i) for i in ids) + s.flush()
+
+
+@pytest.fixture(scope="module")
+def tool():
+    return build_tok_tool()
+
+
+@pytest.fixture(scope="module")
+def tok_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("toks")
+    dirs = {"sp": make_sp_dir(root / "sp")}
+    for v in BPE_PRE:
+        dirs[v] = make_bpe_dir(root / v, v)
+    return dirs
+
+
+@pytest.fixture(scope="module")
+def bins(tok_dirs, tmp_path_factory):
+    root = tmp_path_factory.mktemp("bins")
+    return {k: export_bin(d, root / f"{k}.bin") for k, d in tok_dirs.items()}
+
+
+def smollm2_dir():
+    d = REPO / "checkpoints" / "SmolLM2-135M-Instruct"
+    return d if (d / "tokenizer.json").is_file() else None
+
+
+# ----------------------------------------------------------------------------------------------------------- tests
+def llama2c_reference(sp) -> bytes:
+    """llama2.c's tokenizer.py export, written out again independently (struct "I" then "fI" per token)."""
+    out = io.BytesIO()
+    toks, scores = [], []
+    for i in range(sp.vocab_size()):
+        t = sp.id_to_piece(i)
+        if i == sp.bos_id():
+            t = "\n<s>\n"
+        elif i == sp.eos_id():
+            t = "\n</s>\n"
+        elif len(t) == 6 and t.startswith("<0x") and t.endswith(">"):
+            t = chr(int(t[3:5], 16))
+        toks.append(t.replace("▁", " ").encode("utf-8"))
+        scores.append(sp.get_score(i))
+    out.write(struct.pack("I", max(len(t) for t in toks)))
+    for t, s in zip(toks, scores):
+        out.write(struct.pack("fI", s, len(t)))
+        out.write(t)
+    return out.getvalue()
+
+
+def test_sentencepiece_llama2c_bytes(tok_dirs, bins, tmp_path):
+    tok = T.load_tokenizer(tok_dirs["sp"])
+    want = llama2c_reference(tok.sp)
+    plain = export_bin(tok_dirs["sp"], tmp_path / "plain.bin", "--llama2c").read_bytes()
+    assert plain == want
+    full = bins["sp"].read_bytes()
+    assert full[:len(want)] == want and full[-8:] == b"LLTOKEND"  # extension appended after llama2.c's bytes
+    # llama2.c's reader: header, then vocab_size entries -- what it sees is identical
+    (max_len,) = struct.unpack_from("<I", full)
+    assert max_len == max(len(b) for b, _ in E.llama2c_entries(tok.sp))
+
+
+@pytest.mark.parametrize("kind", ["sp", "smollm", "gpt2", "llama3", "qwen2"])
+def test_encode_matches_tokenizer_py(tool, tok_dirs, bins, kind):
+    tok = T.load_tokenizer(tok_dirs[kind])
+    prompts = PROMPTS + corpus(40, seed=7)
+    got = c_encode(tool, bins[kind], prompts)
+    for p, g in zip(prompts, got):
+        assert g == tok.encode(p), f"{kind}: {p!r}"
+    for bos in (0, 1):
+        got = c_encode(tool, bins[kind], PROMPTS[:8], bos)
+        assert got == [tok.encode(p, bos=bool(bos)) for p in PROMPTS[:8]]
+
+
+@pytest.mark.parametrize("kind", ["sp", "smollm"])
+def test_decode_and_stream_match_tokenizer_py(tool, tok_dirs, bins, kind):
+    tok = T.load_tokenizer(tok_dirs[kind])
+    rng = random.Random(1)
+    seqs = [tok.encode(p) for p in PROMPTS]
+    # random ids: byte tokens that do not form characters, control tokens mid-text, ids past the vocabulary
+    seqs += [[rng.randrange(tok.vocab_size + 8) for _ in range(rng.randint(1, 30))] for _ in range(150)]
+    seqs += [[rng.randrange(min(tok.vocab_size, 300)) for _ in range(rng.randint(1, 30))] for _ in range(100)]
+    for s, (dec, streamed) in zip(seqs, c_decode(tool, bins[kind], seqs)):
+        assert dec == tok.decode(s), s
+        assert streamed == py_stream(tok, s), s
+
+
+def test_python_utf8_replacement(tool, tok_dirs, bins):
+    # every byte on its own and random byte soups through the byte tokens: CPython's "replace" semantics
+    tok = T.load_tokenizer(tok_dirs["gpt2"])
+    byte_id = {b: tok.vocab[tok.byte_encoder[b]] for b in range(256)}
+    rng = random.Random(2)
+    soups = [bytes([b]) for b in range(256)]
+    soups += [bytes(rng.choice([0x41, 0x80, 0xBF, 0xC2, 0xE0, 0xED, 0xF0, 0xF4, 0xF5, 0xA0, 0x90, 0x8F, 0xE2, 0x82, 0xAC])
+                    for _ in range(rng.randint(1, 12))) for _ in range(300)]
+    seqs = [[byte_id[b] for b in s] for s in soups]
+    for s, soup, (dec, streamed) in zip(seqs, soups, c_decode(tool, bins["gpt2"], seqs)):
+        assert dec == soup.decode("utf-8", errors="replace")
+        assert streamed == py_stream(tok, s)
+
+
+@pytest.mark.parametrize("kind", ["sp", "smollm"])
+def test_chat_template_rendering(tool, tok_dirs, bins, kind):
+    tok = T.load_tokenizer(tok_dirs[kind])
+    convs = E._PROBES + [
+        [{"role": "user", "content": "  Tell me a joke \n"}],
+        [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "2+2?"},
+         {"role": "assistant", "content": "4"}, {"role": "user", "content": "and 3+3?"}],
+    ]
+    for conv in convs:
+        rc, out, err = c_chat(tool, bins[kind], conv)
+        assert rc == 0, err
+        assert out == tok.apply_chat_template(conv, add_generation_prompt=True), conv
+
+
+def test_no_chat_template_is_a_clear_error(tool, tmp_path):
+    d = make_bpe_dir(tmp_path / "nochat", "gpt2", chat_template=None)
+    b = export_bin(d, tmp_path / "t.bin")
+    rc, out, err = c_chat(tool, b, [{"role": "user", "content": "hi"}])
+    assert rc == 1 and "no chat template" in err
+
+
+def test_plain_llama2c_file(tool, tok_dirs, tmp_path):
+    """A tokenizer.bin from llama2.c itself (no extension) still encodes and decodes like the SentencePiece model."""
+    tok = T.load_tokenizer(tok_dirs["sp"])
+    plain = export_bin(tok_dirs["sp"], tmp_path / "plain.bin", "--llama2c")
+    prompts = [p for p in PROMPTS if "<" not in p]  # llama2.c files do not name the special tokens' text
+    assert c_encode(tool, plain, prompts) == [tok.encode(p) for p in prompts]
+    seqs = [tok.encode(p) for p in PROMPTS]
+    for s, (dec, _) in zip(seqs, c_decode(tool, plain, seqs)):
+        assert dec == tok.decode(s)
+
+
+def test_smollm2_tokenizer(tool, tmp_path):
+    d = smollm2_dir()
+    if d is None:
+        pytest.skip("the default model is not prepared (python scripts/download.py)")
+    tok = T.load_tokenizer(d)
+    b = export_bin(d, tmp_path / "smol.bin")
+    prompts = PROMPTS + corpus(30, seed=3)
+    assert c_encode(tool, b, prompts) == [tok.encode(p) for p in prompts]
+    rc, out, _ = c_chat(tool, b, [{"role": "user", "content": "Hi"}])
+    assert rc == 0 and out == tok.apply_chat_template([{"role": "user", "content": "Hi"}])
+
+
+def test_broken_files_are_clear_errors(tool, bins, tmp_path):
+    good = bins["smollm"].read_bytes()
+    cases = {
+        "truncated.bin": good[:len(good) // 2],
+        "truncated_tail.bin": good[:-5],
+        "short.bin": good[:3],
+        "empty.bin": b"",
+        "random.bin": bytes(random.Random(0).randrange(256) for _ in range(5000)),
+        "text.bin": b"this is not a tokenizer at all\n" * 50,
+        "badfooter.bin": good[:-16] + struct.pack("<Q", len(good) * 3) + b"LLTOKEND",
+    }
+    for name, data in cases.items():
+        p = tmp_path / name
+        p.write_bytes(data)
+        r = subprocess.run([str(tool), "info", str(p)], capture_output=True, text=True, stdin=subprocess.DEVNULL)
+        assert r.returncode == 1, (name, r.returncode, r.stdout, r.stderr)
+        assert r.stderr.startswith("error: ") and str(p) in r.stderr, (name, r.stderr)
+    r = subprocess.run([str(tool), "info", str(tmp_path / "missing.bin")], capture_output=True, text=True)
+    assert r.returncode == 1 and "cannot open" in r.stderr
+
+
+def test_exporter_errors(tmp_path):
+    r = subprocess.run([sys.executable, str(REPO / "scripts" / "export_tokenizer_bin.py"), str(tmp_path / "nope"),
+                        "-o", str(tmp_path / "t.bin")], capture_output=True, text=True)
+    assert r.returncode == 1 and r.stderr.startswith("error: ") and len(r.stderr.strip().splitlines()) == 1
