@@ -299,11 +299,11 @@ def load_gguf(path: Path) -> Source:
 def _match_rope_freqs(args, factors):
     from model import rope_frequencies
     base = rope_frequencies(dataclasses.replace(args, rope_scaling=None))
-    for factor in (8.0, 16.0, 32.0, 4.0, 2.0):
-        for old in (8192, 4096, 2048):
-            s = dict(factor=factor, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=old)
-            if torch.allclose(base / rope_frequencies(dataclasses.replace(args, rope_scaling=s)), factors, rtol=1e-3):
-                return dataclasses.replace(args, rope_scaling=s)
+    factor = float(factors.max())  # the divisor of the lowest frequencies; Meta's low/high factors 1 and 4
+    for old in (2 ** k for k in range(4, 21)):  # original context: 8192 for Llama 3.1/3.2
+        s = dict(factor=factor, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=old)
+        if torch.allclose(base / rope_frequencies(dataclasses.replace(args, rope_scaling=s)), factors, rtol=1e-4):
+            return dataclasses.replace(args, rope_scaling=s)
     raise ConvertError("GGUF rope_freqs.weight does not match a known Llama-3.1 rope scaling")
 
 

@@ -232,6 +232,16 @@ def write_gguf(path, m, qtype, arch="llama"):
         for hf, g in GGUF_NAMES.items():
             for suffix in ("weight", "bias"):
                 names[f"model.layers.{i}.{hf}.{suffix}"] = f"blk.{i}.{g}.{suffix}"
+    rope = c.rope_parameters
+    if rope.get("rope_type") == "llama3":  # llama.cpp's encoding of Llama-3.1 rope scaling: per-frequency divisors
+        old, lo, hi, f = (rope[k] for k in ("original_max_position_embeddings", "low_freq_factor", "high_freq_factor",
+                                            "factor"))
+        factors = []
+        for freq in 1.0 / rope["rope_theta"] ** (np.arange(0, head_dim, 2) / head_dim):
+            wavelen = 2 * np.pi / freq
+            smooth = (old / wavelen - lo) / (hi - lo)
+            factors.append(1.0 if wavelen < old / hi else f if wavelen > old / lo else 1 / ((1 - smooth) / f + smooth))
+        w.add_tensor("rope_freqs.weight", np.array(factors, dtype=np.float32))
     sd = m.state_dict()
     for hf, g in names.items():
         if hf not in sd:
@@ -276,6 +286,8 @@ GGUF_CASES = {  # qtype, arch, tied, model kwargs
     "Q4_0": (Q.Q4_0, "llama", False, {}),
     "Q4_1-tied": (Q.Q4_1, "llama", True, {}),
     "Q4_K": (Q.Q4_K, "llama", False, dict(hidden_size=256, intermediate_size=256)),
+    "F32-llama3rope": (Q.F32, "llama", False, dict(rope_scaling=dict(
+        rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=16))),
     "qwen2-F32": (Q.F32, "qwen2", True, {}),
     "qwen3-Q8_0": (Q.Q8_0, "qwen3", False, dict(head_dim=32)),
 }
@@ -291,6 +303,7 @@ def test_gguf(case, tmp_path):
     assert sd["tok_embeddings.weight"].dtype == torch.float32 and ("output.weight" in sd) != tied
     cfg = json.loads((tmp_path / "out" / "config.json").read_text())
     assert (cfg["attn_bias"], cfg["qk_norm"], cfg["block_size"]) == (arch == "qwen2", arch == "qwen3", 64)
+    assert (cfg["rope_scaling"] or {}).get("factor") == kw.get("rope_scaling", {}).get("factor")
     if HAVE_GGUF_TOKENIZER:
         assert (tmp_path / "out" / "tokenizer.json").is_file()
     check(hf_logits(m), path)
@@ -374,6 +387,8 @@ def test_prepare_default_end_to_end(tmp_path, monkeypatch):
     cfg = json.loads((path.parent / "config.json").read_text())
     assert (cfg["n_layer"], cfg["dim"], cfg["n_head"], cfg["n_local_heads"], cfg["vocab_size"], cfg["tie_embeddings"]) \
         == (30, 576, 9, 3, 49152, True)
+    if HAVE_GGUF_TOKENIZER:
+        assert (path.parent / "tokenizer.json").is_file() and (path.parent / "tokenizer_config.json").is_file()
     m = M.load_model(path)
     m.setup_caches(1, 16)
     ids = torch.tensor([[504, 3575, 282, 4649, 314]])  # "The capital of France is"
