@@ -1,0 +1,208 @@
+#!/usr/bin/env python
+"""Export model.py's Transformer to an AOT Inductor package (.pt2) that runs without Python (runner-aoti/) or from
+generate.py (--aoti_package), with the KV cache inside the package.
+
+    python aoti_export.py --checkpoint_path checkpoints/SmolLM2-135M-Instruct/model.pth --output_path smollm2.pt2
+    python generate.py --aoti_package smollm2.pt2 --prompt "Once upon a time"
+
+The package holds one graph, forward(tokens int64[1, T], input_pos int64[T]) -> float32 logits[1, T, V], with a
+dynamic T in [1, max_seq_length]: the prompt goes in one call, each decode step is a call with T = 1. The KV cache
+buffers are constants of the package that the graph updates in place, so their state persists across calls of one
+loaded package (one conversation at a time; load the package again for a fresh cache -- positions decide what is
+attended to, so reusing a cache from position 0 is also fine). Model facts travel as package metadata (strings):
+vocab_size, max_seq_len, bos_id, eos_ids, tokenizer_kind, dtype, device, ... (see package_metadata()).
+
+Float checkpoints and quantize.py checkpoints export the same way: model.load_model() rebuilds whichever it is.
+"""
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+import zipfile
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+REPO = Path(__file__).resolve().parent
+METADATA_VERSION = "1"
+
+
+# ----------------------------------------------------------------------------------------------------------- export
+def package_metadata(model, tok, device: str, dtype: torch.dtype, checkpoint_path) -> dict:
+    """Facts a runner needs, as the string -> string map that AOT Inductor stores in the package."""
+    cfg = model.config
+    meta = {
+        "llm_export_version": METADATA_VERSION,
+        "model_type": "llama-family-transformer",
+        "vocab_size": str(cfg.vocab_size),
+        "max_seq_len": str(model.max_seq_length),
+        "max_batch_size": "1",
+        "dtype": str(dtype).replace("torch.", ""),
+        "device": device,
+        "n_layer": str(cfg.n_layer),
+        "dim": str(cfg.dim),
+        "checkpoint": Path(checkpoint_path).name,
+        "model_config": json.dumps({k: getattr(cfg, k) for k in cfg.__dataclass_fields__}),
+    }
+    if tok is not None:
+        meta.update({
+            "tokenizer_kind": tok.kind,
+            "tokenizer_vocab_size": str(tok.vocab_size),
+            "bos_id": str(tok.bos_id if tok.bos_id is not None else -1),
+            "eos_id": str(tok.eos_id),
+            "eos_ids": ",".join(str(i) for i in sorted(tok.stop_ids)),
+            "add_bos": "1" if tok.add_bos else "0",
+        })
+    return meta
+
+
+def _quantization_recipe(checkpoint_path) -> Optional[str]:
+    """The "_quantization" entry of a quantize.py checkpoint (metadata only; load_model applies it)."""
+    path = Path(checkpoint_path)
+    path = path / "model.pth" if path.is_dir() else path
+    try:
+        sd = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
+        return sd.get("_quantization") if isinstance(sd, dict) else None
+    except Exception:
+        return None
+
+
+def export(checkpoint_path, output_path, max_seq_length: int = 1024, dtype: Optional[str] = None, device: str = "cpu",
+           tokenizer_path=None, so: bool = False, log=print) -> Path:
+    """Export and write the package atomically (temp file in the target directory, then rename). Returns its path."""
+    from model import load_model
+    from torch.export import Dim
+
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda but no CUDA device is available")
+    if max_seq_length < 2:
+        raise ValueError(f"--max_seq_length must be at least 2 (got {max_seq_length})")
+    output_path = Path(output_path)
+    if not output_path.parent.is_dir():
+        raise FileNotFoundError(f"output directory does not exist: {output_path.parent}")
+    torch_dtype = getattr(torch, dtype) if dtype else None
+    if torch_dtype is not None and not isinstance(torch_dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {dtype!r}")
+
+    model = load_model(checkpoint_path, device=device, dtype=torch_dtype)
+    with torch.device(device):
+        model.setup_caches(1, max_seq_length)
+    S = model.max_seq_length
+    if S < max_seq_length:
+        log(f"note: max_seq_length capped at the model's block_size, {S}")
+    run_dtype = model.norm.weight.dtype
+
+    tok = None
+    ck = Path(checkpoint_path)
+    tok_path = Path(tokenizer_path) if tokenizer_path else (ck if ck.is_dir() else ck.parent)
+    try:
+        from tokenizer import load_tokenizer
+        tok = load_tokenizer(tok_path)
+    except (FileNotFoundError, ValueError, ImportError) as e:
+        log(f"warning: no tokenizer facts in the package metadata ({e})")
+    if tok is not None and tok.vocab_size > model.config.vocab_size:
+        raise ValueError(f"tokenizer has {tok.vocab_size} tokens but the model only {model.config.vocab_size}")
+
+    meta = package_metadata(model, tok, device, run_dtype, checkpoint_path)
+    recipe = _quantization_recipe(checkpoint_path)
+    if recipe:
+        meta["quantization"] = recipe
+
+    seq = Dim("seq", min=1, max=S)
+    example = (torch.zeros(1, 2, dtype=torch.long, device=device), torch.arange(2, device=device))
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        ep = torch.export.export(model, example, dynamic_shapes=({1: seq}, {0: seq}), strict=False,
+                                 prefer_deferred_runtime_asserts_over_guards=True)
+    log(f"exported the graph in {time.perf_counter() - t0:.1f} s; compiling with AOT Inductor ...")
+
+    configs = {"aot_inductor.metadata": meta}
+    if device == "cpu":
+        configs["freezing"] = True  # weights become constants: folded and pre-packed for the CPU GEMM kernels
+    # temp file in a private directory beside the target (same file system, so the rename is atomic); it already has
+    # the final name because the package's archive folder is named after the file
+    tmpdir = Path(tempfile.mkdtemp(prefix=f".{output_path.name}.", suffix=".tmp", dir=output_path.parent))
+    tmp = tmpdir / output_path.name
+    t0 = time.perf_counter()
+    try:
+        if so:
+            configs.update({"aot_inductor.output_path": str(tmp), "aot_inductor.package_constants_in_so": True})
+            with torch.no_grad():
+                path = torch._inductor.aot_compile(ep.module(), example, options=configs)
+            os.replace(path, output_path)
+        else:
+            with torch.no_grad():
+                torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp), inductor_configs=configs)
+            os.replace(tmp, output_path)
+    finally:
+        shutil.rmtree(tmpdir, ignore_errors=True)
+    log(f"compiled in {time.perf_counter() - t0:.1f} s -> {output_path} ({output_path.stat().st_size / 1e6:.1f} MB)")
+    return output_path
+
+
+# ----------------------------------------------------------------------------------------------------------- backend
+class AOTIBackend:
+    """generate.py backend over an AOT Inductor package: forward(tokens[1, T], input_pos[T]) -> logits[1, T, V]."""
+
+    max_batch_size = 1
+    prefill_chunk = None
+
+    def __init__(self, path, device="cpu"):
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"AOT Inductor package not found: {path}")
+        if path.suffix == ".so":
+            raise ValueError(f"{path}: a plain .so from --so is not loadable here; export a .pt2 package instead")
+        if not zipfile.is_zipfile(path):
+            raise ValueError(f"{path}: not an AOT Inductor package (not a .pt2 zip archive; truncated or wrong file?)")
+        try:
+            self.runner = torch._inductor.aoti_load_package(str(path))
+            meta = self.runner.get_metadata()
+        except Exception as e:
+            msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ValueError(f"{path}: cannot load AOT Inductor package ({msg})") from None
+        if "max_seq_len" not in meta:
+            raise ValueError(f"{path}: not made by aoti_export.py (no max_seq_len in the package metadata)")
+        self.metadata = dict(meta)
+        self.device = torch.device(meta.get("device", "cpu"))
+        want = torch.device(device) if device is not None else self.device
+        if want.type != self.device.type:
+            raise ValueError(f"{path} was compiled for {self.device.type}, not {want.type}; re-export with "
+                             f"--device {want.type}")
+        self.max_seq_length = int(meta["max_seq_len"])
+        self.vocab_size = int(meta["vocab_size"])
+
+    def forward(self, tokens, input_pos):
+        if tokens.shape[0] != 1:
+            raise ValueError("an AOT Inductor package from aoti_export.py runs one sequence at a time (batch 1)")
+        if input_pos.dim() != 1:
+            input_pos = input_pos[0]
+        with torch.inference_mode():
+            out = self.runner(tokens.to(self.device), input_pos.to(self.device))
+        return out[0] if isinstance(out, (list, tuple)) else out
+
+
+# ----------------------------------------------------------------------------------------------------------- CLI
+def main(argv=None):
+    p = argparse.ArgumentParser(description="Export a checkpoint to an AOT Inductor package (.pt2).")
+    p.add_argument("--checkpoint_path", type=Path, required=True, help="model.pth (float or quantize.py output)")
+    p.add_argument("--output_path", type=Path, required=True, help="the .pt2 to write (or .so with --so)")
+    p.add_argument("--tokenizer_path", type=Path, default=None, help="default: the checkpoint's directory")
+    p.add_argument("--max_seq_length", type=int, default=1024, help="KV cache length = longest prompt + reply")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="default: the checkpoint's own dtype")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--so", action="store_true", help="write a plain shared library (weights inside) instead of a .pt2")
+    args = p.parse_args(argv)
+    export(args.checkpoint_path, args.output_path, args.max_seq_length, args.dtype, args.device,
+           args.tokenizer_path, args.so, log=lambda *a: print(*a, file=sys.stderr))
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(REPO))
+    from generate import cli
+    cli(main)

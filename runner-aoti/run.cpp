@@ -1,0 +1,147 @@
+// runner-aoti: llama2.c-style text generation from an AOT Inductor package (.pt2 from aoti_export.py).
+//   ./runner-aoti/build/run smollm2.pt2 -z tokenizer.bin -i "Once upon a time" -n 256 -t 0.8 -p 0.9 -s 42
+// This file only adapts torch::inductor::AOTIModelPackageLoader to llm::Model; the tokenizer, sampler and the
+// generate / chat loops live in runner-common/ and are shared with runner-et.
+#include <ATen/ops/empty.h>
+#include <c10/core/InferenceMode.h>
+#include <torch/csrc/inductor/aoti_package/model_package_loader.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "runner.h"
+
+namespace {
+
+// The first line of an exception message, printable ASCII only (a dlopen error on a corrupt library quotes binary
+// garbage), at most 300 characters.
+std::string first_line(const std::string& s) {
+  size_t a = s.find_first_not_of(" \n\t");
+  if (a == std::string::npos) return "unknown error";
+  std::string line = s.substr(a, s.find('\n', a) - a), out;
+  for (unsigned char c : line) out += (c >= 0x20 && c < 0x7F) ? char(c) : '?';
+  return out.size() > 300 ? out.substr(0, 300) + "..." : out;
+}
+
+// A .pt2 is a zip archive: check its local header and end-of-central-directory record before libtorch sees it,
+// so that a truncated or wrong file is a clear error.
+void check_zip(const std::string& path) {
+  std::ifstream f(path, std::ios::binary | std::ios::ate);
+  if (!f) throw llm::Error("cannot open AOT Inductor package " + path);
+  const std::streamoff size = f.tellg();
+  char head[4] = {};
+  f.seekg(0);
+  f.read(head, 4);
+  if (size < 22 || std::memcmp(head, "PK\x03\x04", 4) != 0)
+    throw llm::Error(path + ": not an AOT Inductor package (expected a .pt2 zip archive from aoti_export.py)");
+  const std::streamoff tail = std::min<std::streamoff>(size, 65536 + 22);
+  std::string buf(size_t(tail), '\0');
+  f.seekg(size - tail);
+  f.read(&buf[0], tail);
+  if (buf.rfind(std::string("PK\x05\x06", 4)) == std::string::npos)
+    throw llm::Error(path + ": truncated or corrupt AOT Inductor package (no zip directory at the end)");
+}
+
+int meta_int(const std::unordered_map<std::string, std::string>& m, const std::string& k, int dflt) {
+  auto it = m.find(k);
+  if (it == m.end() || it->second.empty()) return dflt;
+  try {
+    return std::stoi(it->second);
+  } catch (const std::exception&) {
+    throw llm::Error("bad package metadata " + k + "=" + it->second);
+  }
+}
+
+class AotiModel : public llm::Model {
+ public:
+  explicit AotiModel(const std::string& path) {
+    check_zip(path);
+    // the loader unpacks into a fresh directory under $TMPDIR and leaves it behind when loading fails: give it a
+    // private parent that is removed on failure
+    const char* old_tmp = std::getenv("TMPDIR");
+    std::string saved = old_tmp ? old_tmp : "";
+    std::string tmpl = (old_tmp && *old_tmp ? saved : std::string("/tmp")) + "/runner-aoti.XXXXXX";
+    std::vector<char> buf(tmpl.begin(), tmpl.end());
+    buf.push_back('\0');
+    const char* priv = mkdtemp(buf.data());
+    if (priv) setenv("TMPDIR", priv, 1);
+    auto restore = [&] {
+      if (old_tmp) setenv("TMPDIR", saved.c_str(), 1);
+      else unsetenv("TMPDIR");
+    };
+    try {
+      loader_ = std::make_unique<torch::inductor::AOTIModelPackageLoader>(path);
+    } catch (const std::exception& e) {
+      restore();
+      if (priv) std::filesystem::remove_all(priv);
+      throw llm::Error(path + ": cannot load AOT Inductor package: " + first_line(e.what()));
+    }
+    restore();
+    if (priv) private_tmp_ = priv;
+    auto meta = loader_->get_metadata();
+    if (!meta.count("max_seq_len") || !meta.count("vocab_size"))
+      throw llm::Error(path + ": package metadata lacks max_seq_len/vocab_size (not made by aoti_export.py?)");
+    info_.vocab_size = meta_int(meta, "vocab_size", 0);
+    info_.max_seq_len = meta_int(meta, "max_seq_len", 0);
+    info_.bos_id = meta_int(meta, "bos_id", -1);
+    info_.tokenizer_vocab_size = meta_int(meta, "tokenizer_vocab_size", -1);
+    info_.tokenizer_kind = meta.count("tokenizer_kind") ? meta["tokenizer_kind"] : "";
+    if (meta.count("eos_ids")) {
+      std::stringstream ss(meta["eos_ids"]);
+      std::string item;
+      while (std::getline(ss, item, ','))
+        if (!item.empty()) info_.eos_ids.push_back(std::stoi(item));
+    }
+    std::string dev = meta.count("device") ? meta["device"] : "cpu";
+    if (dev == "cuda") device_ = c10::Device(c10::DeviceType::CUDA, 0);
+    if (info_.vocab_size <= 0 || info_.max_seq_len <= 0) throw llm::Error(path + ": bad package metadata");
+    info_.description = "AOT Inductor, " + dev + ", " + (meta.count("dtype") ? meta["dtype"] : "?") + ", vocab " +
+                        std::to_string(info_.vocab_size) + ", context " + std::to_string(info_.max_seq_len) +
+                        (meta.count("quantization") ? ", quantized" : "");
+  }
+
+  ~AotiModel() override {
+    loader_.reset();  // removes its unpacked files
+    if (!private_tmp_.empty()) {
+      std::error_code ec;
+      std::filesystem::remove_all(private_tmp_, ec);
+    }
+  }
+
+  const llm::ModelInfo& info() const override { return info_; }
+
+  const float* forward(const int64_t* tokens, int n, int64_t pos) override {
+    c10::InferenceMode guard;
+    at::Tensor t = at::empty({1, n}, at::kLong), p = at::empty({n}, at::kLong);
+    std::memcpy(t.data_ptr<int64_t>(), tokens, sizeof(int64_t) * n);
+    int64_t* pp = p.data_ptr<int64_t>();
+    for (int i = 0; i < n; i++) pp[i] = pos + i;
+    if (!device_.is_cpu()) t = t.to(device_), p = p.to(device_);
+    std::vector<at::Tensor> out;
+    try {
+      out = loader_->run({t, p});
+    } catch (const std::exception& e) {
+      throw llm::Error("forward failed: " + first_line(e.what()));
+    }
+    // logits [1, T, V]: keep the last position, as float32 on the CPU
+    last_ = out.at(0).select(0, 0).select(0, n - 1).to(c10::Device(c10::DeviceType::CPU), at::kFloat).contiguous();
+    return last_.data_ptr<float>();
+  }
+
+ private:
+  std::unique_ptr<torch::inductor::AOTIModelPackageLoader> loader_;
+  llm::ModelInfo info_;
+  c10::Device device_{c10::DeviceType::CPU};
+  at::Tensor last_;
+  std::string private_tmp_;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  return llm::run_main(argc, argv, "runner-aoti",
+                       [](const std::string& path) { return std::make_unique<AotiModel>(path); });
+}

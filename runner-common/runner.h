@@ -1,0 +1,298 @@
+// The llama2.c-style command line, generate loop and chat loop shared by runner-aoti/ and runner-et/.
+// A runner implements llm::Model (load, forward over a token chunk with the KV cache kept inside, metadata) and calls
+//     return llm::run_main(argc, argv, "runner-aoti", [](const std::string& path) { return load(path); });
+// Output matches generate.py: generate mode prints the prompt, the streamed continuation and a newline on stdout;
+// chat mode reads user lines after a "> " prompt. Timings go to stderr.
+#pragma once
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <ctime>
+#include <functional>
+#include <iostream>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "sampler.h"
+#include "tokenizer.h"
+
+namespace llm {
+
+struct ModelInfo {
+  int vocab_size = 0;
+  int max_seq_len = 0;
+  int bos_id = -1;               // -1: unknown (the tokenizer.bin extension usually says)
+  std::vector<int> eos_ids;      // empty: unknown
+  int tokenizer_vocab_size = -1; // -1: unknown; used to warn about a tokenizer.bin that belongs to another model
+  std::string tokenizer_kind;    // "sentencepiece" | "bpe" | ""
+  std::string description;       // one line for the log
+};
+
+class Model {
+ public:
+  virtual ~Model() = default;
+  virtual const ModelInfo& info() const = 0;
+  // Process tokens[0..n) at positions pos..pos+n-1 in one call (the KV cache lives in the model) and return the
+  // logits of the last position: info().vocab_size floats, valid until the next call.
+  virtual const float* forward(const int64_t* tokens, int n, int64_t pos) = 0;
+};
+
+using ModelLoader = std::function<std::unique_ptr<Model>(const std::string& path)>;
+
+struct Options {
+  std::string model_path, tokenizer_path, prompt, system_prompt, mode = "generate";
+  bool has_prompt = false, encode_only = false, quiet = false;
+  float temperature = 1.0f, top_p = 0.9f;
+  int top_k = 0, steps = 256;
+  unsigned long long seed = 0;
+};
+
+inline double now_s() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+inline void write_out(const std::string& s) {
+  if (!s.empty()) {
+    std::fwrite(s.data(), 1, s.size(), stdout);
+    std::fflush(stdout);
+  }
+}
+
+struct GenStats {
+  int prompt_tokens = 0, steps = 0, new_tokens = 0;
+  double ttft_s = 0, decode_s = 0;
+};
+
+// generate.py's generate() for one sequence: prompt in one forward call at start_pos, then one call per token;
+// stops at a stop id (not emitted) or after max_new tokens (clamped to the context). Returns the kept tokens.
+inline std::vector<int> generate(Model& model, const Tokenizer& tok, Sampler& sampler, const std::vector<int>& prompt,
+                                 int start_pos, int max_new, const std::function<void(int)>& on_token, GenStats* st) {
+  const ModelInfo& mi = model.info();
+  const int len = start_pos + int(prompt.size());
+  if (prompt.empty()) throw Error("empty prompt (and the tokenizer adds no BOS): nothing to condition on");
+  if (len >= mi.max_seq_len)
+    throw Error("prompt of " + std::to_string(len) + " tokens does not fit the context of " +
+                std::to_string(mi.max_seq_len) + " tokens");
+  if (max_new <= 0 || len + max_new > mi.max_seq_len) max_new = mi.max_seq_len - len;
+  std::vector<int64_t> ids(prompt.begin(), prompt.end());
+  std::vector<int> out;
+  bool done = false;
+  auto keep = [&](int t) {
+    if (done) return;
+    if (tok.is_stop(t)) {
+      done = true;
+      return;
+    }
+    out.push_back(t);
+    if (on_token) on_token(t);
+  };
+  const double t0 = now_s();
+  int next = sampler.sample(model.forward(ids.data(), int(ids.size()), start_pos), mi.vocab_size);
+  keep(next);
+  const double t_first = now_s();
+  int steps = 0;
+  for (int i = 0; i < max_new - 1 && !done; i++) {
+    int64_t t = next;
+    next = sampler.sample(model.forward(&t, 1, len + i), mi.vocab_size);
+    keep(next);
+    steps++;
+  }
+  const double t_end = now_s();
+  if (st) {
+    st->prompt_tokens = int(prompt.size());
+    st->ttft_s = t_first - t0;
+    st->decode_s = t_end - t_first;
+    st->steps = steps;
+    st->new_tokens = int(out.size());
+  }
+  return out;
+}
+
+inline void report(const GenStats& st) {
+  const double prefill = st.prompt_tokens / std::max(st.ttft_s, 1e-9);
+  const double decode = st.steps ? st.steps / st.decode_s : 0.0;
+  std::fprintf(stderr, "TTFT %.1f ms | prefill %.1f tok/s | decode %.2f tok/s (%d steps) | %d new tokens\n",
+               st.ttft_s * 1000, prefill, decode, st.steps, st.new_tokens);
+  std::fprintf(stderr, "achieved tok/s: %f\n", decode);
+}
+
+inline void usage(const char* name) {
+  std::fprintf(stderr,
+               "Usage:   %s <model> [options]\n"
+               "Example: %s model.pt2 -z tokenizer.bin -i \"Once upon a time\" -n 256 -t 0.8 -p 0.9 -s 42\n"
+               "Options:\n"
+               "  -t <float>  temperature in [0,inf), default 1.0 (0 = greedy, the same tokens as generate.py)\n"
+               "  -p <float>  top-p (nucleus) in (0,1], default 0.9 (1 = off)\n"
+               "  -k <int>    top-k, default 0 (off)\n"
+               "  -s <int>    random seed, default: time(NULL)\n"
+               "  -n <int>    new tokens to generate (per chat turn), default 256; 0 = up to the context length\n"
+               "  -i <string> prompt (generate mode) / first user message (chat mode)\n"
+               "  -z <string> tokenizer.bin, default: tokenizer.bin beside the model, else ./tokenizer.bin\n"
+               "  -m <string> mode: generate|chat, default: generate\n"
+               "  -y <string> system prompt (chat mode)\n"
+               "  -e          encode only: print the prompt's token ids and exit (no model is loaded)\n"
+               "  -q          quiet: no timings on stderr\n",
+               name, name);
+}
+
+inline Options parse_args(int argc, char** argv) {
+  Options o;
+  if (argc < 2 || argv[1][0] == '-') {
+    if (argc >= 2 && (std::string(argv[1]) == "-h" || std::string(argv[1]) == "--help")) {
+      usage(argv[0]);
+      std::exit(0);
+    }
+    usage(argv[0]);
+    std::exit(1);
+  }
+  o.model_path = argv[1];
+  for (int i = 2; i < argc; i++) {
+    std::string a = argv[i];
+    if (a.size() != 2 || a[0] != '-') throw Error("unknown argument " + a + " (see -h)");
+    char f = a[1];
+    if (f == 'e') { o.encode_only = true; continue; }
+    if (f == 'q') { o.quiet = true; continue; }
+    if (f == 'h') { usage(argv[0]); std::exit(0); }
+    if (i + 1 >= argc) throw Error("option " + a + " needs a value");
+    std::string v = argv[++i];
+    try {
+      switch (f) {
+        case 't': o.temperature = std::stof(v); break;
+        case 'p': o.top_p = std::stof(v); break;
+        case 'k': o.top_k = std::stoi(v); break;
+        case 's': o.seed = std::stoull(v); break;
+        case 'n': o.steps = std::stoi(v); break;
+        case 'i': o.prompt = v, o.has_prompt = true; break;
+        case 'z': o.tokenizer_path = v; break;
+        case 'm': o.mode = v; break;
+        case 'y': o.system_prompt = v; break;
+        default: throw Error("unknown option " + a + " (see -h)");
+      }
+    } catch (const std::logic_error&) {  // stof/stoi on garbage
+      throw Error("bad value for " + a + ": " + v);
+    }
+  }
+  if (o.temperature < 0) o.temperature = 0;
+  if (o.top_p <= 0 || o.top_p > 1) o.top_p = 1.0f;
+  if (o.steps < 0) o.steps = 0;
+  if (o.mode != "generate" && o.mode != "chat") throw Error("unknown mode " + o.mode + " (generate or chat)");
+  if (o.seed == 0) o.seed = (unsigned long long)std::time(nullptr);
+  if (o.tokenizer_path.empty()) {
+    std::string dir = o.model_path.substr(0, o.model_path.find_last_of('/') + 1);
+    std::string beside = dir + "tokenizer.bin";
+    std::ifstream f(beside);
+    o.tokenizer_path = f.good() ? beside : "tokenizer.bin";
+  }
+  return o;
+}
+
+inline void check_pairing(const Tokenizer& tok, const ModelInfo& mi) {
+  if (tok.n_vocab > mi.vocab_size)
+    throw Error("the tokenizer has " + std::to_string(tok.n_vocab) + " tokens but the model's vocabulary is " +
+                std::to_string(mi.vocab_size) + ": wrong tokenizer.bin for this model?");
+  if (mi.tokenizer_vocab_size >= 0 && mi.tokenizer_vocab_size != tok.n_vocab)
+    std::fprintf(stderr, "warning: the model was exported with a %d-token tokenizer, tokenizer.bin has %d\n",
+                 mi.tokenizer_vocab_size, tok.n_vocab);
+}
+
+inline int chat_loop(Model& model, Tokenizer& tok, Sampler& sampler, const Options& o) {
+  const ModelInfo& mi = model.info();
+  tok.render_chat({}, true);  // fails early, with a clear message, when there is no template to render
+  std::vector<Message> messages;
+  if (!o.system_prompt.empty()) messages.push_back({"system", o.system_prompt});
+  std::vector<int> cached;
+  std::fprintf(stderr, "chat with the model (%d tokens of context); empty line or Ctrl-D to quit\n", mi.max_seq_len);
+  bool first = true;
+  while (true) {
+    std::string user;
+    if (first && o.has_prompt) {
+      user = o.prompt;
+    } else {
+      write_out("> ");
+      if (!std::getline(std::cin, user)) break;
+    }
+    first = false;
+    if (user.find_first_not_of(" \t\r\n") == std::string::npos) break;
+    messages.push_back({"user", user});
+    std::vector<int> ids = tok.encode(tok.render_chat(messages, true), 0);
+    size_t common = 0;
+    while (common < std::min(cached.size(), ids.size() - 1) && cached[common] == ids[common]) common++;
+    if (int(ids.size()) + 1 >= mi.max_seq_len) {
+      std::fprintf(stderr, "[context full: starting a new conversation]\n");
+      messages = {messages.back()};
+      cached.clear();
+      common = 0;
+      ids = tok.encode(tok.render_chat(messages, true), 0);
+      if (int(ids.size()) + 1 >= mi.max_seq_len)
+        throw Error("message of " + std::to_string(ids.size()) + " tokens does not fit the context of " +
+                    std::to_string(mi.max_seq_len));
+    }
+    StreamDecoder dec(tok);
+    GenStats st;
+    std::vector<int> rest(ids.begin() + common, ids.end());
+    std::vector<int> out = generate(model, tok, sampler, rest, int(common), o.steps,
+                                    [&](int t) { write_out(dec.put(t)); }, &st);
+    write_out(dec.flush() + "\n");
+    // the cache now holds the prompt and every reply token except the last sampled one
+    cached = ids;
+    if (!out.empty()) cached.insert(cached.end(), out.begin(), out.end() - 1);
+    messages.push_back({"assistant", tok.decode(out)});
+    if (!o.quiet)
+      std::fprintf(stderr, "[%d tokens, %.1f tok/s]\n", st.new_tokens, st.steps ? st.steps / st.decode_s : 0.0);
+  }
+  return 0;
+}
+
+inline int run_main_inner(int argc, char** argv, const char* name, const ModelLoader& load) {
+  Options o = parse_args(argc, argv);
+  Tokenizer tok;
+  tok.load(o.tokenizer_path);
+  if (o.encode_only) {
+    std::vector<int> ids = tok.encode(o.prompt);
+    for (size_t i = 0; i < ids.size(); i++) std::printf(i ? " %d" : "%d", ids[i]);
+    std::printf("\n");
+    return 0;
+  }
+  const double t0 = now_s();
+  std::unique_ptr<Model> model = load(o.model_path);
+  const ModelInfo& mi = model->info();
+  if (!o.quiet)
+    std::fprintf(stderr, "%s: loaded %s in %.2f s (%s); tokenizer: %s\n", name, o.model_path.c_str(), now_s() - t0,
+                 mi.description.c_str(), tok.describe().c_str());
+  if (!tok.has_extension) {  // a plain llama2.c tokenizer.bin: the model's metadata knows better than the defaults
+    if (mi.bos_id >= 0) tok.bos_id = mi.bos_id;
+    if (!mi.eos_ids.empty()) tok.stop_ids = mi.eos_ids, tok.eos_id = mi.eos_ids[0];
+  }
+  check_pairing(tok, mi);
+  Sampler sampler(o.temperature, o.top_p, o.top_k, o.seed);
+  if (o.mode == "chat") return chat_loop(*model, tok, sampler, o);
+
+  std::vector<int> ids = tok.encode(o.prompt);
+  if (ids.empty()) throw Error("empty prompt (and the tokenizer adds no BOS): nothing to condition on");
+  if (int(ids.size()) >= mi.max_seq_len)
+    throw Error("prompt of " + std::to_string(ids.size()) + " tokens does not fit the context of " +
+                std::to_string(mi.max_seq_len) + " tokens");
+  StreamDecoder dec(tok);
+  GenStats st;
+  write_out(o.prompt);
+  generate(*model, tok, sampler, ids, 0, o.steps, [&](int t) { write_out(dec.put(t)); }, &st);
+  write_out(dec.flush() + "\n");
+  if (!o.quiet) report(st);
+  return 0;
+}
+
+// Parses the command line, loads tokenizer and model, runs; any error becomes "error: ..." on stderr and exit 1.
+inline int run_main(int argc, char** argv, const char* name, const ModelLoader& load) {
+  try {
+    return run_main_inner(argc, argv, name, load);
+  } catch (const std::exception& e) {
+    std::string msg = e.what();
+    std::fflush(stdout);
+    std::fprintf(stderr, "error: %s\n", msg.substr(0, msg.find('\n')).c_str());
+    return 1;
+  }
+}
+
+}  // namespace llm
