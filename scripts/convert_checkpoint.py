@@ -114,11 +114,20 @@ def _require(d: dict, keys, where):
         raise ConvertError(f"{where} lacks {', '.join(missing)}")
 
 
+def _write_atomic(path: Path, text=None, copy_from=None):
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        shutil.copyfile(copy_from, tmp) if copy_from else tmp.write_text(text)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def _copy_files(src_dir: Path, names=TOKENIZER_FILES):
     def write(out_dir: Path):
         for n in names:
             if (src_dir / n).is_file():
-                shutil.copyfile(src_dir / n, out_dir / n)
+                _write_atomic(out_dir / n, copy_from=src_dir / n)
     return write
 
 
@@ -127,6 +136,8 @@ def tensor_table(files) -> dict:
     from safetensors import safe_open
     table = {}
     for f in files:
+        if not f.is_file():
+            raise ConvertError(f"missing weights file {f} (listed in the index)")
         if f.suffix == ".safetensors":
             try:
                 h = safe_open(str(f), framework="pt")
@@ -401,9 +412,7 @@ def convert(src, output_dir, dtype=None) -> Path:
     config = dataclasses.asdict(args)
     sd["_config"] = json.dumps(config)
     save_checkpoint(sd, out / "model.pth")
-    tmp = out / "config.json.tmp"
-    tmp.write_text(json.dumps(config, indent=2) + "\n")
-    os.replace(tmp, out / "config.json")
+    _write_atomic(out / "config.json", json.dumps(config, indent=2) + "\n")
     if s.tokenizer:
         s.tokenizer(out)
     return out / "model.pth"
