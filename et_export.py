@@ -21,9 +21,9 @@
 #     so the mutation is reinplaced instead of copying the cache (model.py slices [:B] first);
 #   * RMSNorm takes its mean over a 4-D view and apply_rope rotates with a constant +-1 matrix (same arithmetic):
 #     XNNPACK rejects 3-D means and slices on the dynamic length;
-#   * in the exported graph, repeat_interleave(k/v) + scaled_dot_product_attention (grouped-query attention) becomes
-#     bmm / add-mask / softmax / bmm over head groups, so the cache is never copied per head and every piece lowers to
-#     XNNPACK (ATen's own SDPA decomposition adds NaN guards that split the delegate);
+#   * in the exported graph, scaled_dot_product_attention (grouped-query: enable_gqa or repeat_interleave'd k/v)
+#     becomes bmm / add-mask / softmax / bmm over head groups, so the cache is never copied per head and every piece
+#     lowers to XNNPACK (ATen's own SDPA decomposition adds NaN guards and copies that split the delegate);
 #   * reshapes on the dynamic length use -1 instead of a symbolic size (XNNPACK rejects symbolic reshapes).
 import argparse
 import contextlib
@@ -121,7 +121,8 @@ def prepare_for_export(model, max_seq_length: int):
 
 
 def _gqa_attention_pass(gm: torch.fx.GraphModule) -> int:
-    """Rewrite sdpa(q, repeat_interleave(k, r, 1), repeat_interleave(v, r, 1), mask) (and plain sdpa with r = 1) into
+    """Rewrite sdpa(q, repeat_interleave(k, r, 1), repeat_interleave(v, r, 1), mask), sdpa(q, k, v, mask,
+    enable_gqa=True) with r = H / Hkv, and plain sdpa (r = 1) into
     explicit grouped attention: q [1, H, T, D] -> [Hkv, r*T, D]; scores = bmm(q, k^T) * scale; view [Hkv, r, T, S]
     + mask; softmax; view back; bmm with v -> [1, H, T, D]. Exactly the same math (every query sees position 0, so no
     all -inf rows), no per-head copy of the cache, and only ops XNNPACK takes. Returns the number rewritten."""
@@ -131,13 +132,14 @@ def _gqa_attention_pass(gm: torch.fx.GraphModule) -> int:
     for node in list(g.nodes):
         if node.op != "call_function" or node.target != aten.scaled_dot_product_attention.default:
             continue
-        args = list(node.args) + [None] * (7 - len(node.args))
+        args = list(node.args) + [None] * (8 - len(node.args))
         q, k, v, mask, dropout, causal, scale = args[:7]
         mask = node.kwargs.get("attn_mask", mask)
         dropout = node.kwargs.get("dropout_p", dropout) or 0.0
         causal = node.kwargs.get("is_causal", causal) or False
         scale = node.kwargs.get("scale", scale)
-        if dropout or causal or node.kwargs.get("enable_gqa") or mask is None:
+        gqa = bool(node.kwargs.get("enable_gqa", args[7] if len(node.args) > 7 else False))
+        if dropout or causal or mask is None:
             continue
         qv, mv = q.meta.get("val"), mask.meta.get("val")
         if qv is None or mv is None or qv.dim() != 4 or mv.dim() != 4 or qv.shape[0] != 1:
@@ -150,13 +152,13 @@ def _gqa_attention_pass(gm: torch.fx.GraphModule) -> int:
             return x, 1
 
         (k0, rk), (v0, rv) = unrepeat(k), unrepeat(v)
-        if rk != rv:
-            continue
         kval = k0.meta.get("val")
-        if kval is None:
+        if rk != rv or kval is None:
             continue
         H, D = int(qv.shape[1]), int(qv.shape[3])
         Hkv, S = int(kval.shape[1]), int(kval.shape[2])
+        if gqa and rk == 1 and Hkv and H % Hkv == 0:  # sdpa(..., enable_gqa=True): KV head h serves H/Hkv query heads
+            rk = H // Hkv
         if Hkv * rk != H:
             continue
         if scale is None:
@@ -236,8 +238,9 @@ def export_programs(model, max_seq_length: int, prefill_chunk: Optional[int] = N
             ex = (torch.zeros(1, prefill_chunk, dtype=torch.long), torch.arange(prefill_chunk))
             progs["prefill"] = export(wrapper, ex, strict=False)
             progs["decode"] = export(wrapper, (torch.zeros(1, 1, dtype=torch.long), torch.tensor([0])), strict=False)
-    for ep in progs.values():
-        _gqa_attention_pass(ep.graph_module)
+    for name, ep in progs.items():
+        if not _gqa_attention_pass(ep.graph_module):
+            print(f"note: {name}: attention left to ATen's SDPA decomposition (pattern not recognised)", file=sys.stderr)
     return progs
 
 
