@@ -59,6 +59,7 @@ class TorchBackend:
             model.setup_caches(max_batch_size, max_seq_length)
         self.model = model
         self.max_batch_size, self.max_seq_length = model.max_batch_size, model.max_seq_length
+        self.vocab_size = model.config.vocab_size
         self.decode_fn = self.prefill_fn = model
         if compile:
             configure_inductor(device)
@@ -313,6 +314,13 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def check_vocab(tok, backend):
+    vocab = getattr(backend, "vocab_size", None)
+    if vocab and tok.vocab_size > vocab:
+        raise ValueError(f"the tokenizer has {tok.vocab_size} tokens but the model only {vocab}: "
+                         "wrong tokenizer for this model?")
+
+
 def read_prompts(args) -> list[str]:
     if args.prompts_file:
         if not args.prompts_file.is_file():
@@ -359,6 +367,7 @@ def main(argv=None):
         raise ValueError("empty prompt (and the tokenizer adds no BOS): nothing to condition on")
     max_seq = args.max_seq_length or max(len(x) for x in ids) + args.max_new_tokens
     backend = load_backend(args, device, dtype, args.full_batch_size or len(ids), max_seq)
+    check_vocab(tok, backend)
     log = (lambda *a: None) if args.quiet else (lambda *a: print(*a, file=sys.stderr))
     stream = len(ids) == 1 and not args.full_batch_size
     runs = ([-1] if args.compile else []) + list(range(args.num_samples))
@@ -402,6 +411,7 @@ def chat(args, tok, device, dtype):
     in the KV cache (the common prefix) are not processed again."""
     max_seq = args.max_seq_length or 2048
     backend = load_backend(args, device, dtype, 1, max_seq)
+    check_vocab(tok, backend)
     messages = [{"role": "system", "content": args.system}] if args.system else []
     cached: list[int] = []
     gen = torch.Generator().manual_seed(args.seed)

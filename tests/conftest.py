@@ -76,3 +76,58 @@ def hf_greedy(hf, ids: list[int], n: int) -> list[int]:
 @pytest.fixture
 def cpu():
     return torch.device("cpu")
+
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+TEXT = ("The quick brown fox jumps over the lazy dog. Once upon a time there was a little robot who liked to paint. "
+        "It painted the sea, the sky and 42 boats in the harbour! Numbers like 3.14159 and 2026 are fine too. ") * 20
+
+
+def make_bpe_tokenizer(out_dir: Path, vocab_size: int = 320) -> Path:
+    """Train a small byte-level BPE with the `tokenizers` library and write tokenizer.json + tokenizer_config.json."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tk = Tokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tk.train_from_iterator([TEXT], trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tk.save(str(out_dir / "tokenizer.json"))
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(dict(
+        bos_token="<|im_start|>", eos_token="<|im_end|>", add_bos_token=False, chat_template=CHATML)))
+    return out_dir
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """checkpoints-style directory: a random tiny Llama (weights from a transformers model) + a BPE tokenizer.
+    Returns (directory, the transformers model)."""
+    from model import checkpoint_state, save_checkpoint
+
+    d = make_bpe_tokenizer(tmp_path_factory.mktemp("tiny") / "tiny-llama")
+    from tokenizer import load_tokenizer
+    hf = tiny_hf("llama", seed=11, vocab_size=load_tokenizer(d).vocab_size, max_position_embeddings=128)
+    save_checkpoint(checkpoint_state(hf_to_model(hf)), d / "model.pth")
+    return d, hf
+
+
+def run_cli(*args, stdin=None, timeout=600):
+    """Run a repo script in a subprocess; returns CompletedProcess (text)."""
+    import subprocess
+    return subprocess.run([sys.executable, *map(str, args)], cwd=REPO, capture_output=True, text=True,
+                          input=stdin, timeout=timeout)
+
+
+def assert_clean_error(r, pattern: str = ""):
+    """A bad input must give a non-zero exit and a one-line `error: ...`, never a traceback."""
+    import re
+    assert r.returncode != 0, r.stdout + r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+    errors = [l for l in r.stderr.splitlines() if l.startswith("error: ")]
+    assert len(errors) == 1, r.stderr
+    assert re.search(pattern, errors[0], re.I), errors[0]

@@ -1,0 +1,163 @@
+# generate.py: the loop against transformers' greedy decoding, sampling rules, --compile, the CLI and its errors.
+import os
+
+import pytest
+import torch
+from conftest import assert_clean_error, hf_greedy, run_cli
+
+import generate as G
+from model import load_model
+from tokenizer import load_tokenizer
+
+
+def test_cli_greedy_matches_transformers(tiny_checkpoint):
+    d, hf = tiny_checkpoint
+    tok = load_tokenizer(d)
+    prompt = "Once upon a time there was"
+    expected = tok.decode(hf_greedy(hf, tok.encode(prompt), 24))
+    r = run_cli("generate.py", "--checkpoint_path", d / "model.pth", "--prompt", prompt, "--max_new_tokens", 24,
+                "--temperature", 0)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == prompt + expected + "\n"
+    assert "decode" in r.stderr and "tok/s" in r.stderr and "peak memory" in r.stderr
+
+
+def test_cli_batch_of_prompts_equals_each_alone(tiny_checkpoint, tmp_path):
+    d, hf = tiny_checkpoint
+    tok = load_tokenizer(d)
+    prompts = ["The quick brown fox", "It", "Numbers like 3.14159 and 2026 are"]
+    (tmp_path / "p.txt").write_text("\n".join(prompts) + "\n")
+    r = run_cli("generate.py", "--checkpoint_path", d / "model.pth", "--prompts_file", tmp_path / "p.txt",
+                "--max_new_tokens", 12, "--temperature", 0, "--quiet")
+    assert r.returncode == 0, r.stderr
+    blocks = [b.strip("\n") for b in r.stdout.split("-" * 40)][:3]
+    for p, block in zip(prompts, blocks):
+        ids = tok.encode(p)
+        out = hf_greedy(hf, ids, 12)
+        if tok.eos_id in out:  # the CLI stops at end of sequence
+            out = out[:out.index(tok.eos_id)]
+        assert block == p + tok.decode(out)
+
+
+def test_compile_matches_eager(tiny_checkpoint, cpu):
+    d, _ = tiny_checkpoint
+    model = load_model(d / "model.pth")
+    prompts = [[5, 17, 33, 2, 90], [7, 8, 9]]
+    eager = G.TorchBackend(model, 2, 48)
+    want, _ = G.generate(eager, prompts, 20, cpu)
+    compiled = G.TorchBackend(model, 2, 48, compile=True)
+    got, _ = G.generate(compiled, prompts, 20, cpu)
+    assert got == want
+    got1, _ = G.generate(compiled, prompts[:1], 20, cpu)
+    assert got1 == want[:1]
+
+
+def test_prefill_chunks_and_continuous_batching_equal_plain(tiny_checkpoint, cpu):
+    d, _ = tiny_checkpoint
+    model = load_model(d / "model.pth")
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 300, (n,), generator=g).tolist() for n in (5, 11, 2, 8, 3)]
+    single = G.TorchBackend(model, 1, 40)
+    want = [G.generate(single, [p], 16, cpu, stop_ids={7})[0][0] for p in prompts]
+    got = [G.generate(single, [p], 16, cpu, stop_ids={7}, prefill_chunk=4)[0][0] for p in prompts]
+    assert got == want
+    cb = G.TorchBackend(model, 2, 40)
+    got, st = G.generate_continuous(cb, prompts, 16, cpu, 2, stop_ids={7})
+    assert got == want and st["new_tokens"] == sum(map(len, want))
+
+
+def test_sampling_rules():
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0, -3.0]])
+    assert G.sample(logits, 0.0).item() == 0
+    p = G.logits_to_probs(logits, 1.0, top_k=2, top_p=None)
+    assert (p[0, 2:] == 0).all() and torch.allclose(p.sum(), torch.tensor(1.0))
+    full = torch.softmax(logits, -1)[0]
+    p = G.logits_to_probs(logits, 1.0, top_k=None, top_p=0.7)  # smallest prefix reaching 0.7: the top two
+    assert full[0] < 0.7 <= full[0] + full[1]
+    assert (p[0, 2:] == 0).all() and torch.allclose(p[0, :2], full[:2] / full[:2].sum())
+    # a seeded generator reproduces the draw; frequencies follow the distribution
+    draws = [G.sample(logits, 1.0, None, None, torch.Generator().manual_seed(s)).item() for s in range(2000)]
+    freq = torch.bincount(torch.tensor(draws), minlength=5).float() / len(draws)
+    assert (freq - full).abs().max() < 0.04
+    g1, g2 = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    assert G.sample(logits.repeat(4, 1), 0.8, 3, 0.9, g1).tolist() == G.sample(logits.repeat(4, 1), 0.8, 3, 0.9, g2).tolist()
+
+
+def test_seed_makes_sampling_reproducible(tiny_checkpoint):
+    d, _ = tiny_checkpoint
+    args = ["generate.py", "--checkpoint_path", d / "model.pth", "--prompt", "It painted", "--max_new_tokens", 16,
+            "--temperature", 0.9, "--top_p", 0.95, "--seed", 7, "--quiet"]
+    a, b = run_cli(*args), run_cli(*args)
+    assert a.returncode == 0 and a.stdout == b.stdout
+
+
+def test_chat_reuses_the_cache(tiny_checkpoint, cpu):
+    """Continuing from the cached prefix gives exactly what processing the whole conversation afresh gives."""
+    d, _ = tiny_checkpoint
+    tok = load_tokenizer(d)
+    model = load_model(d / "model.pth")
+    backend = G.TorchBackend(model, 1, 128)
+    turn1 = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Paint the sea"}]))
+    out1, _ = G.generate(backend, [turn1], 10, cpu)
+    conv = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Paint the sea"},
+                                               {"role": "assistant", "content": tok.decode(out1[0])},
+                                               {"role": "user", "content": "and the sky"}]))
+    common = 0
+    cached = turn1 + out1[0][:-1]
+    while common < min(len(cached), len(conv) - 1) and cached[common] == conv[common]:
+        common += 1
+    assert common >= len(turn1)
+    resumed, _ = G.generate(backend, [conv[common:]], 10, cpu, start_pos=common)
+    fresh, _ = G.generate(G.TorchBackend(model, 1, 128), [conv], 10, cpu)
+    assert resumed == fresh
+    r = run_cli("generate.py", "--checkpoint_path", d / "model.pth", "--chat", "--max_new_tokens", 8,
+                "--temperature", 0, stdin="Paint the sea\nand the sky\n\n")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("> ") >= 2
+
+
+@pytest.mark.parametrize("case", ["missing", "garbage", "truncated", "too_long", "bad_tokenizer", "empty_prompts",
+                                  "vocab_mismatch", "no_cuda"])
+def test_bad_input_gives_one_line_error(case, tiny_checkpoint, tmp_path):
+    d, _ = tiny_checkpoint
+    ck = d / "model.pth"
+    args = ["--prompt", "hello", "--max_new_tokens", 4]
+    pattern = ""
+    if case == "missing":
+        ck, pattern = tmp_path / "nope" / "model.pth", "not found"
+    elif case == "garbage":
+        ck = tmp_path / "garbage" / "model.pth"
+        ck.parent.mkdir()
+        ck.write_bytes(os.urandom(4096))
+        (ck.parent / "tokenizer.json").write_bytes((d / "tokenizer.json").read_bytes())
+        pattern = "cannot read checkpoint"
+    elif case == "truncated":
+        ck = tmp_path / "trunc" / "model.pth"
+        ck.parent.mkdir()
+        ck.write_bytes((d / "model.pth").read_bytes()[:50000])
+        (ck.parent / "tokenizer.json").write_bytes((d / "tokenizer.json").read_bytes())
+        pattern = "cannot read checkpoint"
+    elif case == "too_long":
+        args = ["--prompt", "The quick brown fox " * 40, "--max_seq_length", 64]
+        pattern = "does not fit"
+    elif case == "bad_tokenizer":
+        bad = tmp_path / "badtok"
+        bad.mkdir()
+        (bad / "tokenizer.json").write_text("{not json")
+        args += ["--tokenizer_path", bad]
+    elif case == "empty_prompts":
+        (tmp_path / "empty.txt").write_text("\n\n")
+        args += ["--prompts_file", tmp_path / "empty.txt"]
+        pattern = "no prompts"
+    elif case == "vocab_mismatch":
+        big = tmp_path / "big"
+        from conftest import make_bpe_tokenizer
+        make_bpe_tokenizer(big, vocab_size=400)
+        args += ["--tokenizer_path", big]
+        pattern = "tokenizer"
+    elif case == "no_cuda":
+        if torch.cuda.is_available():
+            pytest.skip("this machine has CUDA")
+        args += ["--device", "cuda"]
+        pattern = "cuda"
+    assert_clean_error(run_cli("generate.py", "--checkpoint_path", ck, *args), pattern)
