@@ -357,8 +357,7 @@ class QaicSession:
         self.program = qaicrt.Program(self.context, single, qpc, props)
         if self.program.load() != qaicrt.QStatus.QS_SUCCESS:
             raise RuntimeError(f"cannot load {qpc_path} on devices {device_ids}")
-        if self.program.activate() != qaicrt.QStatus.QS_SUCCESS:
-            raise RuntimeError(f"cannot activate {qpc_path} on devices {device_ids}")
+        self.program.activate()
         self.exec_obj = qaicrt.ExecObj(self.context, self.program)
         self.qbuffers = [qaicrt.QBuffer(bytes(b.size)) for b in self.bindings]
         self.buf_dims = qaicrt.BufferDimensionsVecRef(

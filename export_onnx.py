@@ -58,7 +58,6 @@ from model import Transformer, load_model, precompute_rope  # noqa: E402
 FP16_MAX = float(np.finfo(np.float16).max)  # 65504
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
                    "generation_config.json", "chat_template.jinja", "chat_template.json")
-META_KEY_PREFIX = ""  # metadata_props keys are the plain field names
 
 
 # ------------------------------------------------------------------------------------------ the swapped submodules
@@ -364,15 +363,19 @@ def self_check(onnx_path, model: Transformer, steps: int = 4, atol: float = 1e-4
         try:
             from tokenizer import load_tokenizer
             tok = load_tokenizer(tokenizer_dir)
-            prompts = [tok.encode("The capital of France is"), tok.encode("Hello")]
+            prompts = [tok.encode("The capital of France is Paris, and the capital of Italy is"),
+                       tok.encode("Hello, my name is")]
             prompts = [p for p in prompts if p] if all(max(p) < V for p in prompts if p) else None
         except Exception:
             prompts = None
-    if not prompts or len(prompts) < 2 or len(prompts[0]) == len(prompts[1]):
-        g = torch.Generator().manual_seed(0)
-        prompts = [torch.randint(0, V, (7,), generator=g).tolist(), torch.randint(0, V, (4,), generator=g).tolist()]
     ort_b = OnnxBackend(onnx_path, max_batch_size=2)
-    ctx = min(ort_b.max_seq_length, max(len(p) for p in prompts) + steps + 1)
+    room = max(3, ort_b.max_seq_length - steps - 1)  # prompt + decode steps fit the context
+    if prompts and len(prompts) == 2:
+        prompts = [prompts[0][:room], prompts[1][:room - 1]]
+    if not prompts or len(prompts) < 2 or min(map(len, prompts)) == 0 or len(prompts[0]) == len(prompts[1]):
+        g = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(0, V, (min(7, room),), generator=g).tolist(),
+                   torch.randint(0, V, (min(4, room - 1),), generator=g).tolist()]
     pt_b = TorchBackend(model, 2, ort_b.max_seq_length)
     B, T = 2, max(len(p) for p in prompts)
     tokens = torch.zeros(B, T, dtype=torch.long)
@@ -389,7 +392,7 @@ def self_check(onnx_path, model: Transformer, steps: int = 4, atol: float = 1e-4
         nxt_p, nxt_o = lp.argmax(-1), lo.argmax(-1)
         equal += int((nxt_p == nxt_o).sum())
         total += B
-        if step == steps or int(last.max()) + 1 >= ctx:
+        if step == steps or int(last.max()) + 1 >= ort_b.max_seq_length:
             break
         last = last + 1
         lp = pt_b.forward(nxt_p.view(B, 1), last.view(B, 1))[:, -1]
@@ -522,7 +525,9 @@ def main(argv=None):
     export(args.checkpoint_path, args.output_dir, ctx_len=args.ctx_len, max_ctx_len=args.max_ctx_len,
            full_batch_size=args.full_batch_size, opset=args.opset, dynamo=args.dynamo, check=not args.skip_check,
            atol=args.atol)
-    print(f"run it: python generate.py --onnx {args.output_dir / 'model.onnx'} --tokenizer_path {args.output_dir} "
+    tok = args.output_dir if (args.output_dir / "tokenizer.json").is_file() or \
+        (args.output_dir / "tokenizer.model").is_file() else "<tokenizer dir>"
+    print(f"run it: python generate.py --onnx {args.output_dir / 'model.onnx'} --tokenizer_path {tok} "
           f"--prompt \"Hello|How are you\"")
 
 

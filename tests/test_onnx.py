@@ -323,3 +323,15 @@ def test_cli_export_then_generate(ckpt, tmp_path):
     assert a.stdout == b.stdout and "hello world" in a.stdout
     bad = _run(["generate.py", "--onnx", tmp_path / "nope.onnx", "--tokenizer_path", out, "--prompt", "x"])
     assert bad.returncode == 1 and bad.stderr.strip().splitlines() == [f"error: ONNX graph not found: {tmp_path / 'nope.onnx'}"]
+
+
+def test_dynamo_exporter_option(ckpt, tmp_path):
+    """--dynamo: the same contract from torch.export (opset 18), also matching PyTorch; batch_index variant."""
+    meta = export_onnx.export(ckpt, tmp_path, ctx_len=24, full_batch_size=2, dynamo=True, atol=1e-4,
+                              log=lambda *a: None)
+    assert meta["exporter"] == "dynamo" and meta["opset"] == 18 and meta["check"]["passed"], meta["check"]
+    m, ins, outs = _io(tmp_path / "model.onnx")
+    assert list(ins)[:3] == ["input_ids", "position_ids", "batch_index"]
+    assert ins["past_key.0"][1] == ["full_batch_size", 2, "ctx_len", 8]
+    assert outs["logits"][1] == ["batch_size", 1, 320]
+    assert [n.op_type for n in m.graph.node].count("ScatterND") == 4
