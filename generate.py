@@ -333,7 +333,14 @@ def read_prompts(args) -> list[str]:
 
 
 def resolve_checkpoint(args):
+    """Fill in checkpoint_path / tokenizer_path. An exported artifact uses the tokenizer files beside it (the exporters
+    copy them there) unless --tokenizer_path or --checkpoint_path says otherwise; else the default model's."""
     exported = args.aoti_package or args.pte or args.onnx or args.qpc
+    if args.tokenizer_path is None and args.checkpoint_path is None and exported:
+        for d in (Path(exported).parent, Path(exported), Path(exported).parent.parent):
+            if d.is_dir() and any((d / f).is_file() for f in ("tokenizer.json", "tokenizer.model")):
+                args.tokenizer_path = d
+                break
     if args.checkpoint_path is None and not (exported and args.tokenizer_path):
         if not DEFAULT_CHECKPOINT.is_file():
             sys.path.insert(0, str(REPO / "scripts"))
