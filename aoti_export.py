@@ -130,9 +130,14 @@ def export(checkpoint_path, output_path, max_seq_length: int = 1024, dtype: Opti
     t0 = time.perf_counter()
     try:
         if so:
+            # a plain shared library with the weights inside; AOT Inductor keeps no metadata in it, so the facts go
+            # to a JSON file beside it (<output>.json), written first so that a .so never lacks one
             configs.update({"aot_inductor.output_path": str(tmp), "aot_inductor.package_constants_in_so": True})
             with torch.no_grad():
                 path = torch._inductor.aot_compile(ep.module(), example, options=configs)
+            sidecar = so_metadata_path(output_path)
+            (tmpdir / sidecar.name).write_text(json.dumps(meta, indent=1))
+            os.replace(tmpdir / sidecar.name, sidecar)
             os.replace(path, output_path)
         else:
             with torch.no_grad():
@@ -144,7 +149,31 @@ def export(checkpoint_path, output_path, max_seq_length: int = 1024, dtype: Opti
     return output_path
 
 
+def so_metadata_path(so_path) -> Path:
+    """Where --so puts the metadata of a plain shared library: beside it, <name>.so.json."""
+    so_path = Path(so_path)
+    return so_path.with_name(so_path.name + ".json")
+
+
 # ----------------------------------------------------------------------------------------------------------- backend
+class _SoRunner:
+    """A plain .so from --so, through the container runner (what aoti_load_package wraps for a .pt2)."""
+
+    def __init__(self, path: Path, meta: dict):
+        dev = meta.get("device", "cpu")
+        if dev == "cuda":
+            self.runner = torch._C._aoti.AOTIModelContainerRunnerCuda(str(path), 1)
+        else:
+            self.runner = torch._C._aoti.AOTIModelContainerRunnerCpu(str(path), 1)
+        self.meta = meta
+
+    def get_metadata(self):
+        return self.meta
+
+    def __call__(self, *args):
+        return self.runner.run(list(args))
+
+
 class AOTIBackend:
     """generate.py backend over an AOT Inductor package: forward(tokens[1, T], input_pos[T]) -> logits[1, T, V]."""
 
@@ -156,7 +185,8 @@ class AOTIBackend:
         if not path.is_file():
             raise FileNotFoundError(f"AOT Inductor package not found: {path}")
         if path.suffix == ".so":
-            raise ValueError(f"{path}: a plain .so from --so is not loadable here; export a .pt2 package instead")
+            self._load_so(path, device)
+            return
         if not zipfile.is_zipfile(path):
             raise ValueError(f"{path}: not an AOT Inductor package (not a .pt2 zip archive; truncated or wrong file?)")
         try:
@@ -164,15 +194,33 @@ class AOTIBackend:
             meta = self.runner.get_metadata()
         except Exception as e:
             msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise ValueError(f"{path}: cannot load AOT Inductor package ({msg})") from None
+            raise ValueError(f"{path}: cannot load AOT Inductor package ({msg[:300]})") from None
+        self._set_metadata(path, meta, device)
+
+    def _load_so(self, path: Path, device):
+        side = so_metadata_path(path)
+        try:
+            meta = json.loads(side.read_text())
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{path}: its metadata file {side.name} (written by aoti_export.py --so) is missing")
+        except (OSError, ValueError) as e:
+            raise ValueError(f"{side}: unreadable metadata ({type(e).__name__})") from None
+        try:
+            self.runner = _SoRunner(path, meta)
+        except Exception as e:
+            msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ValueError(f"{path}: cannot load AOT Inductor library ({msg[:300]})") from None
+        self._set_metadata(path, meta, device)
+
+    def _set_metadata(self, path, meta, device):
         if "max_seq_len" not in meta:
             raise ValueError(f"{path}: not made by aoti_export.py (no max_seq_len in the package metadata)")
         self.metadata = dict(meta)
         self.device = torch.device(meta.get("device", "cpu"))
         want = torch.device(device) if device is not None else self.device
         if want.type != self.device.type:
-            raise ValueError(f"{path} was compiled for {self.device.type}, not {want.type}; re-export with "
-                             f"--device {want.type}")
+            raise ValueError(f"{path} was compiled for {self.device.type}: run it with --device {self.device.type} "
+                             f"(or export again with --device {want.type})")
         self.max_seq_length = int(meta["max_seq_len"])
         self.vocab_size = int(meta["vocab_size"])
 

@@ -5,7 +5,9 @@
 #include <ATen/ops/empty.h>
 #include <c10/core/InferenceMode.h>
 #include <torch/csrc/inductor/aoti_package/model_package_loader.h>
+#include <torch/csrc/inductor/aoti_runner/model_container_runner_cpu.h>
 
+#include <cctype>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
@@ -45,6 +47,61 @@ void check_zip(const std::string& path) {
     throw llm::Error(path + ": truncated or corrupt AOT Inductor package (no zip directory at the end)");
 }
 
+// The metadata file aoti_export.py --so writes beside a plain .so: a flat JSON object of strings.
+std::unordered_map<std::string, std::string> read_flat_json(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f) throw llm::Error("cannot open " + path + " (the metadata aoti_export.py --so writes beside the .so)");
+  std::stringstream ss;
+  ss << f.rdbuf();
+  const std::string d = ss.str();
+  std::unordered_map<std::string, std::string> out;
+  size_t i = 0;
+  auto bad = [&]() -> llm::Error { return llm::Error(path + ": not a flat JSON object of strings"); };
+  auto skip = [&] { while (i < d.size() && std::isspace((unsigned char)d[i])) i++; };
+  auto str = [&]() {
+    skip();
+    if (i >= d.size() || d[i] != '"') throw bad();
+    std::string s;
+    for (i++; i < d.size() && d[i] != '"'; i++) {
+      if (d[i] == '\\' && i + 1 < d.size()) {
+        char e = d[++i];
+        if (e == 'n') s += '\n';
+        else if (e == 't') s += '\t';
+        else if (e == 'u' && i + 4 < d.size()) {  // \uXXXX (BMP only; the values are ASCII in practice)
+          llm::append_utf8(s, uint32_t(std::stoul(d.substr(i + 1, 4), nullptr, 16)));
+          i += 4;
+        } else s += e;
+      } else {
+        s += d[i];
+      }
+    }
+    if (i >= d.size()) throw bad();
+    i++;
+    return s;
+  };
+  skip();
+  if (i >= d.size() || d[i] != '{') throw bad();
+  i++;
+  skip();
+  if (i < d.size() && d[i] == '}') return out;
+  while (true) {
+    std::string k = str();
+    skip();
+    if (i >= d.size() || d[i] != ':') throw bad();
+    i++;
+    out[k] = str();
+    skip();
+    if (i < d.size() && d[i] == ',') { i++; continue; }
+    if (i < d.size() && d[i] == '}') break;
+    throw bad();
+  }
+  return out;
+}
+
+bool ends_with(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
 int meta_int(const std::unordered_map<std::string, std::string>& m, const std::string& k, int dflt) {
   auto it = m.find(k);
   if (it == m.end() || it->second.empty()) return dflt;
@@ -58,6 +115,10 @@ int meta_int(const std::unordered_map<std::string, std::string>& m, const std::s
 class AotiModel : public llm::Model {
  public:
   explicit AotiModel(const std::string& path) {
+    if (ends_with(path, ".so")) {
+      load_so(path);
+      return;
+    }
     check_zip(path);
     // the loader unpacks into a fresh directory under $TMPDIR and leaves it behind when loading fails: give it a
     // private parent that is removed on failure
@@ -81,7 +142,22 @@ class AotiModel : public llm::Model {
     }
     restore();
     if (priv) private_tmp_ = priv;
-    auto meta = loader_->get_metadata();
+    set_metadata(path, loader_->get_metadata());
+  }
+
+  void load_so(const std::string& path) {
+    auto meta = read_flat_json(path + ".json");
+    if (meta.count("device") && meta["device"] != "cpu")
+      throw llm::Error(path + ": a " + meta["device"] + " library; this runner loads CPU .so files (use a .pt2)");
+    try {
+      so_runner_ = std::make_unique<torch::inductor::AOTIModelContainerRunnerCpu>(path);
+    } catch (const std::exception& e) {
+      throw llm::Error(path + ": cannot load AOT Inductor library: " + first_line(e.what()));
+    }
+    set_metadata(path, meta);
+  }
+
+  void set_metadata(const std::string& path, std::unordered_map<std::string, std::string> meta) {
     if (!meta.count("max_seq_len") || !meta.count("vocab_size"))
       throw llm::Error(path + ": package metadata lacks max_seq_len/vocab_size (not made by aoti_export.py?)");
     info_.vocab_size = meta_int(meta, "vocab_size", 0);
@@ -122,7 +198,7 @@ class AotiModel : public llm::Model {
     if (!device_.is_cpu()) t = t.to(device_), p = p.to(device_);
     std::vector<at::Tensor> out;
     try {
-      out = loader_->run({t, p});
+      out = loader_ ? loader_->run({t, p}) : so_runner_->run({t, p});
     } catch (const std::exception& e) {
       throw llm::Error("forward failed: " + first_line(e.what()));
     }
@@ -133,6 +209,7 @@ class AotiModel : public llm::Model {
 
  private:
   std::unique_ptr<torch::inductor::AOTIModelPackageLoader> loader_;
+  std::unique_ptr<torch::inductor::AOTIModelContainerRunnerCpu> so_runner_;
   llm::ModelInfo info_;
   c10::Device device_{c10::DeviceType::CPU};
   at::Tensor last_;

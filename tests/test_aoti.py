@@ -1,0 +1,215 @@
+# aoti_export.py and runner-aoti/: a tiny random model exported once to a .pt2 (about a minute on 2 cores); its
+# greedy tokens through AOTIBackend equal eager model.py's; the C++ runner prints exactly what
+# `generate.py --aoti_package ... --temperature 0` prints, for a SentencePiece and a byte-level BPE tokenizer, in
+# generate and chat mode (and for a quantize.py checkpoint when quantize.py is there); broken inputs are clear errors.
+# The runner is built once into runner-aoti/build (incremental afterwards); tests that need it skip only when
+# cmake or a C++ compiler is missing.
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_tokenizer_bin import export_bin, make_bpe_dir, make_sp_dir  # noqa: E402
+
+RUNNER_DIR = REPO / "runner-aoti"
+RUNNER = RUNNER_DIR / "build" / "run"
+ENV = dict(os.environ, OMP_NUM_THREADS="1")  # identical GEMM reductions in both processes, and fast on 2 shared cores
+MAX_SEQ = 96
+VOCAB = 512  # > both tokenizers: the model may emit ids the tokenizer lacks (decoded as "" in both)
+PROMPTS = ["Once upon a time", "Hello", " x  y\n\nz 123 café 🤖"]  # generate.py splits --prompt at '|'
+SPECIAL_PROMPT = "<|im_start|>user\nhi<|im_end|>\n"
+
+
+def tiny_checkpoint(path: Path, seed=0, vocab=VOCAB):
+    from model import ModelArgs, Transformer, checkpoint_state, save_checkpoint
+    torch.manual_seed(seed)
+    args = ModelArgs(n_layer=2, n_head=4, n_local_heads=2, dim=64, intermediate_size=128, vocab_size=vocab,
+                     block_size=256)
+    m = Transformer(args)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_(0, 0.2)
+    save_checkpoint(checkpoint_state(m), path)
+    return path
+
+
+def run(cmd, **kw):
+    return subprocess.run([str(c) for c in cmd], capture_output=True, text=True, env=kw.pop("env", ENV), **kw)
+
+
+def build_runner(src=RUNNER_DIR, binary=RUNNER, what="runner-aoti"):
+    """cmake configure (first time) + incremental build of a runner; skip when the toolchain is missing."""
+    if shutil.which("cmake") is None:
+        pytest.skip("cmake is not installed: cannot build " + what)
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        pytest.skip("no C++ compiler: cannot build " + what)
+    build = src / "build"
+    if not (build / "CMakeCache.txt").exists():
+        r = run(["cmake", "-S", src, "-B", build, f"-DPYTHON_EXECUTABLE={sys.executable}"])
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    r = run(["cmake", "--build", build, "-j2"])
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return binary
+
+
+def export_pt2(ckpt: Path, out: Path, *extra):
+    r = run([sys.executable, REPO / "aoti_export.py", "--checkpoint_path", ckpt, "--output_path", out,
+             "--max_seq_length", MAX_SEQ, *extra])
+    assert r.returncode == 0, r.stderr[-3000:]
+    return out
+
+
+def generate_py(model_args, tok_dir, prompt, n, *extra, stdin=None):
+    r = run([sys.executable, REPO / "generate.py", *model_args, "--tokenizer_path", tok_dir, "--prompt", prompt,
+             "--max_new_tokens", n, "--temperature", 0, *extra], input=stdin)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r.stdout
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    root = tmp_path_factory.mktemp("aoti")
+    sp, bpe = make_sp_dir(root / "sp"), make_bpe_dir(root / "bpe")
+    ckpt = tiny_checkpoint(bpe / "model.pth")  # beside the BPE tokenizer: its facts go into the package metadata
+    pt2 = export_pt2(ckpt, root / "tiny.pt2")
+    return dict(root=root, sp=sp, bpe=bpe, ckpt=ckpt, pt2=pt2,
+                bins={"sp": export_bin(sp, root / "sp.bin"), "bpe": export_bin(bpe, root / "bpe.bin")})
+
+
+@pytest.fixture(scope="module")
+def runner():
+    return build_runner()
+
+
+def test_metadata_and_atomic_write(env):
+    from aoti_export import AOTIBackend
+    b = AOTIBackend(env["pt2"])
+    m = b.metadata
+    assert b.max_seq_length == MAX_SEQ and int(m["vocab_size"]) == VOCAB and m["tokenizer_kind"] == "bpe"
+    assert m["bos_id"] == "1" and set(m["eos_ids"].split(",")) == {"0", "2"} and m["dtype"] == "float32"
+    assert [p.name for p in env["root"].iterdir() if p.name.startswith(".")] == []  # no temp leftovers
+
+
+def test_backend_greedy_equals_eager(env):
+    from aoti_export import AOTIBackend
+    from generate import TorchBackend, generate
+    from model import load_model
+    cpu = torch.device("cpu")
+    prompts = [[1, 5, 9, 300, 17], [7]]
+    for p in prompts:
+        eager = TorchBackend(load_model(env["ckpt"]), 1, MAX_SEQ)
+        want, _ = generate(eager, [p], 40, cpu)
+        got, _ = generate(AOTIBackend(env["pt2"]), [p], 40, cpu)
+        assert got == want
+    # logits too, prefill and decode
+    b, m = AOTIBackend(env["pt2"]), load_model(env["ckpt"])
+    m.setup_caches(1, MAX_SEQ)
+    x, pos = torch.tensor([[3, 4, 5, 6]]), torch.arange(4)
+    torch.testing.assert_close(b.forward(x, pos), m(x, pos), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(b.forward(x[:, :1], pos[:1] + 4), m(x[:, :1], pos[:1] + 4), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["bpe", "sp"])
+def test_runner_matches_generate_py(env, runner, kind):
+    for prompt, n in [(p, 24) for p in PROMPTS] + [("Once upon a time", 500)]:  # 500: clamped to the context
+        want = generate_py(["--aoti_package", env["pt2"]], env[kind], prompt, n)
+        r = run([runner, env["pt2"], "-z", env["bins"][kind], "-i", prompt, "-n", n, "-t", 0])
+        assert r.returncode == 0, r.stderr
+        assert r.stdout == want, (kind, prompt)
+        assert "achieved tok/s" in r.stderr and "TTFT" in r.stderr
+
+
+def test_runner_encode_mode(env, runner):
+    import tokenizer as T
+    tok = T.load_tokenizer(env["bpe"])
+    for prompt in PROMPTS + [SPECIAL_PROMPT]:
+        r = run([runner, env["pt2"], "-z", env["bins"]["bpe"], "-e", "-i", prompt])
+        assert r.returncode == 0 and [int(x) for x in r.stdout.split()] == tok.encode(prompt)
+
+
+def test_runner_chat_matches_generate_py(env, runner):
+    turns = "Hi there\nWhat is 2+2?\n\n"
+    # a short system prompt: the template's default one alone is ~90 tokens in this tiny vocabulary
+    want = generate_py(["--aoti_package", env["pt2"]], env["bpe"], "unused", 12, "--chat", "--system", "Be brief.",
+                       stdin=turns)
+    r = run([runner, env["pt2"], "-z", env["bins"]["bpe"], "-m", "chat", "-n", 12, "-t", 0, "-y", "Be brief."],
+            input=turns)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == want and r.stdout.count("> ") >= 3
+
+
+def test_runner_sampling_is_seeded(env, runner):
+    outs = [run([runner, env["pt2"], "-z", env["bins"]["bpe"], "-i", "Hello", "-n", 20, "-t", t, "-p", 0.9, "-s", s,
+                 "-q"]).stdout for t, s in ((0.8, 42), (0.8, 42), (0.8, 43), (1.0, 42))]
+    assert outs[0] == outs[1] and len({outs[0], outs[2], outs[3]}) > 1
+
+
+def test_so_library(env, runner):
+    so = env["root"] / "tiny.so"
+    export_pt2(env["ckpt"], so, "--so")
+    assert json.loads((env["root"] / "tiny.so.json").read_text())["max_seq_len"] == str(MAX_SEQ)
+    want = generate_py(["--aoti_package", env["pt2"]], env["bpe"], "Once upon a time", 20)
+    assert generate_py(["--aoti_package", so], env["bpe"], "Once upon a time", 20) == want
+    r = run([runner, so, "-z", env["bins"]["bpe"], "-i", "Once upon a time", "-n", 20, "-t", 0])
+    assert r.returncode == 0 and r.stdout == want, r.stderr
+
+
+def test_quantized_checkpoint(env, runner):
+    if not (REPO / "quantize.py").exists():
+        pytest.skip("quantize.py is not in the repository yet")
+    r = run([sys.executable, REPO / "quantize.py", "--checkpoint_path", env["ckpt"], "--mode", "int8"])
+    assert r.returncode == 0, r.stderr[-2000:]
+    q = next(p for p in env["bpe"].glob("model_int8*.pth"))
+    pt2 = export_pt2(q, env["root"] / "tiny_int8.pt2")
+    from aoti_export import AOTIBackend
+    assert "quantization" in AOTIBackend(pt2).metadata
+    # the package computes what the quantized eager model computes
+    from generate import TorchBackend, generate
+    from model import load_model
+    cpu = torch.device("cpu")
+    want, _ = generate(TorchBackend(load_model(q), 1, MAX_SEQ), [[1, 5, 9]], 30, cpu)
+    got, _ = generate(AOTIBackend(pt2), [[1, 5, 9]], 30, cpu)
+    assert got == want
+    for prompt in PROMPTS[:2]:
+        expect = generate_py(["--aoti_package", pt2], env["bpe"], prompt, 24)
+        r = run([runner, pt2, "-z", env["bins"]["bpe"], "-i", prompt, "-n", 24, "-t", 0])
+        assert r.returncode == 0 and r.stdout == expect, r.stderr
+
+
+def test_broken_inputs(env, runner, tmp_path):
+    good = env["pt2"].read_bytes()
+    (tmp_path / "trunc.pt2").write_bytes(good[:len(good) // 2])
+    (tmp_path / "junk.pt2").write_bytes(b"not a zip at all" * 100)
+    tok = env["bins"]["bpe"].read_bytes()
+    (tmp_path / "trunc.bin").write_bytes(tok[:len(tok) // 3])
+    cases = [
+        ([tmp_path / "trunc.pt2", "-z", env["bins"]["bpe"]], "truncated"),
+        ([tmp_path / "junk.pt2", "-z", env["bins"]["bpe"]], "not an AOT Inductor package"),
+        ([tmp_path / "missing.pt2", "-z", env["bins"]["bpe"]], "cannot open"),
+        ([env["pt2"], "-z", tmp_path / "trunc.bin"], "truncated"),
+        ([env["pt2"], "-z", tmp_path / "missing.bin"], "cannot open tokenizer"),
+        ([env["pt2"], "-z", env["bins"]["bpe"], "-t", "abc"], "bad value"),
+        ([env["pt2"], "-z", env["bins"]["bpe"], "-m", "poem"], "unknown mode"),
+        ([env["pt2"], "-z", env["bins"]["bpe"], "-i", "x " * 200], "does not fit the context"),
+    ]
+    for args, msg in cases:
+        r = run([runner, *args, "-i", "hi"] if "-i" not in args else [runner, *args])
+        last = r.stderr.strip().splitlines()[-1]
+        assert r.returncode == 1 and last.startswith("error: ") and msg in last, (args, r.stderr)
+        assert r.stdout == ""
+    # generate.py: one line, exit 1, no traceback
+    for f, msg in ((tmp_path / "trunc.pt2", "not an AOT Inductor package"), (tmp_path / "missing.pt2", "not found")):
+        r = run([sys.executable, REPO / "generate.py", "--aoti_package", f, "--tokenizer_path", env["bpe"]])
+        assert r.returncode == 1 and r.stderr.startswith("error: ") and msg in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr
+    r = run([sys.executable, REPO / "aoti_export.py", "--checkpoint_path", tmp_path / "nope.pth", "--output_path",
+             tmp_path / "x.pt2"])
+    assert r.returncode == 1 and r.stderr.startswith("error: ") and not (tmp_path / "x.pt2").exists()
