@@ -71,6 +71,50 @@ def _rotate_half_weight(d: int) -> Tensor:
     return r.t().contiguous()  # linear() multiplies by W^T
 
 
+def _et_embedding_operands(qw):
+    """quantize.py's QuantizedWeight of an embedding -> (weight, scales, zero_points, bits) in the layout of ExecuTorch's
+    quantized_decomposed::embedding_byte / embedding_4bit kernels (w = (q - zp) * s; 4-bit values stored as q + 8,
+    two per byte, even element in the high nibble)."""
+    if qw.bits == 8:
+        return qw.qdata.to(torch.int8), qw.scales, None, 8
+    q = qw.int_values().to(torch.int32)                          # [N, K] in [0, 15]
+    packed = ((q[:, 0::2] << 4) | q[:, 1::2]).to(torch.uint8)    # [N, K/2]
+    if qw.zeros is None:                                          # symmetric: w = (q - 8) * s
+        return packed, qw.scales, None, 4
+    # asymmetric: w = q * s + z = (q - 8 - zp) * s with zp = -8 - z / s (float zero points, as the kernel takes them)
+    s = qw.scales
+    zp = torch.where(s != 0, -8.0 - qw.zeros / torch.where(s != 0, s, torch.ones_like(s)), torch.zeros_like(s))
+    return packed, s, zp.to(s.dtype), 4
+
+
+def _quantized_embedding_forward(self, idx: Tensor) -> Tensor:
+    """QuantizedEmbedding.forward through ExecuTorch's quantized embedding kernels (their unpacking with shifts has no
+    ExecuTorch kernel, and gathering first keeps the table packed)."""
+    import executorch.exir.passes._quant_patterns_and_replacements  # noqa: F401 - defines quantized_decomposed ops
+    ops = torch.ops.quantized_decomposed
+    zp = getattr(self, "_et_zeros", None)
+    if self._et_bits == 8:
+        return ops.embedding_byte.default(self._et_weight, self._et_scales, zp, -128, 127, idx)
+    return ops.embedding_4bit.default(self._et_weight, self._et_scales, zp, -8, 7, idx)
+
+
+def _int8_linear_forward(self, x: Tensor) -> Tensor:
+    """quantize.py's int8 weight-only QuantizedLinear for XNNPACK: the same int8 weights and per-channel scales, with the
+    activations quantized dynamically per token (asymmetric int8, torchao's pattern), which XNNPACK runs as its
+    qd8-f32-qc8w GEMM. XNNPACK has no float x int8 weight-only GEMM; without this the weights would be dequantized by
+    portable kernels on every call. Differs from eager int8 by the activation rounding only."""
+    import torchao.quantization.quant_primitives as qp
+    qw = self.qweight
+    bs = (1,) * (x.dim() - 1) + (x.shape[-1],)
+    s, zp = qp.choose_qparams_affine(x, qp.MappingType.ASYMMETRIC, bs, torch.int8, -128, 127,
+                                     zero_point_dtype=torch.int8)
+    xq = qp.quantize_affine(x, bs, s, zp, torch.int8, -128, 127)
+    x = qp.dequantize_affine(xq, bs, s, zp, torch.int8, -128, 127, output_dtype=x.dtype)
+    w = qp.dequantize_affine(qw.qdata, (1, qw.in_features), self._et_scales, self._et_zero_point, torch.int8, -127, 127,
+                             output_dtype=x.dtype)
+    return torch.nn.functional.linear(x, w, self.bias)
+
+
 _ROPE_OWNER = []  # the module holding the rotation weight as a buffer while export_swaps is active
 
 
@@ -83,14 +127,18 @@ def _apply_rope_linear(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 @contextlib.contextmanager
-def export_swaps(model):
+def export_swaps(model, int8_dynamic: bool = True):
     """Swap small helpers for export-friendly equivalents while exporting; everything is restored afterwards.
       * each KVCache.update index_copy_s straight into its whole buffer (batch 1, positions [T]), so the mutation is
         reinplaced on the mutable buffer instead of copying the cache through a [:B] view;
       * RMSNorm.forward takes its mean over a 4-D view and model.apply_rope rotates with a constant matmul, so both
-        stay inside the XNNPACK delegate (same arithmetic)."""
+        stay inside the XNNPACK delegate (same arithmetic);
+      * quantize.py's QuantizedEmbedding gathers through quantized_decomposed::embedding_byte / embedding_4bit (the
+        kernels of ExecuTorch's quantized library) from a repacked copy of its table;
+      * with int8_dynamic, int8 weight-only QuantizedLinears quantize their activations per token so that XNNPACK
+        takes them (see _int8_linear_forward); for the portable backend they stay weight-only."""
     import model as model_py
-    patched = []
+    patched, embeddings = [], []
     for m in model.modules():
         if isinstance(m, model_py.KVCache):
             m.update = _direct_update.__get__(m)
@@ -98,6 +146,25 @@ def export_swaps(model):
         elif isinstance(m, model_py.RMSNorm):
             m.forward = _rmsnorm_forward.__get__(m)
             patched.append((m, "forward"))
+        elif type(m).__name__ == "QuantizedEmbedding" and hasattr(m, "qweight"):  # quantize.py
+            w, sc, zp, bits = _et_embedding_operands(m.qweight)
+            m.register_buffer("_et_weight", w, persistent=False)
+            m.register_buffer("_et_scales", sc, persistent=False)
+            if zp is not None:
+                m.register_buffer("_et_zeros", zp, persistent=False)
+            m._et_bits = bits
+            m.forward = _quantized_embedding_forward.__get__(m)
+            patched.append((m, "forward"))
+            embeddings.append(m)
+        elif (int8_dynamic and type(m).__name__ == "QuantizedLinear" and getattr(m, "act", None) is None
+              and getattr(getattr(m, "qweight", None), "bits", None) == 8):
+            qw = m.qweight
+            m.register_buffer("_et_scales", qw.scales.reshape(-1, 1).clone(), persistent=False)
+            m.register_buffer("_et_zero_point", torch.zeros(qw.out_features, 1, dtype=torch.int8, device=qw.qdata.device),
+                              persistent=False)
+            m.forward = _int8_linear_forward.__get__(m)
+            patched.append((m, "forward"))
+            embeddings.append(m)
     rope = model_py.apply_rope
     model.register_buffer("_et_rotate_half", _rotate_half_weight(model.config.head_dim).to(model.norm.weight.device),
                           persistent=False)
@@ -111,6 +178,10 @@ def export_swaps(model):
         del model._buffers["_et_rotate_half"]
         for m, name in patched:
             m.__dict__.pop(name, None)
+        for m in embeddings:
+            for b in ("_et_weight", "_et_scales", "_et_zeros", "_et_zero_point"):
+                m._buffers.pop(b, None)
+            m.__dict__.pop("_et_bits", None)
 
 
 def prepare_for_export(model, max_seq_length: int):
@@ -220,14 +291,15 @@ class _Forward(torch.nn.Module):
         return self.model(tokens, input_pos)
 
 
-def export_programs(model, max_seq_length: int, prefill_chunk: Optional[int] = None) -> dict:
+def export_programs(model, max_seq_length: int, prefill_chunk: Optional[int] = None,
+                    backend: str = "xnnpack") -> dict:
     """torch.export the prepared model: {"forward": dynamic T} (+ "prefill": T = prefill_chunk, "decode": T = 1).
     All share one module, so the lowered program shares weights and (with share_mutable_buffers) the cache."""
     from torch.export import Dim, export
     S = model.max_seq_length
     wrapper = _Forward(model)
     progs = {}
-    with torch.no_grad(), export_swaps(model):
+    with torch.no_grad(), export_swaps(model, int8_dynamic=backend == "xnnpack"):
         seq = Dim("seq", min=1, max=S)
         T = min(4, S)
         ex = (torch.zeros(1, T, dtype=torch.long), torch.arange(T))
@@ -375,10 +447,13 @@ def export_pte(model, output_path, max_seq_length: int = DEFAULT_MAX_SEQ_LENGTH,
     log = (lambda *a: print(*a, file=sys.stderr)) if verbose else (lambda *a: None)
     output_path = Path(output_path)
     _backend_partitioners(backend)  # fail fast, before the slow export, on a backend that cannot work here
+    if backend == "xnnpack" and _scales_not_bf16(model):
+        log("note: XNNPACK stores 4-bit group scales as bfloat16; this model's scales are not bf16 values, so the .pte's "
+            "logits differ slightly from the eager quantized model's")
     t0 = time.perf_counter()
     prepare_for_export(model, max_seq_length)
     S = model.max_seq_length
-    progs = export_programs(model, S, prefill_chunk)
+    progs = export_programs(model, S, prefill_chunk, backend)
     t1 = time.perf_counter()
     cfg = model.config
     constant_methods = {
@@ -518,34 +593,36 @@ def main(argv=None):
         ckpt = DEFAULT_CHECKPOINT
     if args.max_seq_length < 2:
         raise ValueError("--max_seq_length must be at least 2")
-    _backend_partitioners(args.backend)
+    _backend_partitioners(args.backend)  # a missing vendor SDK is reported before the checkpoint is even read
     model = load_model(ckpt, dtype=torch.float32)
-    recipe = getattr(model, "_quantization", None)
+    quantization = {"mode": "quantized checkpoint"} if _is_quantized(model) else None
     if args.quantize:
-        if _is_quantized(model):
+        if quantization:
             raise ValueError(f"{ckpt} is already quantized; export it without --quantize")
         import quantize
         recipe = quantize.quantize_model(model, args.quantize, groupsize=args.groupsize)
         model.requires_grad_(False)
+        quantization = recipe if isinstance(recipe, dict) else {"mode": args.quantize}
     tok_path = args.tokenizer_path or (Path(ckpt) if Path(ckpt).is_dir() else Path(ckpt).parent)
     bos, eos = _token_ids(tok_path, args.bos_id, args.eos_ids)
-    if args.quantize:
-        recipe = recipe if isinstance(recipe, dict) else {"mode": args.quantize}
     export_pte(model, args.output_path, args.max_seq_length, args.backend, bos, eos, args.prefill_chunk,
-               quantization=recipe if isinstance(recipe, dict) else None)
+               quantization=quantization)
+
+
+def _scales_not_bf16(model) -> bool:
+    """True when an 8da4w weight (quantize.py keeps qdata_int8 for the XNNPACK pattern) has scales that bfloat16
+    cannot hold exactly."""
+    for m in model.modules():
+        if hasattr(m, "qdata_int8") and isinstance(getattr(m, "scales", None), Tensor):
+            s = m.scales.float()
+            if not torch.equal(s, s.to(torch.bfloat16).float()):
+                return True
+    return False
 
 
 def _is_quantized(model) -> bool:
-    """True when some weight is not a plain float tensor (a quantized checkpoint loaded by load_model)."""
-    for m in model.modules():
-        w = getattr(m, "weight", None)
-        if isinstance(m, (torch.nn.Linear, torch.nn.Embedding)) and w is not None:
-            if type(w) not in (torch.Tensor, torch.nn.Parameter) or not w.dtype.is_floating_point:
-                return True
-        elif not isinstance(m, (torch.nn.Linear, torch.nn.Embedding)) and hasattr(m, "weight") and \
-                isinstance(w, Tensor) and not w.dtype.is_floating_point:
-            return True
-    return any(not b.dtype.is_floating_point for n, b in model.named_buffers() if "cache" not in n)
+    """True for a model holding quantize.py's modules (a quantized checkpoint loaded by load_model)."""
+    return any(type(m).__name__ in ("QuantizedLinear", "QuantizedEmbedding", "QuantizedWeight") for m in model.modules())
 
 
 if __name__ == "__main__":
