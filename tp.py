@@ -31,6 +31,7 @@
 #
 # Collectives: torch.distributed._functional_collectives.all_reduce in forward hooks (what gpt-fast does): eager mode
 # and torch.compile(fullgraph=True) both trace it. NCCL on CUDA, Gloo on CPU.
+import contextlib
 import dataclasses
 import os
 import sys
@@ -41,8 +42,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch import Tensor
 
-__all__ = ["maybe_init_dist", "apply_tp", "is_rank0", "rank0_print", "rank0_only_output", "get_rank",
-           "get_world_size", "tp_launched"]
+__all__ = ["maybe_init_dist", "apply_tp", "load_model_tp", "is_rank0", "rank0_print", "rank0_only_output",
+           "rank0_first", "get_rank", "get_world_size", "tp_launched"]
 
 
 # ----------------------------------------------------------------------------------------------------------- process group
@@ -79,14 +80,14 @@ def maybe_init_dist(device=None) -> Optional[int]:
             raise ValueError(f"local rank {local_rank} has no GPU: this node has {n}; "
                              f"use --nproc_per_node {n} or fewer")
         torch.cuda.set_device(local_rank)
-        backend = "nccl"
+        backend, kw = "nccl", {"device_id": torch.device("cuda", local_rank)}  # binds the GPU, eager NCCL init
     elif device.type == "cpu":
         if not dist.is_gloo_available():
             raise RuntimeError("tensor parallelism on the CPU needs the Gloo backend, which this PyTorch lacks")
-        backend = "gloo"
+        backend, kw = "gloo", {}
     else:
         raise ValueError(f"tensor parallelism runs on cuda (NCCL) or cpu (Gloo), not {device.type}")
-    dist.init_process_group(backend=backend, rank=rank, world_size=world)
+    dist.init_process_group(backend=backend, rank=rank, world_size=world, **kw)
     import atexit
     atexit.register(_destroy)
     return rank
@@ -142,9 +143,20 @@ def rank0_only_output():
     "[rank N] " prefix (warnings and errors of every rank stay visible, and rank 0's `error: ...` line is the only one
     that starts with "error:"). No-op on rank 0 and outside torchrun."""
     r = get_rank()
-    if r != 0:
+    if r != 0 and not isinstance(sys.stderr, _Prefixed):
         sys.stdout = open(os.devnull, "w")
         sys.stderr = _Prefixed(sys.stderr, f"[rank {r}] ")
+
+
+@contextlib.contextmanager
+def rank0_first():
+    """Rank 0 runs the block first (e.g. preparing the default checkpoint), the other ranks after it is done."""
+    multi = get_world_size() > 1
+    if multi and get_rank() != 0:
+        dist.barrier()
+    yield
+    if multi and get_rank() == 0:
+        dist.barrier()
 
 
 # ----------------------------------------------------------------------------------------------------------- sharding
@@ -312,3 +324,14 @@ def apply_tp(model: nn.Module, rank: Optional[int] = None, world_size: Optional[
     if model.max_seq_length > 0:  # caches made before sharding hold every head: remake them per rank
         model.setup_caches(model.max_batch_size, model.max_seq_length)
     return model
+
+
+def load_model_tp(checkpoint_path, device="cpu", dtype: Optional[torch.dtype] = None) -> nn.Module:
+    """model.load_model + apply_tp for this rank: the checkpoint is memory-mapped on the CPU, this rank's slices are
+    copied out, and only they (plus the replicated embedding, output and norms) move to the device and dtype, so no
+    device ever holds the whole model. Integer (quantized) tensors keep their dtype, as in load_model."""
+    from model import load_model
+    model = apply_tp(load_model(checkpoint_path, device="cpu"))
+    if dtype is not None:
+        model = model.to(dtype=dtype)
+    return model.to(device)

@@ -165,7 +165,7 @@ def test_bad_world_size_is_a_clear_error(overrides, pattern):
 @pytest.mark.skipif(not _have_quantize(), reason="quantize.py has no quantize_model")
 def test_int4_group_cut_is_a_clear_error():
     import quantize
-    m = tiny_model(intermediate_size=192)  # w2: 192 / 2 = 96 input features per rank, not a multiple of 64
+    m = tiny_model(dim=128, intermediate_size=192)  # wo: 64 per rank, fine; w2: 96 per rank, not a multiple of 64
     quantize.quantize_model(m, "int4", groupsize=64, log=False)
     with pytest.raises(ValueError, match=r"feed_forward.w2 .* group size 64"):
         tp.apply_tp(m, rank=0, world_size=2)
