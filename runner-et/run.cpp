@@ -1,0 +1,135 @@
+// runner-et: llama2.c-style text generation from an ExecuTorch program (.pte from et_export.py), XNNPACK delegate.
+//   ./runner-et/build/run smollm2.pte -z tokenizer.bin -i "Once upon a time" -n 256
+// This file only adapts executorch::extension::Module to llm::Model; the tokenizer, sampler and the generate / chat
+// loops live in runner-common/ and are shared with runner-aoti. The .pte contract (et_export.py): method
+// forward(tokens int64[1, T], input_pos int64[T]) -> float32 logits[1, T, V] with dynamic T and the KV cache in
+// mutable buffers; constant methods get_max_seq_len, get_vocab_size, get_bos_id, get_eos_ids, use_kv_cache, ...
+#include <executorch/extension/module/module.h>
+#include <executorch/extension/tensor/tensor.h>
+#include <executorch/runtime/platform/runtime.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+
+#include "runner.h"
+
+namespace {
+
+using executorch::extension::Module;
+using executorch::runtime::Error;
+using executorch::runtime::EValue;
+
+std::string err(Error e) {
+  return std::string(executorch::runtime::to_string(e)) + " (0x" +
+         [](unsigned v) { char b[16]; std::snprintf(b, sizeof b, "%x", v); return std::string(b); }(unsigned(e)) +
+         ")";
+}
+
+// A .pte is a flatbuffer with the file identifier "ET" + 2 digits at bytes 4..8: check it (and that the file is
+// not cut short of the size the program header records) before the runtime sees the file.
+void check_pte(const std::string& path) {
+  std::ifstream f(path, std::ios::binary | std::ios::ate);
+  if (!f) throw llm::Error("cannot open ExecuTorch program " + path);
+  const std::streamoff size = f.tellg();
+  char head[64] = {};
+  f.seekg(0);
+  f.read(head, std::min<std::streamoff>(size, 64));
+  if (size < 16 || head[4] != 'E' || head[5] != 'T')
+    throw llm::Error(path + ": not an ExecuTorch program (expected a .pte from et_export.py)");
+  // extended header "eh00": header length, program size, segment base offset, segment data size
+  if (std::memcmp(head + 8, "eh00", 4) == 0 && size >= 40) {
+    uint64_t program_size, segment_base, segment_size;
+    std::memcpy(&program_size, head + 16, 8);
+    std::memcpy(&segment_base, head + 24, 8);
+    std::memcpy(&segment_size, head + 32, 8);
+    const uint64_t need = segment_size ? segment_base + segment_size : program_size;
+    if (need > uint64_t(size))
+      throw llm::Error(path + ": truncated ExecuTorch program (" + std::to_string(size) + " of " +
+                       std::to_string(need) + " bytes)");
+  }
+}
+
+class EtModel : public llm::Model {
+ public:
+  explicit EtModel(const std::string& path) {
+    check_pte(path);
+    module_ = std::make_unique<Module>(path, Module::LoadMode::Mmap);
+    Error e = module_->load();
+    if (e != Error::Ok) throw llm::Error(path + ": cannot load ExecuTorch program: " + err(e));
+    auto names = module_->method_names();
+    if (!names.ok() || !names->count("forward"))
+      throw llm::Error(path + ": the program has no forward method (not made by et_export.py?)");
+    e = module_->load_method("forward");
+    if (e != Error::Ok)
+      throw llm::Error(path + ": cannot load method forward: " + err(e) +
+                       " (a kernel or delegate missing from this build?)");
+    info_.max_seq_len = int(constant(*names, "get_max_seq_len", 0));
+    info_.vocab_size = int(constant(*names, "get_vocab_size", 0));
+    info_.bos_id = int(constant(*names, "get_bos_id", -1));
+    if (names->count("get_eos_ids")) {
+      auto r = module_->execute("get_eos_ids");
+      if (r.ok())
+        for (auto& v : *r)
+          if (v.isInt()) info_.eos_ids.push_back(int(v.toInt()));
+    }
+    if (names->count("use_kv_cache") && !constant(*names, "use_kv_cache", 1))
+      throw llm::Error(path + ": program without a KV cache (use_kv_cache is false); export it with et_export.py");
+    if (info_.max_seq_len <= 0 || info_.vocab_size <= 0)
+      throw llm::Error(path + ": get_max_seq_len/get_vocab_size missing (not made by et_export.py?)");
+    info_.description = "ExecuTorch, vocab " + std::to_string(info_.vocab_size) + ", context " +
+                        std::to_string(info_.max_seq_len);
+  }
+
+  const llm::ModelInfo& info() const override { return info_; }
+
+  const float* forward(const int64_t* tokens, int n, int64_t pos) override {
+    tokens_.assign(tokens, tokens + n);
+    pos_.resize(n);
+    for (int i = 0; i < n; i++) pos_[i] = pos + i;
+    auto t = executorch::extension::from_blob(tokens_.data(), {1, n}, executorch::aten::ScalarType::Long);
+    auto p = executorch::extension::from_blob(pos_.data(), {n}, executorch::aten::ScalarType::Long);
+    auto r = module_->forward({*t, *p});
+    if (!r.ok()) throw llm::Error("forward failed: " + err(r.error()));
+    if (r->empty() || !(*r)[0].isTensor()) throw llm::Error("forward returned no logits tensor");
+    const auto& logits = (*r)[0].toTensor();
+    if (logits.scalar_type() != executorch::aten::ScalarType::Float || logits.dim() != 3 ||
+        logits.size(2) != info_.vocab_size || logits.size(1) < 1)
+      throw llm::Error("forward returned logits of an unexpected shape or dtype (want float32 [1, T, vocab])");
+    // the last position's row: [1, T, V] or [1, 1, V] (a program that returns only the last position)
+    return logits.const_data_ptr<float>() + size_t(logits.size(1) - 1) * info_.vocab_size;
+  }
+
+ private:
+  std::unique_ptr<Module> module_;
+  llm::ModelInfo info_;
+  std::vector<int64_t> tokens_, pos_;
+
+  int64_t constant(const std::unordered_set<std::string>& names, const std::string& name, int64_t dflt) {
+    if (!names.count(name)) return dflt;
+    auto r = module_->execute(name);
+    if (!r.ok() || r->empty()) return dflt;
+    const EValue& v = (*r)[0];
+    if (v.isInt()) return v.toInt();
+    if (v.isBool()) return v.toBool();
+    return dflt;
+  }
+};
+
+// ExecuTorch's log: errors (and everything with RUNNER_ET_VERBOSE=1) on stderr; its info chatter (cpuinfo probing,
+// thread pool setup) would otherwise interleave with the runner's own messages.
+void log_message(et_timestamp_t, et_pal_log_level_t level, const char* file, const char*, size_t line,
+                 const char* msg, size_t len) {
+  static const bool verbose = std::getenv("RUNNER_ET_VERBOSE") != nullptr;
+  if (!verbose && level != kError && level != kFatal) return;
+  const char* base = std::strrchr(file, '/');
+  std::fprintf(stderr, "executorch %c %s:%zu] %.*s\n", char(level), base ? base + 1 : file, line, int(len), msg);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  executorch::runtime::register_pal(executorch::runtime::PalImpl::create(log_message, __FILE__));
+  executorch::runtime::runtime_init();
+  return llm::run_main(argc, argv, "runner-et", [](const std::string& path) { return std::make_unique<EtModel>(path); });
+}

@@ -1,0 +1,99 @@
+# runner-et/: the ExecuTorch C++ runner (runner-common's tokenizer / sampler / loops over executorch's Module) prints
+# exactly what `generate.py --pte x.pte --temperature 0` prints, for a tiny random model exported by et_export.py in
+# float32 and 8da4w, with a SentencePiece and a byte-level BPE tokenizer; broken programs are clear errors.
+# Skips (with the reason) when et_export.py or the executorch package is missing, or cmake / a compiler is.
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_aoti import build_runner, generate_py, run, tiny_checkpoint  # noqa: E402
+from test_tokenizer_bin import export_bin, make_bpe_dir, make_sp_dir  # noqa: E402
+
+RUNNER_DIR = REPO / "runner-et"
+RUNNER = RUNNER_DIR / "build" / "run"
+MAX_SEQ = 96
+PROMPTS = ["Once upon a time", " x  y\n\nz 123 café 🤖"]
+
+
+def _need_et():
+    if not (REPO / "et_export.py").exists():
+        pytest.skip("et_export.py is not in the repository yet (it writes the .pte this runner loads)")
+    pytest.importorskip("executorch", reason="the executorch package is not installed")
+
+
+def export_pte(ckpt: Path, out: Path, *extra):
+    r = run([sys.executable, REPO / "et_export.py", "--checkpoint_path", ckpt, "--output_path", out,
+             "--max_seq_length", MAX_SEQ, *extra])
+    assert r.returncode == 0, r.stderr[-3000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    _need_et()
+    root = tmp_path_factory.mktemp("et")
+    sp, bpe = make_sp_dir(root / "sp"), make_bpe_dir(root / "bpe")
+    ckpt = tiny_checkpoint(bpe / "model.pth")
+    return dict(root=root, sp=sp, bpe=bpe, ckpt=ckpt, pte=export_pte(ckpt, root / "tiny.pte"),
+                bins={"sp": export_bin(sp, root / "sp.bin"), "bpe": export_bin(bpe, root / "bpe.bin")})
+
+
+@pytest.fixture(scope="module")
+def runner():
+    _need_et()
+    return build_runner(RUNNER_DIR, RUNNER, "runner-et")
+
+
+def compare(runner, pte, tok_dir, tok_bin, prompt, n):
+    want = generate_py(["--pte", pte], tok_dir, prompt, n)
+    r = run([runner, pte, "-z", tok_bin, "-i", prompt, "-n", n, "-t", 0])
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == want, prompt
+    assert "achieved tok/s" in r.stderr
+    return r
+
+
+@pytest.mark.parametrize("kind", ["bpe", "sp"])
+def test_runner_matches_generate_py(env, runner, kind):
+    for prompt in PROMPTS:
+        compare(runner, env["pte"], env[kind], env["bins"][kind], prompt, 24)
+    compare(runner, env["pte"], env[kind], env["bins"][kind], "Once upon a time", 500)  # clamped to the context
+
+
+def test_runner_8da4w(env, runner):
+    pte = env["root"] / "tiny_8da4w.pte"
+    r = run([sys.executable, REPO / "et_export.py", "--checkpoint_path", env["ckpt"], "--output_path", pte,
+             "--max_seq_length", MAX_SEQ, "--quantize", "8da4w", "--groupsize", 32])
+    if r.returncode != 0 and ("quantize" in r.stderr and "not" in r.stderr and "found" in r.stderr):
+        pytest.skip("8da4w export unavailable: " + r.stderr.strip().splitlines()[-1])
+    assert r.returncode == 0, r.stderr[-3000:]
+    for prompt in PROMPTS:
+        compare(runner, pte, env["bpe"], env["bins"]["bpe"], prompt, 24)
+
+
+def test_runner_chat(env, runner):
+    turns = "Hi there\nWhat is 2+2?\n\n"
+    want = generate_py(["--pte", env["pte"]], env["bpe"], "unused", 12, "--chat", "--system", "Be brief.", stdin=turns)
+    r = run([runner, env["pte"], "-z", env["bins"]["bpe"], "-m", "chat", "-n", 12, "-t", 0, "-y", "Be brief."],
+            input=turns)
+    assert r.returncode == 0 and r.stdout == want, r.stderr
+
+
+def test_broken_programs(env, runner, tmp_path):
+    good = env["pte"].read_bytes()
+    cases = {"trunc.pte": (good[:len(good) // 2], "truncated"), "head.pte": (good[:2000], "truncated"),
+             "junk.pte": (b"definitely not a flatbuffer" * 64, "not an ExecuTorch program"),
+             "empty.pte": (b"", "not an ExecuTorch program")}
+    for name, (data, msg) in cases.items():
+        (tmp_path / name).write_bytes(data)
+        r = run([runner, tmp_path / name, "-z", env["bins"]["bpe"], "-i", "hi"])
+        last = r.stderr.strip().splitlines()[-1]
+        assert r.returncode == 1 and last.startswith("error: ") and msg in last, (name, r.stderr)
+    r = run([runner, tmp_path / "missing.pte", "-z", env["bins"]["bpe"], "-i", "hi"])
+    assert r.returncode == 1 and "cannot open" in r.stderr
