@@ -184,10 +184,10 @@ def test_world_size_one_and_no_torchrun_are_no_ops(monkeypatch):
 
 
 def _generate_wired() -> bool:
-    return "tp." in (REPO / "generate.py").read_text()
+    return "tp.maybe_init_dist" in (REPO / "generate.py").read_text()
 
 
-@pytest.mark.skipif(not _generate_wired(), reason="generate.py does not call tp.py yet (no 'tp.' in generate.py)")
+@pytest.mark.skipif(not _generate_wired(), reason="generate.py does not call tp.maybe_init_dist yet")
 def test_torchrun_generate_cli_matches_single_process(tiny_checkpoint):
     from conftest import run_cli
     d, _ = tiny_checkpoint
@@ -201,7 +201,7 @@ def test_torchrun_generate_cli_matches_single_process(tiny_checkpoint):
     assert "tok/s" in r.stderr
 
 
-@pytest.mark.skipif(not _generate_wired(), reason="generate.py does not call tp.py yet (no 'tp.' in generate.py)")
+@pytest.mark.skipif(not _generate_wired(), reason="generate.py does not call tp.maybe_init_dist yet")
 def test_torchrun_generate_cli_bad_world_size(tmp_path):
     from model import checkpoint_state, save_checkpoint
     from conftest import make_bpe_tokenizer
