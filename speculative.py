@@ -272,11 +272,15 @@ class _SlotCache(KVCache):
 
 
 class _Lookahead:
-    """Swaps model.py's caches for _SlotCache and feeds SDPA our masks, for the duration of a `with` block."""
+    """Swaps model.py's caches for _SlotCache and feeds SDPA our masks, for the duration of a `with` block.
+    prefill() runs the prompt; step() runs one lookahead step (current token + lookahead + verification branches)."""
 
-    def __init__(self, model, scratch: int):
-        self.model, self.scratch = model, scratch
+    def __init__(self, model, window: int, scratch: int):
+        self.model, self.W, self.scratch = model, window, scratch
+        self.S = model.max_seq_length
+        self.device = model.norm.weight.device
         self.mask: Optional[Tensor] = None
+        self.layouts = {}
 
     def __enter__(self):
         m = self.model
@@ -298,16 +302,52 @@ class _Lookahead:
             layer.attention.kv_cache = c
 
     def run(self, tokens: list[int], rope_pos: Tensor, slots: Optional[Tensor], mask: Tensor) -> Tensor:
-        dev = rope_pos.device
         for c in self.caches:
             c.slots = slots
         self.mask = mask.view(1, 1, *mask.shape)
         try:
-            return self.model(torch.tensor([tokens], device=dev), rope_pos)[0]
+            return self.model(torch.tensor([tokens], device=self.device), rope_pos)[0]
         finally:
             self.mask = None
             for c in self.caches:
                 c.slots = None
+
+    def prefill(self, prompt: list[int], start_pos: int = 0) -> Tensor:
+        """Causal forward of the prompt at positions start_pos.. (its own cache slots); logits [L, V]."""
+        L, S = len(prompt), self.S
+        pos = torch.arange(start_pos, start_pos + L, device=self.device)
+        mask = torch.cat([torch.arange(S, device=self.device).view(1, S) <= pos.view(L, 1),
+                          torch.zeros(L, self.scratch, dtype=torch.bool, device=self.device)], 1)
+        return self.run(prompt, pos, None, mask)
+
+    def step(self, cur: int, p: int, levels: list[list[int]], cands: list[tuple]):
+        """One forward: cur at position p (cache slot p), the lookahead levels, the candidate n-grams (scratch slots).
+        Returns (logits [T, V], tokens, {(level, column): index}, [[index of each candidate token]])."""
+        W, S = self.W, self.S
+        key = (len(levels), tuple(len(c) for c in cands))
+        if key not in self.layouts:
+            offs, anc, idx, cidx = _step_layout(W, len(levels), key[1])
+            self.layouts[key] = (offs.to(self.device), anc.to(self.device), idx, cidx)
+        offs, anc, idx, cidx = self.layouts[key]
+        T = offs.numel()
+        tokens = [cur] + [levels[0][i] for i in range(1, W)]
+        for j in range(1, len(levels)):
+            tokens += levels[j]
+        for c in cands:
+            tokens += list(c)
+        rope = (offs + p).clamp_(max=S - 1)  # lookahead guesses past the context end: any position will do
+        slots = torch.cat([torch.tensor([p], device=self.device), S + torch.arange(T - 1, device=self.device)])
+        mask = torch.zeros(T, S + self.scratch, dtype=torch.bool, device=self.device)
+        mask[:, :p + 1] = True
+        mask[:, S:S + T - 1] = anc
+        return self.run(tokens, rope, slots, mask), tokens, idx, cidx
+
+    def commit(self, token_indices: list[int], p: int):
+        """The step's tokens at these indices (scratch) become the cache entries of positions p+1, p+2, ..."""
+        src = torch.tensor(token_indices, device=self.device) + (self.S - 1)
+        dst = torch.arange(p + 1, p + 1 + len(token_indices), device=self.device)
+        for c in self.caches:
+            c.move(src, dst)
 
 
 def _step_layout(W: int, levels: int, cand_lens: tuple[int, ...]):
@@ -373,7 +413,6 @@ def lookahead_generate(backend, prompt_ids, max_new_tokens: int, device, ngram: 
         raise ValueError(f"prompt of {L} tokens does not fit the context of {S} tokens")
     max_new_tokens = min(max_new_tokens, S - L)
     scratch = (W - 1) + W * (N - 2) + G * (N - 1)
-    layouts = {}
     pool: dict[int, list[tuple]] = {}
 
     def add_ngram(gram):
@@ -394,15 +433,10 @@ def lookahead_generate(backend, prompt_ids, max_new_tokens: int, device, ngram: 
     emit = _Emitter(max_new_tokens, stop_ids, on_token)
     stats = dict(mode="lookahead", ngram=N, window=W, gcap=G, accepted_hist=[0] * (N + 1), steps=0,
                  steps_with_hit=0)
-    main_cols = torch.arange(S, device=device)
-    with _Lookahead(model, scratch) as la, torch.inference_mode():
+    with _Lookahead(model, W, scratch) as la, torch.inference_mode():
         _sync(device)
         t0 = time.perf_counter()
-        pos = torch.arange(L, device=device)
-        mask = torch.cat([main_cols.view(1, S) <= pos.view(L, 1),
-                          torch.zeros(L, scratch, dtype=torch.bool, device=device)], 1)
-        logits = la.run(prompt, pos, None, mask)
-        cur = int(logits[-1].argmax())
+        cur = int(la.prefill(prompt)[-1].argmax())
         seq = prompt + [cur]
         emit.put([cur])
         _sync(device)
@@ -411,25 +445,8 @@ def lookahead_generate(backend, prompt_ids, max_new_tokens: int, device, ngram: 
             p = len(seq) - 1
             remaining = max_new_tokens - len(emit.out)
             depth = min(N - 1, remaining - 1, S - 1 - p)  # candidate tokens that can still be used
-            cands = pool.get(cur, [])[-G:] if depth > 0 else []
-            cands = [c[:depth] for c in cands]
-            key = (len(levels), len(cands), depth)
-            if key not in layouts:
-                offs, anc, idx, cidx = _step_layout(W, len(levels), tuple(len(c) for c in cands))
-                layouts[key] = (offs.to(device), anc.to(device), idx, cidx)
-            offs, anc, idx, cidx = layouts[key]
-            T = offs.numel()
-            tokens = [cur] + [levels[0][i] for i in range(1, W)]
-            for j in range(1, len(levels)):
-                tokens += levels[j]
-            for c in cands:
-                tokens += list(c)
-            rope = (offs + p).clamp_(max=S - 1)  # lookahead guesses past the context end: any position will do
-            slots = torch.cat([torch.tensor([p], device=device), S + torch.arange(T - 1, device=device)])
-            mask = torch.zeros(T, S + scratch, dtype=torch.bool, device=device)
-            mask[:, :p + 1] = True
-            mask[:, S:S + T - 1] = anc
-            logits = la.run(tokens, rope, slots, mask)
+            cands = [c[:depth] for c in pool.get(cur, [])[-G:]] if depth > 0 else []
+            logits, _, idx, cidx = la.step(cur, p, levels, cands)
             nxt = logits.argmax(-1).tolist()
             stats["steps"] += 1
             # verification: the greedy token after cur, then along any candidate that keeps matching
@@ -444,10 +461,7 @@ def lookahead_generate(backend, prompt_ids, max_new_tokens: int, device, ngram: 
             v = len(accepted)
             if v > 1:
                 stats["steps_with_hit"] += 1
-                src = torch.tensor(cidx[chosen][:v - 1], device=device) + (S - 1)
-                dst = torch.arange(p + 1, p + v, device=device)
-                for c in la.caches:
-                    c.move(src, dst)
+                la.commit(cidx[chosen][:v - 1], p)
             stats["accepted_hist"][v] += 1
             # lookahead branch: the last level's outputs are the next guesses; every column yields an n-gram
             last = len(levels) - 1
