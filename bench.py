@@ -61,6 +61,9 @@ def child(args):
     gargs = G.parse_args(args.gen_args)
     G.resolve_checkpoint(gargs)
     device, dtype = torch.device(gargs.device), getattr(torch, gargs.dtype)
+    import tp
+    if tp.maybe_init_dist(device) is not None:  # a tensor-parallel row: every rank runs this, rank 0 reports
+        tp.rank0_only_output()
     tok = load_tokenizer(gargs.tokenizer_path)
     ids = tok.encode(PROMPT)
     backend = G.load_backend(gargs, device, dtype, 1, len(ids) + args.max_new_tokens)
@@ -80,7 +83,7 @@ def child(args):
     print(json.dumps(med))
 
 
-def run_row(name, args, bw):
+def run_row(name, args, bw, nproc=1):
     gen_args, build = ROWS[name]
     fill = lambda a: [s.format(ck=args.checkpoint_dir) for s in a]
     if build is not None:
@@ -91,7 +94,9 @@ def run_row(name, args, bw):
     gen_args = fill(gen_args)
     if "--checkpoint_path" not in gen_args:
         gen_args += ["--checkpoint_path", str(Path(args.checkpoint_dir) / "model.pth")]
-    cmd = [sys.executable, __file__, "--_child", "--runs", str(args.runs), "--max_new_tokens",
+    launch = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                  f"--nproc_per_node={nproc}"]
+    cmd = [*launch, __file__, "--_child", "--runs", str(args.runs), "--max_new_tokens",
            str(args.max_new_tokens), "--", *gen_args, "--device", args.device]
     r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     if r.returncode != 0:
@@ -99,12 +104,13 @@ def run_row(name, args, bw):
         print(f"[{name}] failed: {tail}", file=sys.stderr)
         return dict(name=name, error=tail)
     res = json.loads(r.stdout.strip().splitlines()[-1])
-    res["name"] = name
+    res["name"] = name if nproc == 1 else f"{name} tp{nproc}"
+    res["world_size"] = nproc
     if res.get("weight_bytes"):
         res["gb_s"] = res["weight_bytes"] * res["decode_tok_s"] / 1e9
         res["pct_of_ceiling"] = 100 * res["gb_s"] / bw
         res["ceiling_tok_s"] = bw * 1e9 / res["weight_bytes"]
-    print(f"[{name}] decode {res['decode_tok_s']:.2f} tok/s", file=sys.stderr)
+    print(f"[{res['name']}] decode {res['decode_tok_s']:.2f} tok/s", file=sys.stderr)
     return res
 
 
@@ -136,6 +142,7 @@ def main():
     p.add_argument("--max_new_tokens", type=int, default=128)
     p.add_argument("--device", default="cpu")
     p.add_argument("--json", default="bench.json")
+    p.add_argument("--nproc", default="1", help="tensor-parallel world sizes (torchrun), e.g. 1,2,4")
     p.add_argument("--_child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("gen_args", nargs="*", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -151,7 +158,7 @@ def main():
         download.prepare_default(Path(args.checkpoint_dir))
     bw = measure_bandwidth()
     print(f"measured read bandwidth: {bw:.1f} GB/s ({torch.get_num_threads()} threads)", file=sys.stderr)
-    results = [run_row(n, args, bw) for n in names]
+    results = [run_row(n, args, bw, int(k)) for n in names for k in args.nproc.split(",")]
     md = table(results, bw)
     print(md)
     out = dict(machine=dict(cpu_count=os.cpu_count(), threads=torch.get_num_threads(), bandwidth_gb_s=bw,

@@ -19,6 +19,8 @@ from typing import Callable, Optional
 
 import torch
 
+import tp  # tensor parallelism under torchrun
+
 REPO = Path(__file__).resolve().parent
 DEFAULT_CHECKPOINT = REPO / "checkpoints" / "SmolLM2-135M-Instruct" / "model.pth"
 
@@ -100,7 +102,10 @@ def load_backend(args, device, dtype, max_batch_size, max_seq_length):
         from compile_qaic import QpcBackend
         return QpcBackend(args.qpc, device_group=args.device_group)
     from model import load_model
-    model = load_model(args.checkpoint_path, device=device, dtype=dtype)
+    if tp.get_world_size() > 1:  # under torchrun: this rank's shard of every attention / feed-forward matrix
+        model = tp.load_model_tp(args.checkpoint_path, device=device, dtype=dtype)
+    else:
+        model = load_model(args.checkpoint_path, device=device, dtype=dtype)
     return TorchBackend(model, max_batch_size, max_seq_length, compile=args.compile, compile_prefill=args.compile_prefill)
 
 
@@ -361,7 +366,16 @@ def main(argv=None):
         raise ValueError("--device mps but MPS is not available")
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
-    resolve_checkpoint(args)
+    rank = tp.maybe_init_dist(device)  # None unless launched by torchrun with several processes
+    if rank is not None:
+        if args.aoti_package or args.pte or args.onnx or args.qpc:
+            raise ValueError("torchrun (tensor parallelism) runs model.py checkpoints, not exported artifacts")
+        if args.chat:
+            raise ValueError("--chat is not supported under torchrun (tensor parallelism)")
+        tp.rank0_only_output()  # rank 0 prints the text; other ranks' stderr is tagged "[rank N]"
+        args.quiet = args.quiet or rank != 0
+    with tp.rank0_first():  # rank 0 prepares the default checkpoint, if needed, before the others look
+        resolve_checkpoint(args)
     from tokenizer import load_tokenizer
     tok = load_tokenizer(args.tokenizer_path)
     torch.manual_seed(args.seed)
