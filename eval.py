@@ -1,0 +1,165 @@
+# Perplexity of a text file with a sliding window, for any checkpoint (float or quantized) and, through generate.py's
+# backend protocol, for exported artifacts (--pte, --aoti_package, --onnx) whose forward returns every position.
+#
+#     python eval.py --checkpoint_path checkpoints/SmolLM2-135M-Instruct/model_int4.g32.pth --text_file some.txt
+#     python eval.py --checkpoint_path ... --text_file some.txt --max_seq_length 512 --stride 256
+#
+# Windows (the Hugging Face "perplexity of fixed-length models" recipe): a window of max_seq_length tokens starts
+# every `stride` tokens; each window scores only the tokens that no earlier window scored, with everything before them
+# in the window as context. stride = max_seq_length gives disjoint windows; every token but the first is scored once.
+# Each window is a fresh sequence at positions 0.. (the KV cache is simply overwritten).
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+
+def sliding_windows(n_tokens: int, max_seq_length: int, stride: int) -> list:
+    """[(begin, end, n_scored)]: the window is tokens[begin:end]; its last n_scored positions are scored, i.e. tokens
+    end - n_scored .. end - 1 are predicted (token 0 never is: nothing precedes it)."""
+    if max_seq_length < 2:
+        raise ValueError(f"--max_seq_length must be at least 2, got {max_seq_length}")
+    if not 1 <= stride <= max_seq_length:
+        raise ValueError(f"--stride must be between 1 and --max_seq_length ({max_seq_length}), got {stride}")
+    if n_tokens < 2:
+        raise ValueError(f"need at least 2 tokens to measure perplexity, got {n_tokens}")
+    out, prev_end = [], 0
+    for begin in range(0, n_tokens, stride):
+        end = min(begin + max_seq_length, n_tokens)
+        n_scored = end - max(prev_end, begin + 1)  # the window's first token has no prediction
+        if n_scored > 0:
+            out.append((begin, end, n_scored))
+        prev_end = end
+        if end == n_tokens:
+            break
+    return out
+
+
+def window_logits(backend, tokens: list, device) -> torch.Tensor:
+    """All-position logits [T, V] of one sequence through a backend (positions 0..T-1). Fixed-shape backends
+    (prefill_chunk N) get chunks of exactly N tokens, the last one padded with position -1."""
+    T = len(tokens)
+    chunk = getattr(backend, "prefill_chunk", None)
+    ids = torch.tensor(tokens, dtype=torch.long)
+    if not chunk:
+        logits = backend.forward(ids.view(1, T).to(device), torch.arange(T, device=device))
+        _check_all_positions(logits, T)
+        return logits[0]
+    outs = []
+    for s in range(0, T, chunk):
+        e = min(s + chunk, T)
+        tok = torch.zeros(1, chunk, dtype=torch.long)
+        pos = torch.full((1, chunk), -1, dtype=torch.long)
+        tok[0, :e - s], pos[0, :e - s] = ids[s:e], torch.arange(s, e)
+        logits = backend.forward(tok.to(device), pos.to(device))
+        _check_all_positions(logits, chunk)
+        outs.append(logits[0, :e - s])
+    return torch.cat(outs, 0)
+
+
+def _check_all_positions(logits: torch.Tensor, T: int):
+    if logits.dim() != 3 or logits.shape[1] != T:
+        raise ValueError(f"this backend returns logits of shape {tuple(logits.shape)} for {T} tokens (only the last "
+                         f"position): perplexity needs the logits of every position; export a graph that returns all "
+                         f"of them, or evaluate the checkpoint")
+
+
+@torch.no_grad()
+def perplexity(backend, ids: list, max_seq_length: int, stride: Optional[int] = None, device="cpu",
+               progress: bool = False) -> dict:
+    """Sliding-window perplexity of token ids. Returns ppl, nll (mean, nats), tokens (scored), processed, seconds,
+    tok_s (processed tokens per second) and windows: [(begin, end, n_scored, nll_sum)]."""
+    device = torch.device(device)
+    max_seq_length = min(max_seq_length, backend.max_seq_length)
+    stride = stride or max(1, max_seq_length // 2)
+    wins = sliding_windows(len(ids), max_seq_length, stride)
+    total, scored, processed, per_window = 0.0, 0, 0, []
+    t0 = time.perf_counter()
+    for i, (b, e, k) in enumerate(wins):
+        logits = window_logits(backend, ids[b:e], device).float()
+        logp = torch.log_softmax(logits[-k - 1:-1], dim=-1)          # predictions for tokens e-k .. e-1
+        target = torch.tensor(ids[e - k:e], device=logp.device)
+        nll = -logp.gather(-1, target[:, None]).double().sum().item()
+        per_window.append((b, e, k, nll))
+        total, scored, processed = total + nll, scored + k, processed + (e - b)
+        if progress:
+            print(f"\rwindow {i + 1}/{len(wins)}: ppl so far {math.exp(total / scored):.4f}", end="", file=sys.stderr,
+                  flush=True)
+    if progress:
+        print(file=sys.stderr)
+    dt = time.perf_counter() - t0
+    return dict(ppl=math.exp(total / scored), nll=total / scored, tokens=scored, processed=processed, seconds=dt,
+                tok_s=processed / dt if dt > 0 else float("inf"), windows=per_window)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description="Sliding-window perplexity of a text file.")
+    p.add_argument("--checkpoint_path", type=Path, default=None,
+                   help="model.pth (float or quantized); default: the default model")
+    p.add_argument("--text_file", type=Path, required=True, help="UTF-8 text to score")
+    p.add_argument("--tokenizer_path", type=Path, default=None, help="default: the checkpoint's directory")
+    p.add_argument("--max_seq_length", type=int, default=512, help="window length in tokens (default 512)")
+    p.add_argument("--stride", type=int, default=None, help="tokens between window starts (default: half a window)")
+    p.add_argument("--max_tokens", type=int, default=None, help="score only the first N tokens of the text")
+    p.add_argument("--bos", choices=["auto", "yes", "no"], default="auto",
+                   help="prepend BOS (auto: the tokenizer's default)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "mps"])
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--compile", action="store_true", help="torch.compile the forward (dynamic length)")
+    p.add_argument("--aoti_package", type=Path, help="an AOT Inductor .pt2 from aoti_export.py")
+    p.add_argument("--pte", type=Path, help="an ExecuTorch .pte from et_export.py")
+    p.add_argument("--onnx", type=Path, help="an ONNX graph from export_onnx.py")
+    p.add_argument("--qpc", type=Path, help="a Cloud AI 100 QPC from compile_qaic.py")
+    p.add_argument("--device_group", default="0")
+    p.add_argument("--quiet", action="store_true")
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    import generate
+    if not args.text_file.is_file():
+        raise FileNotFoundError(f"text file not found: {args.text_file}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda but no CUDA device is available")
+    if args.stride is not None and not 1 <= args.stride <= args.max_seq_length:
+        raise ValueError(f"--stride must be between 1 and --max_seq_length ({args.max_seq_length}), got {args.stride}")
+    if args.max_seq_length < 2:
+        raise ValueError(f"--max_seq_length must be at least 2, got {args.max_seq_length}")
+    if args.checkpoint_path is not None and not (args.aoti_package or args.pte or args.onnx or args.qpc):
+        ck = args.checkpoint_path
+        if not (ck.is_file() or (ck / "model.pth").is_file()):
+            raise FileNotFoundError(f"checkpoint not found: {ck}")
+    generate.resolve_checkpoint(args)
+    from tokenizer import load_tokenizer
+    tok = load_tokenizer(args.tokenizer_path)
+    text = args.text_file.read_text(encoding="utf-8")
+    ids = tok.encode(text, bos=None if args.bos == "auto" else args.bos == "yes")
+    if args.max_tokens:
+        ids = ids[:args.max_tokens]
+    if len(ids) < 2:
+        raise ValueError(f"{args.text_file} has {len(ids)} tokens: need at least 2")
+    device = torch.device(args.device)
+    args.compile_prefill, args.compile = args.compile, False  # every call is a prefill here
+    t0 = time.perf_counter()
+    backend = generate.load_backend(args, device, getattr(torch, args.dtype), 1, args.max_seq_length)
+    load_s = time.perf_counter() - t0
+    if backend.max_seq_length < args.max_seq_length:
+        print(f"note: the backend holds {backend.max_seq_length} tokens: windows of {backend.max_seq_length}",
+              file=sys.stderr)
+    r = perplexity(backend, ids, args.max_seq_length, args.stride, device, progress=not args.quiet)
+    what = args.pte or args.aoti_package or args.onnx or args.qpc or args.checkpoint_path
+    window = min(args.max_seq_length, backend.max_seq_length)
+    print(f"{what}: perplexity {r['ppl']:.4f} (nll {r['nll']:.5f}) over {r['tokens']} tokens | window {window}, "
+          f"stride {args.stride or max(1, window // 2)}, {len(r['windows'])} windows | {r['processed']} tokens in "
+          f"{r['seconds']:.1f} s = {r['tok_s']:.1f} tok/s (load {load_s:.1f} s)")
+    return r
+
+
+if __name__ == "__main__":
+    from generate import cli
+    cli(main)
