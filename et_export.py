@@ -391,6 +391,19 @@ def op_summary(edge) -> dict:
     return out
 
 
+def _reinplace_is_safe(edge) -> bool:
+    """Whether to_executorch may turn the cache writes (index_put) into in-place index_put_ on the mutable buffers,
+    which saves copying every layer's cache twice per call. Only when no view outside a delegate reads a written cache:
+    ExecuTorch 1.5's memory planning gives such a view its own storage instead of the buffer's (reads garbage; seen
+    with --backend portable). With XNNPACK, the reads of the cache are inside the delegate."""
+    for name in edge.methods:
+        for node in edge.exported_program(name).graph.nodes:
+            if node.op == "call_function" and "index_put" in str(node.target):
+                if any("view" in str(u.target) for u in node.users):
+                    return False
+    return True
+
+
 def lower(progs: dict, backend: str, constant_methods: dict, verbose: bool = False):
     """to_edge_transform_and_lower + to_executorch with mutable-buffer-preserving memory planning.
     Returns (ExecutorchProgramManager, op summary)."""
@@ -403,11 +416,12 @@ def lower(progs: dict, backend: str, constant_methods: dict, verbose: bool = Fal
                                        compile_config=EdgeCompileConfig(_check_ir_validity=False,
                                                                         _skip_dim_order=True))
     summary = op_summary(edge)
+    reinplace = _reinplace_is_safe(edge)
     config = ExecutorchBackendConfig(
         memory_planning_pass=MemoryPlanningPass(alloc_graph_input=False, share_mutable_buffers=len(progs) > 1),
         sym_shape_eval_pass=ConstraintBasedSymShapeEvalPass(),
         emit_mutable_buffer_names=True,
-        run_reinplace_pass=True,
+        run_reinplace_pass=reinplace,
     )
     import warnings
     with warnings.catch_warnings():
