@@ -14,6 +14,16 @@
 
 #include "runner.h"
 
+// The wheel ships the thread pool library but not its header (extension/threadpool/threadpool.h): the two calls
+// used to size the pool, declared as that header declares them.
+namespace executorch::extension::threadpool {
+class ThreadPool {
+ public:
+  bool _unsafe_reset_threadpool(uint32_t num_threads);
+};
+ThreadPool* get_threadpool();
+}  // namespace executorch::extension::threadpool
+
 namespace {
 
 using executorch::extension::Module;
@@ -131,5 +141,11 @@ void log_message(et_timestamp_t, et_pal_log_level_t level, const char* file, con
 int main(int argc, char** argv) {
   executorch::runtime::register_pal(executorch::runtime::PalImpl::create(log_message, __FILE__));
   executorch::runtime::runtime_init();
+  // OMP_NUM_THREADS sizes XNNPACK's thread pool, as it sizes libtorch's OpenMP pool in runner-aoti
+  if (const char* env = std::getenv("OMP_NUM_THREADS")) {
+    int n = std::atoi(env);
+    auto* pool = executorch::extension::threadpool::get_threadpool();
+    if (n > 0 && pool) pool->_unsafe_reset_threadpool(uint32_t(n));
+  }
   return llm::run_main(argc, argv, "runner-et", [](const std::string& path) { return std::make_unique<EtModel>(path); });
 }
