@@ -115,6 +115,9 @@ def export(checkpoint_path, output_path, max_seq_length: int = 1024, dtype: Opti
     seq = Dim("seq", min=1, max=S)
     example = (torch.zeros(1, 2, dtype=torch.long, device=device), torch.arange(2, device=device))
     t0 = time.perf_counter()
+    # prefer_deferred_runtime_asserts_over_guards: shape facts the symbolic solver cannot prove over the whole range
+    # (e.g. a stride guard Eq(T*Min(16, 32*T), 16*T) from the grouped-query reshape, true for every T >= 1) become
+    # runtime asserts in the package instead of failing the export with "Constraints violated"
     with torch.no_grad():
         ep = torch.export.export(model, example, dynamic_shapes=({1: seq}, {0: seq}), strict=False,
                                  prefer_deferred_runtime_asserts_over_guards=True)
