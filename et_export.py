@@ -38,7 +38,7 @@ import torch
 from torch import Tensor
 
 REPO = Path(__file__).resolve().parent
-BACKENDS = ("xnnpack", "portable", "qnn", "coreml", "mps", "vulkan")
+BACKENDS = ("xnnpack", "portable", "qnn", "coreml", "mps")
 DEFAULT_MAX_SEQ_LENGTH = 1024
 
 
@@ -354,13 +354,6 @@ def _backend_partitioners(backend: str) -> list:
                                "source with -DEXECUTORCH_BUILD_MPS=ON") from None
         from executorch.exir.backend.compile_spec_schema import CompileSpec
         return [MPSPartitioner([CompileSpec("use_fp16", bytes([False]))])]
-    if backend == "vulkan":
-        try:
-            from executorch.backends.vulkan.partitioner.vulkan_partitioner import VulkanPartitioner
-        except Exception as e:
-            raise RuntimeError(f"--backend vulkan: executorch's Vulkan backend does not load ({type(e).__name__}); "
-                               "it needs an executorch build with -DEXECUTORCH_BUILD_VULKAN=ON and the Vulkan SDK") from None
-        return [VulkanPartitioner()]
     raise ValueError(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")
 
 

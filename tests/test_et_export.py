@@ -154,7 +154,7 @@ def test_8da4w_pte_matches_eager_8da4w(tmp_path):
         _write_tokenizer(tmp_path)
         text = tmp_path / "text.txt"
         text.write_text("The quick brown fox jumps over the lazy dog. " * 4)
-        common = ["--text_file", text, "--tokenizer_path", tmp_path]
+        common = ["--text_file", text, "--tokenizer_path", tmp_path, "--max_seq_length", "128", "--quiet"]
         r_pte = _run([eval_py, "--pte", pte, *common])
         r_eager = _run([eval_py, "--checkpoint_path", tmp_path / "model.pth", *common])
         assert r_pte.returncode == 0 and r_eager.returncode == 0, r_pte.stderr[-2000:] + r_eager.stderr[-2000:]
