@@ -6,8 +6,9 @@
 #
 # Windows (the Hugging Face "perplexity of fixed-length models" recipe): a window of max_seq_length tokens starts
 # every `stride` tokens; each window scores only the tokens that no earlier window scored, with everything before them
-# in the window as context. stride = max_seq_length gives disjoint windows; every token but the first is scored once.
-# Each window is a fresh sequence at positions 0.. (the KV cache is simply overwritten).
+# in the window as context, so with stride < max_seq_length every token but the first is scored exactly once. With
+# stride = max_seq_length (disjoint windows) the first token of each window has no context and is not scored, as in
+# the HF recipe. Each window is a fresh sequence at positions 0.. (the KV cache is simply overwritten).
 import argparse
 import math
 import sys

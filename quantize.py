@@ -80,7 +80,8 @@ def unpack_int4(p: Tensor, groupsize: int) -> Tensor:
     """uint8 [..., K/2] -> uint8 [..., K] in [0, 15] (inverse of pack_int4)."""
     lead, half = p.shape[:-1], p.shape[-1]
     p = p.reshape(*lead, half * 2 // groupsize, 1, groupsize // 2)
-    return torch.cat((p >> 4, p & 15), dim=-2).reshape(*lead, half * 2)
+    hi = torch.div(p, 16, rounding_mode="floor") if torch.compiler.is_exporting() else p >> 4  # >> is not core ATen
+    return torch.cat((hi, p & 15), dim=-2).reshape(*lead, half * 2)
 
 
 # ----------------------------------------------------------------------------------------------------------- rounding
@@ -186,6 +187,7 @@ class QuantizedWeight(nn.Module):
             self.register_buffer("qdata", torch.empty(N, K, dtype=torch.int8, **kw))
             self.register_buffer("scales", torch.empty(N, dtype=dtype, **kw))
             self.zeros = None
+            self.register_buffer("zero_point", torch.empty(N, 1, dtype=torch.int8, **kw), persistent=False)
         else:
             G = self.groupsize
             if K % G or G % 2:
@@ -222,7 +224,11 @@ class QuantizedWeight(nn.Module):
         return m
 
     def _rebuild_export_operands(self):
-        if self.bits == 4 and self.symmetric and self.qdata.device.type != "meta":
+        if self.qdata.device.type == "meta" or not self.symmetric:
+            return
+        if self.bits == 8:
+            self.zero_point = torch.zeros(self.out_features, 1, dtype=torch.int8, device=self.qdata.device)
+        else:
             self.qdata_int8 = (unpack_int4(self.qdata, self.groupsize).to(torch.int8) - 8)
             self.zero_point = torch.zeros(self.scales.shape, dtype=torch.int8, device=self.qdata.device)
 
@@ -236,14 +242,24 @@ class QuantizedWeight(nn.Module):
             return self.qdata.to(torch.int16)
         return unpack_int4(self.qdata, self.groupsize).to(torch.int16)
 
-    def dequantize(self, dtype=None) -> Tensor:
+    def dequantize(self, dtype=None, start: int = 0, end: Optional[int] = None) -> Tensor:
+        """Float weight rows [start, end) (default all): [end - start, K]."""
         dtype = dtype or self.scales.dtype
+        end = self.out_features if end is None else end
         if self.bits == 8:
-            return self.qdata.to(dtype) * self.scales.to(dtype)[:, None]
-        N, K, G = self.out_features, self.in_features, self.groupsize
-        q = unpack_int4(self.qdata, G).view(N, K // G, G).to(dtype)
-        z = None if self.zeros is None else self.zeros.to(dtype)
-        return _int4_values(q, self.scales.to(dtype), z).view(N, K)
+            return self.qdata[start:end].to(dtype) * self.scales[start:end].to(dtype)[:, None]
+        K, G = self.in_features, self.groupsize
+        q = unpack_int4(self.qdata[start:end], G).view(end - start, K // G, G).to(dtype)
+        z = None if self.zeros is None else self.zeros[start:end].to(dtype)
+        return _int4_values(q, self.scales[start:end].to(dtype), z).view(end - start, K)
+
+    def chunked_linear(self, x: Tensor, rows: int = 512) -> Tensor:
+        """Eager x @ w.T that dequantizes `rows` output channels at a time: the float temporaries stay in cache
+        (dequantizing a whole matrix first costs a round trip through memory of 4 bytes per weight)."""
+        N = self.out_features
+        if N <= rows:
+            return F.linear(x, self.dequantize(x.dtype))
+        return torch.cat([F.linear(x, self.dequantize(x.dtype, i, min(i + rows, N))) for i in range(0, N, rows)], -1)
 
     def rows(self, idx: Tensor, dtype=None) -> Tensor:
         """Dequantized rows idx (any shape) -> [*idx.shape, K]: an embedding lookup."""
@@ -252,6 +268,9 @@ class QuantizedWeight(nn.Module):
         if self.bits == 8:
             return q.to(dtype) * self.scales[idx].to(dtype).unsqueeze(-1)
         G = self.groupsize
+        if self.symmetric and torch.compiler.is_exporting():  # the unpacked copy kept for export: a plain gather
+            return (F.embedding(idx, self.qdata_int8).unflatten(-1, (-1, G)).to(dtype)
+                    * self.scales[idx].to(dtype).unsqueeze(-1)).flatten(-2)
         q = unpack_int4(q, G).unflatten(-1, (-1, G)).to(dtype)
         z = None if self.zeros is None else self.zeros[idx].to(dtype)
         return _int4_values(q, self.scales[idx].to(dtype), z).flatten(-2)
@@ -290,17 +309,20 @@ class QuantizedLinear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         qw = self.qweight
         if self.act == "int8":
-            if torch.compiler.is_exporting() and qw.bits == 4 and qw.symmetric:
-                return self._forward_8da4w_export(x)
+            if torch.compiler.is_exporting() and qw.symmetric:
+                return self._forward_dynamic_act_export(x)
             x = fake_quant_per_token_int8(x)
         if _compiled_single_row(x):
             y = qw.fused_linear(x).to(x.dtype)
-            return y + self.bias if self.bias is not None else y
-        return F.linear(x, qw.dequantize(x.dtype), self.bias)
+        elif torch.compiler.is_compiling():  # compiled prefill / batched decode, export: one dequantize, one GEMM
+            return F.linear(x, qw.dequantize(x.dtype), self.bias)
+        else:
+            y = qw.chunked_linear(x)
+        return y + self.bias if self.bias is not None else y
 
-    def _forward_8da4w_export(self, x: Tensor) -> Tensor:
+    def _forward_dynamic_act_export(self, x: Tensor) -> Tensor:
         """The op pattern of torchao's Int8DynamicActivationIntxWeightConfig(int4, PerGroup(G)) after export, which
-        ExecuTorch's XnnpackPartitioner lowers to its qd8-f32-qb4w GEMM."""
+        ExecuTorch's XnnpackPartitioner lowers to its qd8-f32-qb4w GEMM (int8 per-channel weights: qd8-f32-qc8w)."""
         qp = _torchao_primitives()
         qw = self.qweight
         bs = (1,) * (x.dim() - 1) + (x.shape[-1],)
@@ -308,8 +330,12 @@ class QuantizedLinear(nn.Module):
                                          zero_point_dtype=torch.int8)
         xq = qp.quantize_affine(x, bs, s, zp, torch.int8, -128, 127)
         x = qp.dequantize_affine(xq, bs, s, zp, torch.int8, -128, 127, output_dtype=x.dtype)
-        w = qp.dequantize_affine(qw.qdata_int8, (1, qw.groupsize), qw.scales, qw.zero_point, torch.int8, -8, 7,
-                                 output_dtype=x.dtype)
+        if qw.bits == 8:
+            w = qp.dequantize_affine(qw.qdata, (1, qw.in_features), qw.scales, qw.zero_point, torch.int8, -127, 127,
+                                     output_dtype=x.dtype)
+        else:
+            w = qp.dequantize_affine(qw.qdata_int8, (1, qw.groupsize), qw.scales, qw.zero_point, torch.int8, -8, 7,
+                                     output_dtype=x.dtype)
         return F.linear(x, w, self.bias)
 
     def extra_repr(self):
@@ -399,7 +425,7 @@ def make_recipe(model: nn.Module, mode: str, groupsize: Optional[int] = 32, embe
                                  f"try a smaller group size")
     return {"format": FORMAT_VERSION, "mode": mode, "groupsize": G, "linear": linear, "act": act,
             "embedding": emb_scheme, "tied_output": tied,
-            "output_act": act if (tied and emb_scheme == linear) else None,
+            "output_act": act if (tied and emb_scheme) else None,  # 8da4w: dynamic int8 activations, int8/int4 table
             "skip": skip, "notes": notes}
 
 
