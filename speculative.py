@@ -28,6 +28,15 @@
 #     Needs model.py's Transformer (TorchBackend.model); runs it eagerly.
 #
 # Both: batch 1 (one prompt), stats dict with the acceptance figures, format_stats() for a one-line summary.
+# Greedy output equals plain greedy decoding up to floating-point rounding: the target scores several tokens per
+# forward, whose matmuls round differently from one-token decode steps, so an exact near-tie could in principle flip.
+#
+# On a CPU (memory-bound decode), what pays:
+#   * speculative: a draft several times cheaper per token than the target, i.e. a quantize.py int4 checkpoint run
+#     with --compile (eager int4 dequantizes every weight on every call and is slower than float32); k = 4..6.
+#   * lookahead: keep the step small, since a forward of T tokens costs more than one of 1 token (about 1.5x at
+#     T = 8 and 2x at T = 16 for SmolLM2-135M here): e.g. 5,1,2 on text that repeats (code, edits, lists), where most
+#     hits come from the pool's n-grams of the prompt and of the text so far; on free prose few guesses hit.
 import time
 from typing import Callable, Optional, Sequence
 
