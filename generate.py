@@ -308,6 +308,10 @@ def parse_args(argv=None):
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--max_seq_length", type=int, default=None, help="KV cache length (default: prompt + new tokens)")
     p.add_argument("--prefill_chunk", type=int, default=None, help="process prompts in fixed chunks of N tokens")
+    p.add_argument("--draft_checkpoint_path", type=Path, default=None,
+                   help="speculative decoding with this draft model (e.g. a quantize.py version of the target)")
+    p.add_argument("--speculate_k", type=int, default=5, help="draft tokens per speculative step")
+    p.add_argument("--lookahead", default=None, metavar="NGRAM,WINDOW,GCAP", help="lookahead decoding (greedy)")
     p.add_argument("--full_batch_size", type=int, default=None,
                    help="continuous batching with N cache slots (more prompts than slots: each slot is refilled)")
     p.add_argument("--aoti_package", type=Path, help="run an AOT Inductor .pt2 from aoti_export.py")
@@ -317,6 +321,37 @@ def parse_args(argv=None):
     p.add_argument("--device_group", default="0", help="Cloud AI 100 device ids for --qpc, e.g. 0,1")
     p.add_argument("--quiet", action="store_true", help="print only the generated text")
     return p.parse_args(argv)
+
+
+def make_decode_mode(args, ids):
+    """Speculative (--draft_checkpoint_path) or lookahead (--lookahead) decoding from speculative.py, or None.
+    Returns fn(backend, draft, ids, sampling) -> (outputs, stats) that also prints the acceptance statistics."""
+    if not (args.draft_checkpoint_path or args.lookahead):
+        return None
+    import speculative as S
+    if args.draft_checkpoint_path and args.lookahead:
+        raise ValueError("choose one of --draft_checkpoint_path (speculative) and --lookahead")
+    if len(ids) != 1 or args.full_batch_size:
+        raise ValueError("speculative and lookahead decoding take one prompt (batch 1)")
+    if args.speculate_k < 1:
+        raise ValueError(f"--speculate_k must be >= 1, got {args.speculate_k}")
+    spec = S.parse_lookahead_spec(args.lookahead) if args.lookahead else None
+    if spec and args.temperature > 0:
+        raise ValueError("lookahead decoding is greedy only: use --temperature 0")
+
+    def run(backend, draft, ids, sampling):
+        sampling = {k: v for k, v in sampling.items() if k != "prefill_chunk"}
+        device = torch.device(args.device)
+        if spec:
+            out, st = S.lookahead_generate(backend, ids[0], args.max_new_tokens, device, *spec,
+                                           stop_ids=sampling["stop_ids"], on_token=sampling["on_token"])
+        else:
+            out, st = S.speculative_generate(backend, draft, ids[0], args.max_new_tokens, device, args.speculate_k,
+                                             **sampling)
+        if not args.quiet:
+            print(S.format_stats(st), file=sys.stderr)
+        return [out], st
+    return run
 
 
 def check_vocab(tok, backend):
@@ -387,8 +422,16 @@ def main(argv=None):
     if any(len(x) == 0 for x in ids):
         raise ValueError("empty prompt (and the tokenizer adds no BOS): nothing to condition on")
     max_seq = args.max_seq_length or max(len(x) for x in ids) + args.max_new_tokens
+    decode_mode = make_decode_mode(args, ids)
+    if decode_mode is not None:
+        max_seq += args.speculate_k + 1  # a verification step may write past the last kept token
     backend = load_backend(args, device, dtype, args.full_batch_size or len(ids), max_seq)
     check_vocab(tok, backend)
+    draft = None
+    if args.draft_checkpoint_path:
+        from model import load_model
+        draft = TorchBackend(load_model(args.draft_checkpoint_path, device=device, dtype=dtype), 1, max_seq,
+                             compile=args.compile)
     log = (lambda *a: None) if args.quiet else (lambda *a: print(*a, file=sys.stderr))
     stream = len(ids) == 1 and not args.full_batch_size
     runs = ([-1] if args.compile else []) + list(range(args.num_samples))
@@ -402,6 +445,8 @@ def main(argv=None):
                         generator=gen, on_token=on_token, prefill_chunk=args.prefill_chunk)
         if args.full_batch_size:
             out, st = generate_continuous(backend, ids, args.max_new_tokens, device, args.full_batch_size, **sampling)
+        elif decode_mode is not None:
+            out, st = decode_mode(backend, draft, ids, sampling)
         else:
             out, st = generate(backend, ids, args.max_new_tokens, device, **sampling)
         if i < 0:
@@ -416,12 +461,14 @@ def main(argv=None):
 
 
 def report(log, st, backend, device):
+    steps = st.get("decode_steps")
     log(f"TTFT {st['ttft_s'] * 1000:.1f} ms | prefill {st['prefill_tok_s']:.1f} tok/s | "
-        f"decode {st['decode_tok_s']:.2f} tok/s ({st['decode_steps']} steps) | {st['new_tokens']} new tokens")
+        f"decode {st['decode_tok_s']:.2f} tok/s" + (f" ({steps} steps)" if steps is not None else "") +
+        f" | {st['new_tokens']} new tokens")
     model = getattr(backend, "model", None)
-    if model is not None and st["decode_s"] > 0 and st["decode_steps"]:
+    if model is not None and st["decode_s"] > 0 and steps:
         gb = weight_bytes(model) / 1e9
-        log(f"weights {gb:.3f} GB | achieved bandwidth {gb * st['decode_steps'] / st['decode_s']:.2f} GB/s | "
+        log(f"weights {gb:.3f} GB | achieved bandwidth {gb * steps / st['decode_s']:.2f} GB/s | "
             f"peak memory {peak_memory_mb(device):.0f} MB")
     else:
         log(f"peak memory {peak_memory_mb(device):.0f} MB")
