@@ -163,13 +163,17 @@ inline Options parse_args(int argc, char** argv) {
     if (f == 'h') { usage(argv[0]); std::exit(0); }
     if (i + 1 >= argc) throw Error("option " + a + " needs a value");
     std::string v = argv[++i];
+    auto whole = [&](size_t used) {  // "0.8x" is not a number either
+      if (used != v.size()) throw std::invalid_argument(v);
+    };
+    size_t used = 0;
     try {
       switch (f) {
-        case 't': o.temperature = std::stof(v); break;
-        case 'p': o.top_p = std::stof(v); break;
-        case 'k': o.top_k = std::stoi(v); break;
-        case 's': o.seed = std::stoull(v); break;
-        case 'n': o.steps = std::stoi(v); break;
+        case 't': o.temperature = std::stof(v, &used), whole(used); break;
+        case 'p': o.top_p = std::stof(v, &used), whole(used); break;
+        case 'k': o.top_k = std::stoi(v, &used), whole(used); break;
+        case 's': o.seed = std::stoull(v, &used), whole(used); break;
+        case 'n': o.steps = std::stoi(v, &used), whole(used); break;
         case 'i': o.prompt = v, o.has_prompt = true; break;
         case 'z': o.tokenizer_path = v; break;
         case 'm': o.mode = v; break;
