@@ -98,21 +98,34 @@ def _quantized_embedding_forward(self, idx: Tensor) -> Tensor:
     return ops.embedding_4bit.default(self._et_weight, self._et_scales, zp, -8, 7, idx)
 
 
-def _int8_linear_forward(self, x: Tensor) -> Tensor:
-    """quantize.py's int8 weight-only QuantizedLinear for XNNPACK: the same int8 weights and per-channel scales, with the
-    activations quantized dynamically per token (asymmetric int8, torchao's pattern), which XNNPACK runs as its
-    qd8-f32-qc8w GEMM. XNNPACK has no float x int8 weight-only GEMM; without this the weights would be dequantized by
-    portable kernels on every call. Differs from eager int8 by the activation rounding only."""
-    import torchao.quantization.quant_primitives as qp
-    qw = self.qweight
-    bs = (1,) * (x.dim() - 1) + (x.shape[-1],)
-    s, zp = qp.choose_qparams_affine(x, qp.MappingType.ASYMMETRIC, bs, torch.int8, -128, 127,
-                                     zero_point_dtype=torch.int8)
-    xq = qp.quantize_affine(x, bs, s, zp, torch.int8, -128, 127)
-    x = qp.dequantize_affine(xq, bs, s, zp, torch.int8, -128, 127, output_dtype=x.dtype)
-    w = qp.dequantize_affine(qw.qdata, (1, qw.in_features), self._et_scales, self._et_zero_point, torch.int8, -127, 127,
-                             output_dtype=x.dtype)
+def _dynamic_int8_linear_forward(self, x: Tensor) -> Tensor:
+    """quantize.py's QuantizedLinear in the op pattern XNNPACK lowers to its dynamically quantized GEMMs: activations
+    quantized per token (asymmetric int8), weights dequantize_affine'd from int8 values (qd8-f32-qb4w for 8da4w,
+    qd8-f32-qc8w for int8). Calls the torchao ops themselves: their Python wrappers are decorated with
+    torch.no_grad(), and every such region costs torch.export a graph split (18 min instead of seconds for SmolLM2).
+      8da4w: the same arithmetic as quantize.py's own export path (QuantizedLinear._forward_8da4w_export);
+      int8 (weight-only in eager): XNNPACK has no float x int8 weight-only GEMM, so the .pte quantizes activations per
+        token too (without this, portable kernels would dequantize every weight on every call); it differs from eager
+        int8 by that activation rounding only."""
+    import torchao.quantization.quant_primitives  # noqa: F401 - registers torch.ops.torchao
+    ops = torch.ops.torchao
+    bs = [1] * (x.dim() - 1) + [x.shape[-1]]
+    s, zp = ops.choose_qparams_affine(x, "ASYMMETRIC", bs, torch.int8, -128, 127, None, None, torch.int8)
+    xq = ops.quantize_affine(x, bs, s, zp, torch.int8, -128, 127)
+    x = ops.dequantize_affine(xq, bs, s, zp, torch.int8, -128, 127, x.dtype)
+    w = ops.dequantize_affine(self._et_qdata, self._et_block, self._et_scales, self._et_zero_point, torch.int8,
+                              self._et_qmin, self._et_qmax, x.dtype)
     return torch.nn.functional.linear(x, w, self.bias)
+
+
+def _linear_kind(m) -> Optional[str]:
+    """quantize.py QuantizedLinear -> "8da4w" | "int8" | "int4" (weight-only asymmetric: no ExecuTorch kernel)."""
+    qw = getattr(m, "qweight", None)
+    if type(m).__name__ != "QuantizedLinear" or qw is None:
+        return None
+    if qw.bits == 8:
+        return "int8"
+    return "8da4w" if (getattr(m, "act", None) == "int8" and qw.symmetric) else "int4"
 
 
 _ROPE_OWNER = []  # the module holding the rotation weight as a buffer while export_swaps is active
@@ -135,10 +148,11 @@ def export_swaps(model, int8_dynamic: bool = True):
         stay inside the XNNPACK delegate (same arithmetic);
       * quantize.py's QuantizedEmbedding gathers through quantized_decomposed::embedding_byte / embedding_4bit (the
         kernels of ExecuTorch's quantized library) from a repacked copy of its table;
-      * with int8_dynamic, int8 weight-only QuantizedLinears quantize their activations per token so that XNNPACK
-        takes them (see _int8_linear_forward); for the portable backend they stay weight-only."""
+      * 8da4w QuantizedLinears call the torchao quantize ops directly (see _dynamic_int8_linear_forward); with
+        int8_dynamic, int8 weight-only ones also quantize their activations per token so that XNNPACK takes them (for
+        the portable backend they stay weight-only)."""
     import model as model_py
-    patched, embeddings = [], []
+    patched, extras = [], []
     for m in model.modules():
         if isinstance(m, model_py.KVCache):
             m.update = _direct_update.__get__(m)
@@ -155,16 +169,21 @@ def export_swaps(model, int8_dynamic: bool = True):
             m._et_bits = bits
             m.forward = _quantized_embedding_forward.__get__(m)
             patched.append((m, "forward"))
-            embeddings.append(m)
-        elif (int8_dynamic and type(m).__name__ == "QuantizedLinear" and getattr(m, "act", None) is None
-              and getattr(getattr(m, "qweight", None), "bits", None) == 8):
+            extras.append((m, ("_et_weight", "_et_scales", "_et_zeros"), ("_et_bits",)))
+        elif _linear_kind(m) == "8da4w" or (int8_dynamic and _linear_kind(m) == "int8"):
             qw = m.qweight
-            m.register_buffer("_et_scales", qw.scales.reshape(-1, 1).clone(), persistent=False)
-            m.register_buffer("_et_zero_point", torch.zeros(qw.out_features, 1, dtype=torch.int8, device=qw.qdata.device),
-                              persistent=False)
-            m.forward = _int8_linear_forward.__get__(m)
+            if qw.bits == 4:
+                buffers = dict(_et_qdata=qw.qdata_int8, _et_scales=qw.scales, _et_zero_point=qw.zero_point)
+                m._et_block, m._et_qmin, m._et_qmax = [1, qw.groupsize], -8, 7
+            else:
+                buffers = dict(_et_qdata=qw.qdata, _et_scales=qw.scales.reshape(-1, 1),
+                               _et_zero_point=torch.zeros(qw.out_features, 1, dtype=torch.int8, device=qw.qdata.device))
+                m._et_block, m._et_qmin, m._et_qmax = [1, qw.in_features], -127, 127
+            for name, t in buffers.items():
+                m.register_buffer(name, t, persistent=False)
+            m.forward = _dynamic_int8_linear_forward.__get__(m)
             patched.append((m, "forward"))
-            embeddings.append(m)
+            extras.append((m, tuple(buffers), ("_et_block", "_et_qmin", "_et_qmax")))
     rope = model_py.apply_rope
     model.register_buffer("_et_rotate_half", _rotate_half_weight(model.config.head_dim).to(model.norm.weight.device),
                           persistent=False)
@@ -178,10 +197,11 @@ def export_swaps(model, int8_dynamic: bool = True):
         del model._buffers["_et_rotate_half"]
         for m, name in patched:
             m.__dict__.pop(name, None)
-        for m in embeddings:
-            for b in ("_et_weight", "_et_scales", "_et_zeros", "_et_zero_point"):
+        for m, buffers, attrs in extras:
+            for b in buffers:
                 m._buffers.pop(b, None)
-            m.__dict__.pop("_et_bits", None)
+            for a in attrs:
+                m.__dict__.pop(a, None)
 
 
 def prepare_for_export(model, max_seq_length: int):
@@ -279,6 +299,28 @@ def _inferred_view_dims(gm: torch.fx.GraphModule):
     return PassResult(gm, changed)
 
 
+def _drop_unused_state(ep) -> int:
+    """Remove weights/buffers/constants the graph never reads (quantize.py keeps packed copies that only eager uses);
+    ExecuTorch would serialize them all. Returns how many were dropped."""
+    import copy
+    from torch.export.graph_signature import InputKind
+    placeholders = {n.name: n for n in ep.graph_module.graph.nodes if n.op == "placeholder"}
+    mutated = set(ep.graph_signature.buffers_to_mutate.values())
+    drop = [s for s in ep.graph_signature.input_specs
+            if s.kind in (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR)
+            and s.target not in mutated and not placeholders[s.arg.name].users]
+    if drop:
+        sig = copy.deepcopy(ep.graph_signature)
+        for spec in drop:
+            sig.input_specs.remove(spec)
+            ep.graph_module.graph.erase_node(placeholders[spec.arg.name])
+            ep._state_dict.pop(spec.target, None)
+            ep._constants.pop(spec.target, None)
+        ep._graph_signature = sig
+        ep.graph_module.recompile()
+    return len(drop)
+
+
 # ------------------------------------------------------------------------------------------------ export
 class _Forward(torch.nn.Module):
     """forward(tokens [1, T], input_pos [T]) -> logits [1, T, V] (the .pte signature, batch_index dropped)."""
@@ -311,6 +353,7 @@ def export_programs(model, max_seq_length: int, prefill_chunk: Optional[int] = N
             progs["prefill"] = export(wrapper, ex, strict=False)
             progs["decode"] = export(wrapper, (torch.zeros(1, 1, dtype=torch.long), torch.tensor([0])), strict=False)
     for name, ep in progs.items():
+        _drop_unused_state(ep)
         if not _gqa_attention_pass(ep.graph_module):
             print(f"note: {name}: attention left to ATen's SDPA decomposition (pattern not recognised)", file=sys.stderr)
     return progs
@@ -454,6 +497,9 @@ def export_pte(model, output_path, max_seq_length: int = DEFAULT_MAX_SEQ_LENGTH,
     log = (lambda *a: print(*a, file=sys.stderr)) if verbose else (lambda *a: None)
     output_path = Path(output_path)
     _backend_partitioners(backend)  # fail fast, before the slow export, on a backend that cannot work here
+    if any(_linear_kind(m) == "int4" for m in model.modules()):
+        raise ValueError("int4 / int4-gptq weights (asymmetric, weight-only) have no ExecuTorch kernel; quantize with "
+                         "--quantize 8da4w (or int8) for ExecuTorch")
     if backend == "xnnpack" and _scales_not_bf16(model):
         log("note: XNNPACK stores 4-bit group scales as bfloat16; this model's scales are not bf16 values, so the .pte's "
             "logits differ slightly from the eager quantized model's")
