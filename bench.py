@@ -142,12 +142,17 @@ def main():
     p.add_argument("--max_new_tokens", type=int, default=128)
     p.add_argument("--device", default="cpu")
     p.add_argument("--json", default="bench.json")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads per row (default: torch's); 1 gives stable per-core figures on a shared machine")
     p.add_argument("--nproc", default="1", help="tensor-parallel world sizes (torchrun), e.g. 1,2,4")
     p.add_argument("--_child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("gen_args", nargs="*", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args._child:
         return child(args)
+    if args.threads:  # rows inherit it through the environment
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)
+        torch.set_num_threads(args.threads)
     names = [n.strip() for n in args.rows.split(",") if n.strip()]
     unknown = [n for n in names if n not in ROWS]
     if unknown:
