@@ -1,4 +1,6 @@
 // tokenizer.bin reader, encoder and decoder for the C++ runners (header-only, C++17, no dependencies).
+// Over 500 lines: an exact C++ reimplementation of tokenizer.py's SentencePiece and byte-level BPE encoders
+// (pre-tokenizer regexes included) plus decoding and chat templates; llama2.c's 100-line encoder cannot match them.
 //
 // Reproduces tokenizer.py exactly: SentencePiece BPE models (merge by piece score, byte fallback, dummy prefix) and
 // byte-level BPE (special-token split, optional digit split, the GPT-2 / Llama 3 / Qwen2 pre-tokenizer regexes
