@@ -1,4 +1,5 @@
 # Compile an export_onnx.py graph for Qualcomm Cloud AI 100 with qaic-exec, and run the QPC (QpcBackend).
+#
 # Over 500 lines: the compiler inputs (specializations, custom IO, partition config), the exact qaic-exec command,
 # the QPC cache and QpcBackend (the qaicrt session) are one stage; each part is short.
 #

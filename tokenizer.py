@@ -1,8 +1,9 @@
 # Tokenizers for LLaMA-family checkpoints, read from a Hugging Face tokenizer.json, a SentencePiece tokenizer.model,
+# or the vocabulary embedded in a GGUF file.
+#
 # Over 500 lines because it holds two tokenizer families (SentencePiece, our own byte-level BPE with four
 # pre-tokenizers), three file formats (tokenizer.json, tokenizer.model, GGUF), chat templates and streaming decode;
 # the BPE is written out rather than borrowed so it can be checked against independent libraries.
-# or the vocabulary embedded in a GGUF file.
 #
 #   * SentencePieceTokenizer (Llama 2, TinyLlama, Mistral v0.1): the sentencepiece library does the work.
 #   * BPETokenizer (SmolLM2, Llama 3, Qwen2.5/3): byte-level BPE in pure Python, GPT-2 style:

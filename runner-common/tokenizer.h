@@ -1,4 +1,5 @@
 // tokenizer.bin reader, encoder and decoder for the C++ runners (header-only, C++17, no dependencies).
+//
 // Over 500 lines: an exact C++ reimplementation of tokenizer.py's SentencePiece and byte-level BPE encoders
 // (pre-tokenizer regexes included) plus decoding and chat templates; llama2.c's 100-line encoder cannot match them.
 //
