@@ -547,6 +547,7 @@ def _write_atomic(path: Path, data) -> None:
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
+        os.chmod(tmp, 0o644)  # mkstemp creates 0600; these are ordinary readable files
         os.replace(tmp, path)
     except BaseException:
         os.unlink(tmp) if os.path.exists(tmp) else None

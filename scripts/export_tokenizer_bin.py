@@ -13,14 +13,13 @@ kind. runner-common/README.md documents the layout.
 """
 import argparse
 import math
-import os
 import struct
 import sys
-import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+from tokenizer import _write_atomic  # noqa: E402  (temp file beside the target, then rename)
 
 EXT_MAGIC = b"LLTOKEXT"
 FOOTER_MAGIC = b"LLTOKEND"
@@ -348,19 +347,6 @@ def build(tok, llama2c_only: bool = False, log=lambda *a: None) -> bytes:
     return part_a + b"".join(ext) + struct.pack("<Q", offset) + FOOTER_MAGIC
 
 
-def write_atomic(path: Path, data: bytes) -> None:
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description="Write tokenizer.bin (llama2.c format + extension) for the C++ runners.")
     p.add_argument("tokenizer", type=Path, help="checkpoint directory, tokenizer.json, tokenizer.model or *.gguf")
@@ -377,7 +363,7 @@ def main(argv=None):
         raise ValueError(str(e)) from None
     if not args.output.parent.is_dir():
         raise FileNotFoundError(f"output directory does not exist: {args.output.parent}")
-    write_atomic(args.output, data)
+    _write_atomic(Path(args.output), data)
     chat = CHAT_NAMES[detect_chat(tok)[0]] if not args.llama2c else "llama2 (llama2.c default)"
     log(f"wrote {args.output}: {tok.kind}, {tok.vocab_size} tokens, chat template {chat}, {len(data)} bytes")
 
