@@ -648,7 +648,7 @@ def main(argv=None):
         raise ValueError("--max_seq_length must be at least 2")
     _backend_partitioners(args.backend)  # a missing vendor SDK is reported before the checkpoint is even read
     model = load_model(ckpt, dtype=torch.float32)
-    quantization = {"mode": "quantized checkpoint"} if _is_quantized(model) else None
+    quantization = {"mode": "(as stored in the checkpoint)"} if _is_quantized(model) else None
     if args.quantize:
         if quantization:
             raise ValueError(f"{ckpt} is already quantized; export it without --quantize")
