@@ -12,12 +12,15 @@
 #   8da4w      int4 symmetric groupwise weights x int8 dynamic per-token asymmetric activations
 #              (the scheme ExecuTorch/XNNPACK runs)                           w = (q - 8) * s,      q in [0, 15]
 #   int4-gptq  int4 (same storage and kernels as int4), weights chosen by GPTQ on calibration text
+#              (8da4w with --calibration_file also chooses its int4 weights by GPTQ)
 #
-# Embeddings (--embedding): by default the token embedding is quantized too: int8 per row in int8 mode, int4 with the
-# linear layers' group size in the int4 modes (symmetric in 8da4w mode); "none" keeps it float. When the model ties its
-# output projection to the embedding (SmolLM2, Llama 3.2, Qwen) the output projection reads the very same quantized
-# table (one copy in memory and in the file), i.e. it is quantized with the embedding's scheme; in 8da4w mode it also
-# quantizes its activations, so the XNNPACK delegate takes it. In int4-gptq mode a tied table is rounded to nearest
+# Embeddings (--embedding int8 | int4 | none): by default the token embedding is quantized to int8 (one scale per row)
+# in every mode. When the model ties its output projection to the embedding (SmolLM2, Llama 3.2, Qwen) the output
+# projection reads the very same quantized table (one copy in memory and in the file), i.e. it is quantized with the
+# embedding's scheme; in 8da4w mode it also quantizes its activations (int8 table: XNNPACK's qd8-f32-qc8w GEMM, int4:
+# qb4w), so the delegate takes it. int8 is the default because that table is the most sensitive matrix of a small
+# model: on SmolLM2-135M an int4 g32 table alone costs ~6% perplexity, int8 ~0.05%, for ~10 MB. --embedding int4
+# (groups of --groupsize, symmetric in 8da4w mode) gives the smallest file. A tied table is always rounded to nearest
 # (GPTQ would tune it for the output projection alone); an untied output projection gets GPTQ like the other linears.
 #
 # Storage: every tensor in the file is plain (int8 / uint8 / float), loadable with torch.load(weights_only=True).
@@ -106,16 +109,17 @@ def _int4_round(wg: Tensor, s: Tensor, z: Optional[Tensor]) -> Tensor:
 
 
 def _int4_values(q: Tensor, s: Tensor, z: Optional[Tensor]) -> Tensor:
-    return (q - 8) * s[..., None] if z is None else q * s[..., None] + z[..., None]
+    return (q - 8) * s[..., None] if z is None else torch.addcmul(z[..., None], q, s[..., None])
 
 
 SHRINKS = (1.0, 0.97, 0.94, 0.91, 0.88, 0.85, 0.82, 0.79)
+SYM_EXTRA = (7.5 / 7,)  # symmetric: amax / 7, so that a positive extreme is not clipped to 7 s
 
 
 def int4_group_params(w: Tensor, groupsize: int, symmetric: bool, search: bool = True):
     """Per-group scale [N, K/G] and zero offset [N, K/G] (None when symmetric) for w [N, K]. With search, each group's
-    range is narrowed by the factor in SHRINKS that gives the least squared error (1.0 wins ties, so a source that is
-    already on an int4 grid, like SmolLM2's Q4_1 GGUF, is reproduced exactly)."""
+    range is scaled by the factor in SHRINKS (+ SYM_EXTRA if symmetric) that gives the least squared error (1.0 wins
+    ties, so a source that is already on an int4 grid, like SmolLM2's Q4_1 GGUF, is reproduced exactly)."""
     N, K = w.shape
     wg = w.float().reshape(N, K // groupsize, groupsize)
     if not search:
@@ -124,7 +128,7 @@ def int4_group_params(w: Tensor, groupsize: int, symmetric: bool, search: bool =
     for r in range(0, N, 4096):  # bounded temporaries for big embedding tables
         sub = wg[r:r + 4096]
         best_err = None
-        for f in SHRINKS:
+        for f in SHRINKS + (SYM_EXTRA if symmetric else ()):
             s, z = _int4_group_params(sub, f, symmetric)
             err = (_int4_values(_int4_round(sub, s, z), s, z) - sub).pow(2).sum(-1)
             if best_err is None:
@@ -171,7 +175,8 @@ def _compiled_single_row(x: Tensor) -> bool:
 class QuantizedWeight(nn.Module):
     """One quantized [out_features, in_features] matrix in plain tensors.
 
-    bits 8:  qdata int8 [N, K], scales [N]                     w = qdata * scales
+    bits 8:  qdata int8 [N, K], scales [N]                     w = qdata * scales   (+ zero_point int8 zeros [N, 1],
+             not saved: the dequantize_affine operand for a dynamically quantized export)
     bits 4:  qdata uint8 [N, K/2] (pack_int4), scales [N, K/G], zeros [N, K/G] (asymmetric: w = q * s + z) or none
              (symmetric: w = (q - 8) * s). Symmetric weights also keep qdata_int8 [N, K] (q - 8, int8) and
              zero_point (int8 zeros [N, K/G]), not saved, rebuilt at load: the operands of the dequantize_affine
@@ -221,6 +226,7 @@ class QuantizedWeight(nn.Module):
         if qt["zeros"] is not None:
             m.zeros = qt["zeros"].to(dtype)
         m._rebuild_export_operands()
+        m._rebuild_native()
         return m
 
     def _rebuild_export_operands(self):
@@ -235,6 +241,41 @@ class QuantizedWeight(nn.Module):
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         self._rebuild_export_operands()
+        self._rebuild_native()
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)  # .to(device / dtype): repack for the new place
+        self._rebuild_export_operands()
+        self._rebuild_native()
+        return self
+
+    # bfloat16 on CPU: ATen's packed weight-only kernels (AVX512-BF16) beat everything else (measured ~14 Gparam/s int8,
+    # ~35 Gparam/s int4 vs ~1-4 for dequantize + bf16 GEMM); in float32 they are slower than the alternatives. int8 runs
+    # on qdata as stored; int4 needs _convert_weight_to_int4pack_for_cpu's blocked layout: a second copy (a plain
+    # attribute, not saved, rebuilt whenever the module moves or changes dtype).
+    _int4_cpu = None
+
+    def _rebuild_native(self):
+        self._int4_cpu = None
+        if (self.bits == 4 and self.qdata.device.type == "cpu" and self.scales.dtype == torch.bfloat16
+                and hasattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu")):
+            s = self.scales
+            z = torch.zeros_like(s) if self.zeros is None else self.zeros + 8 * s  # (q - 8) * s + z'
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(self.int_values().to(torch.int32), 1)
+            self._int4_cpu = (packed, torch.stack([s.t(), z.t()], -1).contiguous())
+
+    def native_linear(self, x: Tensor) -> Optional[Tensor]:
+        """x @ w.T with ATen's packed CPU kernels when they apply (bfloat16 activations, CPU), else None."""
+        if x.dtype != torch.bfloat16 or x.device.type != "cpu" or self.scales.dtype != torch.bfloat16:
+            return None
+        x2 = x.reshape(-1, self.in_features)
+        if self.bits == 8:
+            y = torch.ops.aten._weight_int8pack_mm(x2, self.qdata, self.scales)
+        elif self._int4_cpu is not None:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self._int4_cpu[0], self.groupsize, self._int4_cpu[1])
+        else:
+            return None
+        return y.reshape(*x.shape[:-1], self.out_features)
 
     def int_values(self) -> Tensor:
         """Integer values [N, K] (int8: [-127, 127]; int4: [0, 15]) as int16."""
@@ -257,9 +298,15 @@ class QuantizedWeight(nn.Module):
         """Eager x @ w.T that dequantizes `rows` output channels at a time: the float temporaries stay in cache
         (dequantizing a whole matrix first costs a round trip through memory of 4 bytes per weight)."""
         N = self.out_features
+        if self.bits == 8:  # per-channel scales apply to the output: one pass less over the weights
+            def part(i, j):
+                return F.linear(x, self.qdata[i:j].to(x.dtype)) * self.scales[i:j].to(x.dtype)
+        else:
+            def part(i, j):
+                return F.linear(x, self.dequantize(x.dtype, i, j))
         if N <= rows:
-            return F.linear(x, self.dequantize(x.dtype))
-        return torch.cat([F.linear(x, self.dequantize(x.dtype, i, min(i + rows, N))) for i in range(0, N, rows)], -1)
+            return part(0, N)
+        return torch.cat([part(i, min(i + rows, N)) for i in range(0, N, rows)], -1)
 
     def rows(self, idx: Tensor, dtype=None) -> Tensor:
         """Dequantized rows idx (any shape) -> [*idx.shape, K]: an embedding lookup."""
@@ -312,8 +359,10 @@ class QuantizedLinear(nn.Module):
             if torch.compiler.is_exporting() and qw.symmetric:
                 return self._forward_dynamic_act_export(x)
             x = fake_quant_per_token_int8(x)
-        if _compiled_single_row(x):
+        if _compiled_single_row(x):  # decode under torch.compile: one generated kernel per matmul (fastest measured)
             y = qw.fused_linear(x).to(x.dtype)
+        elif (y := None if torch.compiler.is_exporting() else qw.native_linear(x)) is not None:
+            pass  # ATen's packed bfloat16 CPU kernels
         elif torch.compiler.is_compiling():  # compiled prefill / batched decode, export: one dequantize, one GEMM
             return F.linear(x, qw.dequantize(x.dtype), self.bias)
         else:
@@ -398,7 +447,7 @@ def make_recipe(model: nn.Module, mode: str, groupsize: Optional[int] = 32, embe
     linear = _scheme(8) if mode == "int8" else _scheme(4, G, symmetric=(mode == "8da4w"))
     act = "int8" if mode == "8da4w" else None
     if embedding in (None, "auto", "default"):
-        embedding = "int8" if mode == "int8" else "int4"
+        embedding = "int8"  # see the header: the table is also the output projection of tied models
     if embedding is False:
         embedding = "none"
     if embedding not in EMBEDDINGS:
@@ -469,7 +518,7 @@ def _calibration_batches(calibration_ids, seq_len: int) -> Tensor:
 
 @torch.no_grad()
 def quantize_model(model: nn.Module, mode: str, groupsize: int = 32, calibration_ids=None, embedding=None, *,
-                   act_order: bool = False, damp: float = 0.01, calibration_seq_length: int = 512,
+                   act_order: bool = False, damp: float = 0.1, calibration_seq_length: int = 512,
                    log: bool = True) -> dict:
     """Quantize a float model in place; returns the recipe to store with checkpoint_state(model, quantization=...).
 
@@ -480,6 +529,7 @@ def quantize_model(model: nn.Module, mode: str, groupsize: int = 32, calibration
         raise ValueError("model is already quantized")
     if mode == "int4-gptq" and calibration_ids is None:
         raise ValueError("int4-gptq needs calibration data (calibration_ids / --calibration_file)")
+    gptq = mode == "int4-gptq" or (mode == "8da4w" and calibration_ids is not None)
     emb_qw = None
     if recipe["embedding"]:  # first: GPTQ calibrates the layers on the embedding the model will really use
         emb = model.tok_embeddings
@@ -488,7 +538,7 @@ def quantize_model(model: nn.Module, mode: str, groupsize: int = 32, calibration
         if recipe["tied_output"]:
             model.output = QuantizedLinear(emb_qw, None, recipe["output_act"])
     targets = _targets(model, recipe)
-    if mode == "int4-gptq":
+    if gptq:
         calib = _calibration_batches(calibration_ids, min(calibration_seq_length, model.config.block_size))
         _gptq_model(model, recipe, targets, calib, act_order=act_order, damp=damp, log=log)
     for name in targets:
@@ -496,13 +546,13 @@ def quantize_model(model: nn.Module, mode: str, groupsize: int = 32, calibration
         if isinstance(lin, nn.Linear):
             qw = QuantizedWeight.from_float(lin.weight, recipe["linear"])
             _set_module(model, name, QuantizedLinear(qw, lin.bias, recipe["act"]))
-    if mode == "int4-gptq":
+    if gptq:
         recipe["gptq"] = {"act_order": act_order, "damp": damp, "calibration_tokens": int(calib.numel())}
     return recipe
 
 
 # ----------------------------------------------------------------------------------------------------------- GPTQ
-def gptq_quantize(W: Tensor, H: Tensor, scheme: dict, act_order: bool = False, damp: float = 0.01,
+def gptq_quantize(W: Tensor, H: Tensor, scheme: dict, act_order: bool = False, damp: float = 0.1,
                   blocksize: int = 128) -> dict:
     """GPTQ (Frantar et al. 2022) for one [N, K] weight given the Hessian H = 2 X^T X / n of its inputs [n, K]:
     columns are rounded one at a time and each rounding error is spread over the not-yet-rounded columns by the
@@ -577,7 +627,7 @@ class _HessianHook:
         self.H += x.T @ x
 
 
-def _gptq_model(model, recipe, targets, calib: Tensor, act_order=False, damp=0.01, batch=4, log=True):
+def _gptq_model(model, recipe, targets, calib: Tensor, act_order=False, damp=0.1, batch=4, log=True):
     """Layer by layer: collect each linear's input Hessian on the calibration tokens (inputs computed with the
     layers before it already quantized), GPTQ all the linears of the layer, then run the quantized layer to get the
     next layer's inputs. An untied output projection is done last, on the final norm's output."""
@@ -662,14 +712,14 @@ def parse_args(argv=None):
     p.add_argument("--mode", required=True, help=f"one of {', '.join(MODES)}")
     p.add_argument("--groupsize", type=int, default=32, help=f"int4 modes: one of {GROUPSIZES} (default 32)")
     p.add_argument("--embedding", default=None,
-                   help="int8 | int4 | none (default: int8 for --mode int8, int4 for the others; a tied output "
-                        "projection shares the quantized table)")
-    p.add_argument("--calibration_file", type=Path, help="int4-gptq: text file to calibrate on")
-    p.add_argument("--calibration_tokens", type=int, default=8192, help="int4-gptq: at most this many tokens")
-    p.add_argument("--calibration_seq_length", type=int, default=512, help="int4-gptq: tokens per sequence")
-    p.add_argument("--act_order", action="store_true", help="int4-gptq: quantize columns by decreasing Hessian diagonal")
-    p.add_argument("--damp", type=float, default=0.01, help="int4-gptq: Hessian dampening (fraction of mean diagonal)")
-    p.add_argument("--tokenizer_path", type=Path, default=None, help="int4-gptq: default the checkpoint's directory")
+                   help="int8 | int4 | none (default int8; a tied output projection shares the quantized table)")
+    p.add_argument("--calibration_file", type=Path,
+                   help="int4-gptq (required) and 8da4w (optional): text to calibrate GPTQ on")
+    p.add_argument("--calibration_tokens", type=int, default=16384, help="GPTQ: at most this many tokens")
+    p.add_argument("--calibration_seq_length", type=int, default=512, help="GPTQ: tokens per sequence")
+    p.add_argument("--act_order", action="store_true", help="GPTQ: quantize columns by decreasing Hessian diagonal")
+    p.add_argument("--damp", type=float, default=0.1, help="GPTQ: Hessian dampening (fraction of mean diagonal)")
+    p.add_argument("--tokenizer_path", type=Path, default=None, help="GPTQ: default the checkpoint's directory")
     p.add_argument("--output", type=Path, default=None, help="default: beside the input, model_<mode>[.g<G>].pth")
     p.add_argument("--device", default="cpu", help="where to run GPTQ (cpu, cuda)")
     return p.parse_args(argv)
@@ -683,9 +733,11 @@ def main(argv=None):
         raise ValueError(f"--groupsize must be one of {', '.join(map(str, GROUPSIZES))}, got {args.groupsize}")
     if args.embedding is not None and args.embedding not in EMBEDDINGS:
         raise ValueError(f"--embedding must be one of {', '.join(EMBEDDINGS)}, got {args.embedding!r}")
-    if args.mode == "int4-gptq":
-        if args.calibration_file is None:
-            raise ValueError("--mode int4-gptq needs --calibration_file (a text file to calibrate on)")
+    if args.mode == "int4-gptq" and args.calibration_file is None:
+        raise ValueError("--mode int4-gptq needs --calibration_file (a text file to calibrate on)")
+    if args.calibration_file is not None:
+        if args.mode not in ("int4-gptq", "8da4w"):
+            raise ValueError(f"--calibration_file is for --mode int4-gptq or 8da4w (GPTQ), not {args.mode}")
         if not args.calibration_file.is_file():
             raise FileNotFoundError(f"calibration file not found: {args.calibration_file}")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -703,7 +755,7 @@ def main(argv=None):
         raise ValueError(f"{ck} is already quantized; start from a float checkpoint")
     before = _file_bytes(model)
     calib = None
-    if args.mode == "int4-gptq":
+    if args.calibration_file is not None:
         from tokenizer import load_tokenizer
         tok = load_tokenizer(args.tokenizer_path or ck.parent)
         calib = tok.encode(args.calibration_file.read_text(encoding="utf-8", errors="replace"))[:args.calibration_tokens]

@@ -53,6 +53,21 @@ def test_linear_matches_its_dequantized_weights(name, bias):
     torch.testing.assert_close(qw.dequantize(), expect, rtol=0, atol=1e-7)
 
 
+@pytest.mark.parametrize("name", ["int8", "int4-g32", "int4-g64"])
+def test_bfloat16_native_kernels_match_dequantized_weights(name):
+    """bfloat16 on CPU runs ATen's packed weight-only kernels (_weight_int8pack_mm, _weight_int4pack_mm_for_cpu)."""
+    w, lin = _linear(name, N=96, K=256)
+    lin = lin.to(torch.bfloat16)
+    x = torch.randn(3, 256, dtype=torch.bfloat16)
+    y = lin.qweight.native_linear(x)
+    if y is None:
+        pytest.skip("this torch build has no packed CPU kernel for this scheme")
+    ref = F.linear(x.float(), lin.qweight.dequantize(torch.float32))
+    torch.testing.assert_close(y.float(), ref, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(lin(x).float(), ref, rtol=2e-2, atol=2e-2)
+    assert lin.to(torch.float32).qweight.native_linear(x.float()) is None  # float32 takes the portable path
+
+
 def test_int4_pack_roundtrip_and_layout():
     q = torch.randint(0, 16, (7, 64))
     p = Q.pack_int4(q, 32)
@@ -189,8 +204,12 @@ def test_embedding_choices_and_tied_output(random_tied, peaked):
     r = Q.quantize_model(m, "int4", 32, embedding="int8", log=False)
     assert m.output.qweight is m.tok_embeddings.qweight and m.output.qweight.bits == 8
     m = copy.deepcopy(random_tied)
-    Q.quantize_model(m, "8da4w", 32, log=False)
-    assert m.output.act == "int8" and m.output.qweight.symmetric  # the XNNPACK-friendly output projection
+    r = Q.quantize_model(m, "8da4w", 32, log=False)
+    assert m.output.act == "int8" and m.output.qweight.bits == 8  # int8 table, dynamic int8 activations (XNNPACK)
+    assert "gptq" not in r
+    m = copy.deepcopy(random_tied)
+    r = Q.quantize_model(m, "8da4w", 32, embedding="int4", calibration_ids=torch.randint(0, 256, (2, 16)), log=False)
+    assert r["gptq"]["calibration_tokens"] == 32 and m.output.qweight.symmetric and m.output.qweight.bits == 4
     m = copy.deepcopy(peaked)  # untied: output is an ordinary quantized linear, embedding separate
     Q.quantize_model(m, "int4", 32, log=False)
     assert m.output.qweight is not m.tok_embeddings.qweight
@@ -297,16 +316,15 @@ def test_8da4w_lowers_fully_to_xnnpack():
 
 
 # ----------------------------------------------------------------------------------------------------------- CLI
-def test_cli_writes_checkpoint_and_generate_reads_it(tiny_checkpoint, tmp_path):
+def test_cli_writes_checkpoint_and_generate_reads_it(tiny_checkpoint, capsys):
+    """quantize.py's and generate.py's main() in-process (the subprocess error path is covered below)."""
     d, _ = tiny_checkpoint
-    r = run_cli("quantize.py", "--checkpoint_path", d / "model.pth", "--mode", "int4", "--groupsize", "32")
-    assert r.returncode == 0, r.stderr
+    Q.main(["--checkpoint_path", str(d / "model.pth"), "--mode", "int4", "--groupsize", "32"])
     out = d / "model_int4.g32.pth"
-    assert r.stdout.strip().endswith("model_int4.g32.pth") and out.is_file()
-    r = run_cli("generate.py", "--checkpoint_path", out, "--prompt", "The quick", "--max_new_tokens", "5",
-                "--temperature", "0", "--quiet")
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.startswith("The quick")
+    assert capsys.readouterr().out.strip().endswith("model_int4.g32.pth") and out.is_file()
+    generate.main(["--checkpoint_path", str(out), "--prompt", "The quick", "--max_new_tokens", "5",
+                   "--temperature", "0", "--quiet"])
+    assert capsys.readouterr().out.startswith("The quick")
 
 
 def test_cli_errors(tiny_checkpoint, tmp_path):
