@@ -1,15 +1,21 @@
 # Benchmarks: decode / prefill tok/s, TTFT, achieved GB/s and % of the memory-bandwidth ceiling measured on this
-# machine, peak RSS, for every backend and precision. Each row runs in its own process (clean peak memory, no state
-# shared between rows); each figure is the median of several runs. Prints a markdown table, writes JSON.
+# machine, peak RSS and file size, for every backend, precision and decoding mode. Each row runs in its own process
+# (clean peak memory, no state shared between rows); each figure is the median of several runs. Prints a markdown
+# table, writes JSON.
 #
 #   python bench.py                                  # default rows on the default model
-#   python bench.py --rows "eager fp32,compile fp32" --runs 5 --max_new_tokens 128 --json bench.json
+#   python bench.py --rows "compile fp32,compile int4 g32" --runs 5 --max_new_tokens 128 --json bench.json
+#   python bench.py --rows all --threads 1           # everything; 1 thread gives stable figures on a shared machine
 #
-# A row is a name and the generate.py arguments it runs with; rows whose artifact is missing (a quantized checkpoint,
-# an exported package) build it first with the stage's own script.
+# A row runs generate.py (any backend, any mode) or one of the C++ runners with greedy decoding, so every row of a
+# prompt produces the same tokens. Artifacts a row needs (quantized checkpoints, .pte / .pt2 / ONNX files,
+# tokenizer.bin, runner binaries) are built first with the stage's own script when missing, in <checkpoint_dir>/bench/.
+# "vs" is the row a row is compared with (the issue targets: quantized vs float32, runner-et 8da4w vs float32,
+# a decoding mode vs plain decoding); the ratio is shown when both rows ran.
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -20,24 +26,109 @@ import torch
 
 REPO = Path(__file__).resolve().parent
 CK = REPO / "checkpoints" / "SmolLM2-135M-Instruct"
-ART = REPO / "checkpoints" / "bench"  # exported artifacts built for the benchmark
+PY = sys.executable
 
-# name -> (generate.py arguments, command that builds the artifact if it is missing or None)
+PROMPTS = {
+    "story": ("Write a short story about a robot who learns to paint. The robot lives in a small town by the sea and "
+              "every morning it watches the fishermen leave the harbour."),
+    "code": ('def add(a, b):\n    """Return the sum of a and b."""\n    return a + b\n\n\n'
+             'def sub(a, b):\n    """Return the difference of a and b."""\n    return a - b\n\n\n'
+             'def mul(a, b):\n    """Return the product of a and b."""\n    return a * b\n\n\ndef div(a, b):\n'),
+}
+CB_PROMPTS = [  # continuous batching: more prompts than slots
+    "The history of the printing press begins", "Here is a recipe for a simple tomato soup:",
+    "The three laws of motion are", "Once upon a time, in a village at the edge of a forest,",
+    "A good way to learn a new language is", "The main causes of the French Revolution were",
+    "To change a flat tyre on a bicycle, first", "The weather on Mars is",
+]
+
+# Artifacts: path -> command that builds it ({ck} the checkpoint directory, {art} ART)
+Q = ["quantize.py", "--checkpoint_path", "{ck}/model.pth", "--mode"]
+BUILD = {
+    "{ck}/model_int8.pth": [PY, *Q, "int8"],
+    "{ck}/model_int4.g32.pth": [PY, *Q, "int4", "--groupsize", "32"],
+    "{ck}/model_8da4w.g32.pth": [PY, *Q, "8da4w", "--groupsize", "32"],
+    "{art}/fp32.pte": [PY, "et_export.py", "--checkpoint_path", "{ck}/model.pth", "--output_path", "{art}/fp32.pte"],
+    "{art}/8da4w.g32.pte": [PY, "et_export.py", "--checkpoint_path", "{ck}/model_8da4w.g32.pth",
+                            "--output_path", "{art}/8da4w.g32.pte"],
+    "{art}/fp32.pt2": [PY, "aoti_export.py", "--checkpoint_path", "{ck}/model.pth", "--output_path", "{art}/fp32.pt2"],
+    "{art}/int8.pt2": [PY, "aoti_export.py", "--checkpoint_path", "{ck}/model_int8.pth",
+                       "--output_path", "{art}/int8.pt2"],
+    "{art}/onnx/model.onnx": [PY, "export_onnx.py", "--checkpoint_path", "{ck}/model.pth", "--output_dir",
+                              "{art}/onnx"],
+    "{art}/tokenizer.bin": [PY, "scripts/export_tokenizer_bin.py", "{ck}", "-o", "{art}/tokenizer.bin"],
+    "runner-et/build/run": ["sh", "-c", "cmake -S runner-et -B runner-et/build && cmake --build runner-et/build -j2"],
+    "runner-aoti/build/run": ["sh", "-c",
+                              "cmake -S runner-aoti -B runner-aoti/build && cmake --build runner-aoti/build -j2"],
+}
+
+
+def gen(*args, weights="{ck}/model.pth", prompt="story", vs=None, needs=()):
+    """A generate.py row. weights: the checkpoint whose bytes one decode step reads (for GB/s)."""
+    ck = [a for a in args if a.startswith("{ck}/model")]
+    return dict(kind="gen", args=list(args), weights=ck[0] if ck else weights, prompt=prompt, vs=vs,
+                needs=[*ck, *needs])
+
+
+def runner(binary, artifact, weights, vs=None):
+    """A C++ runner row: ./binary artifact -z tokenizer.bin -i prompt -n N -t 0."""
+    return dict(kind="runner", binary=binary, artifact=artifact, weights=weights, prompt="story", vs=vs,
+                needs=[artifact, "{art}/tokenizer.bin", binary])
+
+
+def artifact_row(flag, artifact, weights, vs=None):
+    return gen(flag, artifact, "--tokenizer_path", "{ck}", weights=weights, vs=vs, needs=[artifact])
+
+
 ROWS = {
-    "eager fp32": ([], None),
-    "compile fp32": (["--compile"], None),
-    "eager bf16": (["--dtype", "bfloat16"], None),
-    "compile bf16": (["--compile", "--dtype", "bfloat16"], None),
-    "compile int8": (["--compile", "--checkpoint_path", "{ck}/model_int8.pth"],
-                     ["quantize.py", "--checkpoint_path", "{ck}/model.pth", "--mode", "int8"]),
-    "compile int4 g32": (["--compile", "--checkpoint_path", "{ck}/model_int4.g32.pth"],
-                         ["quantize.py", "--checkpoint_path", "{ck}/model.pth", "--mode", "int4", "--groupsize", "32"]),
-    "compile 8da4w g32": (["--compile", "--checkpoint_path", "{ck}/model_8da4w.g32.pth"],
-                          ["quantize.py", "--checkpoint_path", "{ck}/model.pth", "--mode", "8da4w", "--groupsize", "32"]),
+    "eager fp32": gen(),
+    "compile fp32": gen("--compile", vs="eager fp32"),
+    "eager bf16": gen("--dtype", "bfloat16", vs="eager fp32"),
+    "compile bf16": gen("--compile", "--dtype", "bfloat16", vs="compile fp32"),
+    "eager int8": gen("--checkpoint_path", "{ck}/model_int8.pth", vs="eager fp32"),
+    "compile int8": gen("--compile", "--checkpoint_path", "{ck}/model_int8.pth", vs="compile fp32"),
+    "compile int4 g32": gen("--compile", "--checkpoint_path", "{ck}/model_int4.g32.pth", vs="compile fp32"),
+    "compile 8da4w g32": gen("--compile", "--checkpoint_path", "{ck}/model_8da4w.g32.pth", vs="compile fp32"),
+    "compile bf16 int8": gen("--compile", "--dtype", "bfloat16", "--checkpoint_path", "{ck}/model_int8.pth",
+                             vs="compile fp32"),
+    "compile bf16 int4 g32": gen("--compile", "--dtype", "bfloat16", "--checkpoint_path", "{ck}/model_int4.g32.pth",
+                                 vs="compile fp32"),
+    # exported programs, through generate.py (Python runtimes) and through the C++ runners
+    "aoti fp32": artifact_row("--aoti_package", "{art}/fp32.pt2", "{ck}/model.pth", vs="compile fp32"),
+    "aoti int8": artifact_row("--aoti_package", "{art}/int8.pt2", "{ck}/model_int8.pth", vs="aoti fp32"),
+    "runner-aoti fp32": runner("runner-aoti/build/run", "{art}/fp32.pt2", "{ck}/model.pth", vs="aoti fp32"),
+    "runner-aoti int8": runner("runner-aoti/build/run", "{art}/int8.pt2", "{ck}/model_int8.pth",
+                               vs="runner-aoti fp32"),
+    "pte fp32": artifact_row("--pte", "{art}/fp32.pte", "{ck}/model.pth", vs="eager fp32"),
+    "pte 8da4w g32": artifact_row("--pte", "{art}/8da4w.g32.pte", "{ck}/model_8da4w.g32.pth", vs="pte fp32"),
+    "runner-et fp32": runner("runner-et/build/run", "{art}/fp32.pte", "{ck}/model.pth", vs="pte fp32"),
+    "runner-et 8da4w g32": runner("runner-et/build/run", "{art}/8da4w.g32.pte", "{ck}/model_8da4w.g32.pth",
+                                  vs="runner-et fp32"),
+    "onnx fp32": artifact_row("--onnx", "{art}/onnx/model.onnx", "{ck}/model.pth", vs="eager fp32"),
+    # decoding modes (issue 7): speedup over plain decoding of the same prompt and precision
+    "compile spec int4 k5": gen("--compile", "--compile_prefill", "--draft_checkpoint_path",
+                                "{ck}/model_int4.g32.pth", "--speculate_k", "5", vs="compile fp32",
+                                needs=["{ck}/model_int4.g32.pth"]),
+    "compile spec int8 k6": gen("--compile", "--compile_prefill", "--draft_checkpoint_path", "{ck}/model_int8.pth",
+                                "--speculate_k", "6", vs="compile fp32", needs=["{ck}/model_int8.pth"]),
+    "eager fp32 code": gen(prompt="code"),
+    "eager lookahead code": gen("--lookahead", "5,1,2", prompt="code", vs="eager fp32 code"),
+    "compile fp32 code": gen("--compile", prompt="code", vs="eager fp32 code"),
+    "compile lookahead code": gen("--compile", "--lookahead", "5,1,2", prompt="code", vs="compile fp32 code"),
+    "compile fp32 cb4": gen("--compile", "--full_batch_size", "4", prompt="cb", vs="compile fp32"),
+    "eager fp32 cb4": gen("--full_batch_size", "4", prompt="cb", vs="eager fp32"),
 }
 DEFAULT_ROWS = ["eager fp32", "compile fp32", "eager bf16", "compile bf16"]
-PROMPT = ("Write a short story about a robot who learns to paint. The robot lives in a small town by the sea and "
-          "every morning it watches the fishermen leave the harbour.")
+GROUPS = {  # --rows shorthands
+    "quant": ["compile fp32", "compile int8", "compile int4 g32", "compile 8da4w g32", "compile bf16",
+              "compile bf16 int8", "compile bf16 int4 g32"],
+    "export": ["compile fp32", "aoti fp32", "runner-aoti fp32", "aoti int8", "runner-aoti int8", "pte fp32",
+               "pte 8da4w g32", "runner-et fp32", "runner-et 8da4w g32", "onnx fp32", "compile int4 g32"],
+    "modes": ["compile fp32", "compile spec int4 k5", "compile spec int8 k6", "eager fp32 code",
+              "eager lookahead code", "compile fp32 code", "compile lookahead code", "eager fp32", "eager fp32 cb4",
+              "compile fp32 cb4"],
+}
+GROUPS["all"] = list(ROWS)
 
 
 def measure_bandwidth(gib: float = 1.0, runs: int = 7) -> float:
@@ -54,59 +145,97 @@ def measure_bandwidth(gib: float = 1.0, runs: int = 7) -> float:
 
 
 def child(args):
-    """Run one row in this process and print its measurements as JSON on the last line."""
+    """Run generate.py's main() in this process (run 0 warms up) and print the medians as JSON on the last line."""
     import generate as G
-    from tokenizer import load_tokenizer
-
-    gargs = G.parse_args(args.gen_args)
-    G.resolve_checkpoint(gargs)
-    device, dtype = torch.device(gargs.device), getattr(torch, gargs.dtype)
-    import tp
-    if tp.maybe_init_dist(device) is not None:  # a tensor-parallel row: every rank runs this, rank 0 reports
-        tp.rank0_only_output()
-    tok = load_tokenizer(gargs.tokenizer_path)
-    ids = tok.encode(PROMPT)
-    backend = G.load_backend(gargs, device, dtype, 1, len(ids) + args.max_new_tokens)
-    model = getattr(backend, "model", None)
-    if model is None and gargs.checkpoint_path:  # exported artifact: count the weights of its source checkpoint
-        from model import load_model
-        model = load_model(gargs.checkpoint_path)
-    nbytes = G.weight_bytes(model) if model is not None else None
-    runs = []
-    for i in range(args.runs + 1):  # run 0 warms up (and compiles)
-        out, st = G.generate(backend, [ids], args.max_new_tokens, device, temperature=0.0, stop_ids=())
-        if i:
-            runs.append(st)
+    runs = G.main([*args.gen_args, "--temperature", "0", "--max_new_tokens", str(args.max_new_tokens),
+                   "--num_samples", str(args.runs + 1), "--quiet"])[1:]
     med = {k: statistics.median(r[k] for r in runs) for k in ("decode_tok_s", "prefill_tok_s", "ttft_s")}
-    med.update(weight_bytes=nbytes, peak_rss_mb=G.peak_memory_mb(device), prompt_tokens=len(ids),
+    med.update(peak_rss_mb=G.peak_memory_mb(torch.device(G.parse_args(args.gen_args).device)),
+               prompt_tokens=runs[0]["prompt_tokens"], new_tokens=runs[0]["new_tokens"],
                decode_runs=[r["decode_tok_s"] for r in runs])
+    for k in ("acceptance_rate", "mean_accepted", "tokens_per_step"):
+        if k in runs[0]:
+            med[k] = runs[0][k]
     print(json.dumps(med))
 
 
+def run_runner(row, args, fill):
+    """The C++ runner, runs + 1 times (the first warms the page cache); medians of what it prints on stderr."""
+    cmd = [str(REPO / fill(row["binary"])), fill(row["artifact"]), "-z", fill("{art}/tokenizer.bin"), "-i",
+           PROMPTS["story"], "-n", str(args.max_new_tokens), "-t", "0"]
+    runs, rss = [], 0.0
+    for _ in range(args.runs + 1):
+        p = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        err = p.stderr.read()
+        _, status, usage = os.wait4(p.pid, 0)
+        p.returncode = os.waitstatus_to_exitcode(status)
+        if p.returncode != 0:
+            raise RuntimeError((err.strip().splitlines() or ["?"])[-1])
+        m = re.search(r"TTFT ([\d.]+) ms \| prefill ([\d.]+) tok/s \| decode ([\d.]+) tok/s \((\d+) steps\) \| "
+                      r"(\d+) new", err)
+        if not m:
+            raise RuntimeError(f"no timing line in the runner's output: {err[-200:]!r}")
+        runs.append(dict(ttft_s=float(m[1]) / 1000, prefill_tok_s=float(m[2]), decode_tok_s=float(m[3]),
+                         new_tokens=int(m[5])))
+        rss = max(rss, usage.ru_maxrss / 1024)
+    runs = runs[1:]
+    med = {k: statistics.median(r[k] for r in runs) for k in ("decode_tok_s", "prefill_tok_s", "ttft_s")}
+    med.update(peak_rss_mb=rss, new_tokens=runs[0]["new_tokens"], decode_runs=[r["decode_tok_s"] for r in runs])
+    return med
+
+
+def build(path_tpl, fill):
+    target = Path(fill(path_tpl))
+    if not target.is_absolute():
+        target = REPO / target
+    if target.exists():
+        return
+    print(f"building {target} ...", file=sys.stderr)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    r = subprocess.run([fill(a) for a in BUILD[path_tpl]], cwd=REPO, capture_output=True, text=True)
+    if r.returncode != 0 or not target.exists():
+        raise RuntimeError(f"building {target.name} failed: {(r.stderr.strip().splitlines() or ['?'])[-1]}")
+
+
 def run_row(name, args, bw, nproc=1):
-    gen_args, build = ROWS[name]
-    fill = lambda a: [s.format(ck=args.checkpoint_dir) for s in a]
-    if build is not None:
-        target = Path(fill([a for a in gen_args if "{ck}" in a])[0])
-        if not target.exists():
-            print(f"[{name}] building {target.name} ...", file=sys.stderr)
-            subprocess.run([sys.executable, *fill(build)], cwd=REPO, check=True)
-    gen_args = fill(gen_args)
-    if "--checkpoint_path" not in gen_args:
-        gen_args += ["--checkpoint_path", str(Path(args.checkpoint_dir) / "model.pth")]
-    launch = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                                  f"--nproc_per_node={nproc}"]
-    cmd = [*launch, __file__, "--_child", "--runs", str(args.runs), "--max_new_tokens",
-           str(args.max_new_tokens), "--", *gen_args, "--device", args.device]
-    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
-    if r.returncode != 0:
-        tail = (r.stderr.strip().splitlines() or ["?"])[-1]
-        print(f"[{name}] failed: {tail}", file=sys.stderr)
-        return dict(name=name, error=tail)
-    res = json.loads(r.stdout.strip().splitlines()[-1])
+    row = ROWS[name]
+    art = Path(args.checkpoint_dir) / "bench"
+    fill = lambda a: a.format(ck=args.checkpoint_dir, art=art)
+    try:
+        for need in row["needs"]:
+            build(need, fill)
+        if row["kind"] == "runner":
+            res = run_runner(row, args, fill)
+            size_of = fill(row["artifact"])
+        else:
+            gen_args = [fill(a) for a in row["args"]]
+            if not any(a in gen_args for a in ("--checkpoint_path", "--pte", "--aoti_package", "--onnx")):
+                gen_args += ["--checkpoint_path", fill(row["weights"])]
+            if row["prompt"] == "cb":
+                pf = art / "cb_prompts.txt"
+                art.mkdir(parents=True, exist_ok=True)
+                pf.write_text("\n".join(CB_PROMPTS) + "\n")
+                gen_args += ["--prompts_file", str(pf)]
+            else:
+                gen_args += ["--prompt", PROMPTS[row["prompt"]]]
+            launch = [PY] if nproc == 1 else [PY, "-m", "torch.distributed.run", "--standalone",
+                                               f"--nproc_per_node={nproc}"]
+            cmd = [*launch, __file__, "--_child", "--runs", str(args.runs), "--max_new_tokens",
+                   str(args.max_new_tokens), "--", *gen_args, "--device", args.device]
+            r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+            if r.returncode != 0:
+                raise RuntimeError((r.stderr.strip().splitlines() or ["?"])[-1])
+            res = json.loads(r.stdout.strip().splitlines()[-1])
+            size_of = next((gen_args[i + 1] for i, a in enumerate(gen_args)
+                            if a in ("--pte", "--aoti_package", "--onnx", "--checkpoint_path")), None)
+    except (RuntimeError, OSError, subprocess.SubprocessError) as e:
+        print(f"[{name}] failed: {e}", file=sys.stderr)
+        return dict(name=name, error=str(e))
     res["name"] = name if nproc == 1 else f"{name} tp{nproc}"
-    res["world_size"] = nproc
-    if res.get("weight_bytes"):
+    res["world_size"], res["vs"] = nproc, row["vs"]
+    res["file_mb"] = _file_mb(Path(size_of)) if size_of else None
+    res["weight_bytes"] = _weight_bytes(fill(row["weights"]))
+    if row["prompt"] != "cb":  # a continuous-batching row reads the weights once per step for several sequences
         res["gb_s"] = res["weight_bytes"] * res["decode_tok_s"] / 1e9
         res["pct_of_ceiling"] = 100 * res["gb_s"] / bw
         res["ceiling_tok_s"] = bw * 1e9 / res["weight_bytes"]
@@ -114,29 +243,54 @@ def run_row(name, args, bw, nproc=1):
     return res
 
 
-def table(results, bw, base_name="eager fp32"):
-    base = next((r for r in results if r["name"] == base_name and "error" not in r), None)
+def _file_mb(p: Path) -> float:
+    """Size of a checkpoint or an exported artifact (with its external data files, e.g. ONNX's)."""
+    files = [p] if p.is_file() else []
+    if p.suffix == ".onnx":
+        files += [f for f in p.parent.iterdir() if f.is_file() and f != p and not f.name.endswith(".json")]
+    return sum(f.stat().st_size for f in files) / 2**20
+
+
+def _weight_bytes(ck: str) -> int:
+    """Bytes of the weights one decode step reads: the checkpoint's tensors (a tied embedding counted once, as the
+    output projection; mmap, nothing is read)."""
+    import generate as G
+    from model import load_model
+    return G.weight_bytes(load_model(ck))
+
+
+def table(results, bw):
+    by_name = {r["name"]: r for r in results if "error" not in r}
     lines = [f"memory bandwidth (measured, read): {bw:.1f} GB/s",
              "",
-             "| row | decode tok/s | vs eager fp32 | prefill tok/s | TTFT ms | weights MB | GB/s | % of ceiling | ceiling tok/s | peak RSS MB |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| row | decode tok/s | vs | ratio | prefill tok/s | TTFT ms | file MB | weights MB | GB/s | "
+             "% of ceiling | ceiling tok/s | peak RSS MB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         if "error" in r:
-            lines.append(f"| {r['name']} | failed: {r['error']} |||||||||")
+            lines.append(f"| {r['name']} | failed: {r['error']} |||||||||||")
             continue
-        ratio = f"{r['decode_tok_s'] / base['decode_tok_s']:.2f}x" if base else "-"
-        wb = r.get("weight_bytes")
-        lines.append(f"| {r['name']} | {r['decode_tok_s']:.2f} | {ratio} | {r['prefill_tok_s']:.1f} | "
-                     f"{r['ttft_s'] * 1000:.0f} | {wb / 1e6:.0f} | {r.get('gb_s', 0):.1f} | "
-                     f"{r.get('pct_of_ceiling', 0):.0f}% | {r.get('ceiling_tok_s', 0):.1f} | {r['peak_rss_mb']:.0f} |"
-                     if wb else f"| {r['name']} | {r['decode_tok_s']:.2f} | {ratio} | {r['prefill_tok_s']:.1f} | "
-                     f"{r['ttft_s'] * 1000:.0f} | - | - | - | - | {r['peak_rss_mb']:.0f} |")
+        base = by_name.get(r["vs"])
+        ratio = f"{r['decode_tok_s'] / base['decode_tok_s']:.2f}x" if base and base["decode_tok_s"] else "-"
+        extra = f" ({r['tokens_per_step']:.2f} tok/step)" if "tokens_per_step" in r else ""
+        ceil = (f"{r['gb_s']:.1f} | {r['pct_of_ceiling']:.0f}% | {r['ceiling_tok_s']:.1f}" if "gb_s" in r
+                else "- | - | -")
+        lines.append(f"| {r['name']} | {r['decode_tok_s']:.2f}{extra} | {r['vs'] or '-'} | {ratio} | "
+                     f"{r['prefill_tok_s']:.1f} | {r['ttft_s'] * 1000:.0f} | "
+                     f"{r['file_mb']:.0f} | {r['weight_bytes'] / 1e6:.0f} | {ceil} | {r['peak_rss_mb']:.0f} |"
+                     if r["file_mb"] is not None else
+                     f"| {r['name']} | {r['decode_tok_s']:.2f}{extra} | {r['vs'] or '-'} | {ratio} | "
+                     f"{r['prefill_tok_s']:.1f} | {r['ttft_s'] * 1000:.0f} | - | {r['weight_bytes'] / 1e6:.0f} | "
+                     f"{ceil} | {r['peak_rss_mb']:.0f} |")
+    lines.append("")
+    lines.append("decode tok/s of a cb row is aggregate: all sequences' tokens / wall time, prefills included.")
     return "\n".join(lines)
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--rows", default=",".join(DEFAULT_ROWS), help=f"comma-separated; known: {', '.join(ROWS)}")
+    p = argparse.ArgumentParser(description="Benchmark generate.py's backends and modes and the C++ runners.")
+    p.add_argument("--rows", default=",".join(DEFAULT_ROWS),
+                   help=f"comma-separated rows or groups ({', '.join(GROUPS)}); rows: {', '.join(ROWS)}")
     p.add_argument("--checkpoint_dir", default=str(CK))
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--max_new_tokens", type=int, default=128)
@@ -153,10 +307,12 @@ def main():
     if args.threads:  # rows inherit it through the environment
         os.environ["OMP_NUM_THREADS"] = str(args.threads)
         torch.set_num_threads(args.threads)
-    names = [n.strip() for n in args.rows.split(",") if n.strip()]
+    names = []
+    for n in (n.strip() for n in args.rows.split(",") if n.strip()):
+        names += [m for m in GROUPS.get(n, [n]) if m not in names]
     unknown = [n for n in names if n not in ROWS]
     if unknown:
-        raise ValueError(f"unknown rows {unknown}; known: {', '.join(ROWS)}")
+        raise ValueError(f"unknown rows {unknown}; known: {', '.join(ROWS)} (groups: {', '.join(GROUPS)})")
     if not (Path(args.checkpoint_dir) / "model.pth").is_file():
         sys.path.insert(0, str(REPO / "scripts"))
         import download
@@ -168,7 +324,7 @@ def main():
     print(md)
     out = dict(machine=dict(cpu_count=os.cpu_count(), threads=torch.get_num_threads(), bandwidth_gb_s=bw,
                             torch=torch.__version__, device=args.device),
-               settings=dict(runs=args.runs, max_new_tokens=args.max_new_tokens, prompt=PROMPT), rows=results)
+               settings=dict(runs=args.runs, max_new_tokens=args.max_new_tokens, prompts=PROMPTS), rows=results)
     tmp = Path(args.json + ".tmp")
     tmp.write_text(json.dumps(out, indent=1))
     os.replace(tmp, args.json)

@@ -272,7 +272,8 @@ def generate_continuous(backend, prompts: list[list[int]], max_new_tokens: int, 
 def weight_bytes(model) -> int:
     """Bytes of weights read per decode step (tied embedding/output counted once; the KV cache excluded)."""
     seen, total = set(), 0
-    for t in list(model.parameters()) + [b for n, b in model.named_buffers() if "cache" not in n and n != "rope"]:
+    skip = ("cache", "rope", "qdata_int8", "zero_point")  # KV cache, tables, quantize.py's export-only operands
+    for t in list(model.parameters()) + [b for n, b in model.named_buffers() if not any(s in n for s in skip)]:
         if t.data_ptr() in seen:
             continue
         seen.add(t.data_ptr())
@@ -283,7 +284,11 @@ def weight_bytes(model) -> int:
 def peak_memory_mb(device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated() / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+    try:  # this process's own high-water mark (ru_maxrss would also count what a parent had before exec)
+        status = Path("/proc/self/status").read_text()
+        return int(status.split("VmHWM:")[1].split()[0]) / 1024
+    except (OSError, IndexError, ValueError):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB, macOS bytes
 
 
 # ----------------------------------------------------------------------------------------------------------- CLI
@@ -393,7 +398,8 @@ def resolve_checkpoint(args):
         args.tokenizer_path = ck if ck.is_dir() else ck.parent
 
 
-def main(argv=None):
+def main(argv=None) -> list[dict]:
+    """Runs generate.py; returns each timed run's stats (bench.py reads them)."""
     args = parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda but no CUDA device is available")
@@ -435,6 +441,7 @@ def main(argv=None):
     log = (lambda *a: None) if args.quiet else (lambda *a: print(*a, file=sys.stderr))
     stream = len(ids) == 1 and not args.full_batch_size
     runs = ([-1] if args.compile else []) + list(range(args.num_samples))
+    results = []
     for i in runs:
         gen = torch.Generator().manual_seed(args.seed + max(i, 0))
         decoder = tok.stream() if stream and i >= 0 else None
@@ -458,6 +465,8 @@ def main(argv=None):
             for p, o in zip(prompts, out):
                 print(p + tok.decode(o) + "\n" + "-" * 40, flush=True)
         report(log, st, backend, device)
+        results.append(st)
+    return results
 
 
 def report(log, st, backend, device):
