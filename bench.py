@@ -48,12 +48,19 @@ BUILD = {
     "{ck}/model_int8.pth": [PY, *Q, "int8"],
     "{ck}/model_int4.g32.pth": [PY, *Q, "int4", "--groupsize", "32"],
     "{ck}/model_8da4w.g32.pth": [PY, *Q, "8da4w", "--groupsize", "32"],
+    # exported with a 256-token context (the prompt + 128 tokens fit; generate.py sizes its cache the same way): a
+    # static cache is read whole at every step, at 1024 tokens 47 MB per step for this model (the ctx1024 rows)
+    "{art}/fp32.s256.pte": [PY, "et_export.py", "--checkpoint_path", "{ck}/model.pth", "--output_path",
+                            "{art}/fp32.s256.pte", "--max_seq_length", "256"],
+    "{art}/8da4w.g32.s256.pte": [PY, "et_export.py", "--checkpoint_path", "{ck}/model_8da4w.g32.pth",
+                                 "--output_path", "{art}/8da4w.g32.s256.pte", "--max_seq_length", "256"],
     "{art}/fp32.pte": [PY, "et_export.py", "--checkpoint_path", "{ck}/model.pth", "--output_path", "{art}/fp32.pte"],
     "{art}/8da4w.g32.pte": [PY, "et_export.py", "--checkpoint_path", "{ck}/model_8da4w.g32.pth",
                             "--output_path", "{art}/8da4w.g32.pte"],
-    "{art}/fp32.pt2": [PY, "aoti_export.py", "--checkpoint_path", "{ck}/model.pth", "--output_path", "{art}/fp32.pt2"],
-    "{art}/int8.pt2": [PY, "aoti_export.py", "--checkpoint_path", "{ck}/model_int8.pth",
-                       "--output_path", "{art}/int8.pt2"],
+    "{art}/fp32.s256.pt2": [PY, "aoti_export.py", "--checkpoint_path", "{ck}/model.pth", "--output_path",
+                            "{art}/fp32.s256.pt2", "--max_seq_length", "256"],
+    "{art}/int8.s256.pt2": [PY, "aoti_export.py", "--checkpoint_path", "{ck}/model_int8.pth",
+                            "--output_path", "{art}/int8.s256.pt2", "--max_seq_length", "256"],
     "{art}/onnx/model.onnx": [PY, "export_onnx.py", "--checkpoint_path", "{ck}/model.pth", "--output_dir",
                               "{art}/onnx"],
     "{art}/tokenizer.bin": [PY, "scripts/export_tokenizer_bin.py", "{ck}", "-o", "{art}/tokenizer.bin"],
@@ -71,7 +78,7 @@ def gen(*args, weights="{ck}/model.pth", prompt="story", vs=None, needs=()):
 
 
 def runner(binary, artifact, weights, vs=None):
-    """A C++ runner row: ./binary artifact -z tokenizer.bin -i prompt -n N -t 0."""
+    """A C++ runner row: ./binary artifact -z tokenizer.bin -i prompt -n N -t 0 -x."""
     return dict(kind="runner", binary=binary, artifact=artifact, weights=weights, prompt="story", vs=vs,
                 needs=[artifact, "{art}/tokenizer.bin", binary])
 
@@ -94,16 +101,19 @@ ROWS = {
     "compile bf16 int4 g32": gen("--compile", "--dtype", "bfloat16", "--checkpoint_path", "{ck}/model_int4.g32.pth",
                                  vs="compile fp32"),
     # exported programs, through generate.py (Python runtimes) and through the C++ runners
-    "aoti fp32": artifact_row("--aoti_package", "{art}/fp32.pt2", "{ck}/model.pth", vs="compile fp32"),
-    "aoti int8": artifact_row("--aoti_package", "{art}/int8.pt2", "{ck}/model_int8.pth", vs="aoti fp32"),
-    "runner-aoti fp32": runner("runner-aoti/build/run", "{art}/fp32.pt2", "{ck}/model.pth", vs="aoti fp32"),
-    "runner-aoti int8": runner("runner-aoti/build/run", "{art}/int8.pt2", "{ck}/model_int8.pth",
+    "aoti fp32": artifact_row("--aoti_package", "{art}/fp32.s256.pt2", "{ck}/model.pth", vs="compile fp32"),
+    "aoti int8": artifact_row("--aoti_package", "{art}/int8.s256.pt2", "{ck}/model_int8.pth", vs="aoti fp32"),
+    "runner-aoti fp32": runner("runner-aoti/build/run", "{art}/fp32.s256.pt2", "{ck}/model.pth", vs="aoti fp32"),
+    "runner-aoti int8": runner("runner-aoti/build/run", "{art}/int8.s256.pt2", "{ck}/model_int8.pth",
                                vs="runner-aoti fp32"),
-    "pte fp32": artifact_row("--pte", "{art}/fp32.pte", "{ck}/model.pth", vs="eager fp32"),
-    "pte 8da4w g32": artifact_row("--pte", "{art}/8da4w.g32.pte", "{ck}/model_8da4w.g32.pth", vs="pte fp32"),
-    "runner-et fp32": runner("runner-et/build/run", "{art}/fp32.pte", "{ck}/model.pth", vs="pte fp32"),
-    "runner-et 8da4w g32": runner("runner-et/build/run", "{art}/8da4w.g32.pte", "{ck}/model_8da4w.g32.pth",
+    "pte fp32": artifact_row("--pte", "{art}/fp32.s256.pte", "{ck}/model.pth", vs="eager fp32"),
+    "pte 8da4w g32": artifact_row("--pte", "{art}/8da4w.g32.s256.pte", "{ck}/model_8da4w.g32.pth", vs="pte fp32"),
+    "runner-et fp32": runner("runner-et/build/run", "{art}/fp32.s256.pte", "{ck}/model.pth", vs="pte fp32"),
+    "runner-et 8da4w g32": runner("runner-et/build/run", "{art}/8da4w.g32.s256.pte", "{ck}/model_8da4w.g32.pth",
                                   vs="runner-et fp32"),
+    "runner-et fp32 ctx1024": runner("runner-et/build/run", "{art}/fp32.pte", "{ck}/model.pth", vs="runner-et fp32"),
+    "runner-et 8da4w g32 ctx1024": runner("runner-et/build/run", "{art}/8da4w.g32.pte", "{ck}/model_8da4w.g32.pth",
+                                          vs="runner-et fp32 ctx1024"),
     "onnx fp32": artifact_row("--onnx", "{art}/onnx/model.onnx", "{ck}/model.pth", vs="eager fp32"),
     # decoding modes (issue 7): speedup over plain decoding of the same prompt and precision
     "compile spec int4 k5": gen("--compile", "--compile_prefill", "--draft_checkpoint_path",
@@ -122,8 +132,11 @@ DEFAULT_ROWS = ["eager fp32", "compile fp32", "eager bf16", "compile bf16"]
 GROUPS = {  # --rows shorthands
     "quant": ["compile fp32", "compile int8", "compile int4 g32", "compile 8da4w g32", "compile bf16",
               "compile bf16 int8", "compile bf16 int4 g32"],
-    "export": ["compile fp32", "aoti fp32", "runner-aoti fp32", "aoti int8", "runner-aoti int8", "pte fp32",
-               "pte 8da4w g32", "runner-et fp32", "runner-et 8da4w g32", "onnx fp32", "compile int4 g32"],
+    "export": ["compile fp32", "compile int4 g32", "aoti fp32", "runner-aoti fp32", "aoti int8", "runner-aoti int8",
+               "pte fp32", "pte 8da4w g32", "runner-et fp32", "runner-et 8da4w g32", "runner-et fp32 ctx1024",
+               "runner-et 8da4w g32 ctx1024", "onnx fp32"],
+    "et": ["compile int4 g32", "pte fp32", "pte 8da4w g32", "runner-et fp32", "runner-et 8da4w g32",
+           "runner-et fp32 ctx1024", "runner-et 8da4w g32 ctx1024"],
     "modes": ["compile fp32", "compile spec int4 k5", "compile spec int8 k6", "eager fp32 code",
               "eager lookahead code", "compile fp32 code", "compile lookahead code", "eager fp32", "eager fp32 cb4",
               "compile fp32 cb4"],
@@ -162,7 +175,7 @@ def child(args):
 def run_runner(row, args, fill):
     """The C++ runner, runs + 1 times (the first warms the page cache); medians of what it prints on stderr."""
     cmd = [str(REPO / fill(row["binary"])), fill(row["artifact"]), "-z", fill("{art}/tokenizer.bin"), "-i",
-           PROMPTS["story"], "-n", str(args.max_new_tokens), "-t", "0"]
+           PROMPTS["story"], "-n", str(args.max_new_tokens), "-t", "0", "-x"]
     runs, rss = [], 0.0
     for _ in range(args.runs + 1):
         p = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -216,8 +229,8 @@ def run_row(name, args, bw, nproc=1):
                 art.mkdir(parents=True, exist_ok=True)
                 pf.write_text("\n".join(CB_PROMPTS) + "\n")
                 gen_args += ["--prompts_file", str(pf)]
-            else:
-                gen_args += ["--prompt", PROMPTS[row["prompt"]]]
+            else:  # a fixed number of tokens for every row (a continuous-batching row needs its sequences to end)
+                gen_args += ["--prompt", PROMPTS[row["prompt"]], "--ignore_eos"]
             launch = [PY] if nproc == 1 else [PY, "-m", "torch.distributed.run", "--standalone",
                                                f"--nproc_per_node={nproc}"]
             cmd = [*launch, __file__, "--_child", "--runs", str(args.runs), "--max_new_tokens",

@@ -325,6 +325,7 @@ def parse_args(argv=None):
     p.add_argument("--qpc", type=Path, help="run a Cloud AI 100 QPC from compile_qaic.py")
     p.add_argument("--device_group", default="0", help="Cloud AI 100 device ids for --qpc, e.g. 0,1")
     p.add_argument("--quiet", action="store_true", help="print only the generated text")
+    p.add_argument("--ignore_eos", action="store_true", help="never stop at EOS: always --max_new_tokens (benchmarks)")
     return p.parse_args(argv)
 
 
@@ -448,7 +449,8 @@ def main(argv=None) -> list[dict]:
         if decoder is not None:
             print(prompts[0], end="", flush=True)
         on_token = (lambda b, t: print(decoder.put(t), end="", flush=True)) if decoder else None
-        sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, stop_ids=tok.stop_ids,
+        sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                        stop_ids=() if args.ignore_eos else tok.stop_ids,
                         generator=gen, on_token=on_token, prefill_chunk=args.prefill_chunk)
         if args.full_batch_size:
             out, st = generate_continuous(backend, ids, args.max_new_tokens, device, args.full_batch_size, **sampling)

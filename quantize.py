@@ -93,8 +93,8 @@ _EPS = 1e-10
 
 def _int4_group_params(wg: Tensor, shrink, symmetric: bool):
     """wg [..., G] -> scale [...] and (asymmetric) zero offset [...]; shrink (float or tensor [...]) narrows the range."""
-    if symmetric:
-        return (wg.abs().amax(-1) * shrink / 7.5).clamp(min=_EPS), None
+    if symmetric:  # 8da4w: scales on the bfloat16 grid, as XNNPACK's qb4w kernels store them (the .pte == eager)
+        return (wg.abs().amax(-1) * shrink / 7.5).clamp(min=_EPS).to(torch.bfloat16).float(), None
     lo, hi = wg.amin(-1), wg.amax(-1)
     mid = (lo + hi) / 2
     lo, hi = mid + (lo - mid) * shrink, mid + (hi - mid) * shrink

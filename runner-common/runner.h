@@ -43,7 +43,7 @@ using ModelLoader = std::function<std::unique_ptr<Model>(const std::string& path
 
 struct Options {
   std::string model_path, tokenizer_path, prompt, system_prompt, mode = "generate";
-  bool has_prompt = false, encode_only = false, quiet = false;
+  bool has_prompt = false, encode_only = false, quiet = false, ignore_stop = false;
   float temperature = 1.0f, top_p = 0.9f;
   int top_k = 0, steps = 256;
   unsigned long long seed = 0;
@@ -139,7 +139,8 @@ inline void usage(const char* name) {
                "  -m <string> mode: generate|chat, default: generate\n"
                "  -y <string> system prompt (chat mode)\n"
                "  -e          encode only: print the prompt's token ids and exit (no model is loaded)\n"
-               "  -q          quiet: no timings on stderr\n",
+               "  -q          quiet: no timings on stderr\n"
+               "  -x          ignore stop tokens: always generate -n tokens (benchmarks)\n",
                name, name);
 }
 
@@ -160,6 +161,7 @@ inline Options parse_args(int argc, char** argv) {
     char f = a[1];
     if (f == 'e') { o.encode_only = true; continue; }
     if (f == 'q') { o.quiet = true; continue; }
+    if (f == 'x') { o.ignore_stop = true; continue; }
     if (f == 'h') { usage(argv[0]); std::exit(0); }
     if (i + 1 >= argc) throw Error("option " + a + " needs a value");
     std::string v = argv[++i];
@@ -276,6 +278,7 @@ inline int run_main_inner(int argc, char** argv, const char* name, const ModelLo
     if (!mi.eos_ids.empty()) tok.stop_ids = mi.eos_ids, tok.eos_id = mi.eos_ids[0];
   }
   check_pairing(tok, mi);
+  if (o.ignore_stop) tok.stop_ids.clear();
   Sampler sampler(o.temperature, o.top_p, o.top_k, o.seed);
   if (o.mode == "chat") return chat_loop(*model, tok, sampler, o);
 

@@ -66,6 +66,15 @@ def test_runner_matches_generate_py(env, runner, kind):
     compare(runner, env["pte"], env[kind], env["bins"][kind], "Once upon a time", 500)  # clamped to the context
 
 
+def test_ignore_stop_tokens(env, runner):
+    """-x (runner) and --ignore_eos (generate.py) generate exactly -n tokens, the same ones, through stop tokens."""
+    tok_bin = env["bins"]["bpe"]
+    want = generate_py(["--pte", env["pte"]], env["bpe"], "Once upon a time", 40, "--ignore_eos")
+    r = run([runner, env["pte"], "-z", tok_bin, "-i", "Once upon a time", "-n", 40, "-t", 0, "-x"])
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == want and "| 40 new tokens" in r.stderr
+
+
 def test_runner_8da4w(env, runner):
     pte = env["root"] / "tiny_8da4w.pte"
     r = run([sys.executable, REPO / "et_export.py", "--checkpoint_path", env["ckpt"], "--output_path", pte,
