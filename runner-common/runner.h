@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <ctime>
+#include <fstream>
 #include <functional>
 #include <iostream>
 #include <memory>
@@ -122,6 +123,9 @@ inline void report(const GenStats& st) {
     std::fprintf(stderr, "decode %.2f ms/token wall, %.2f ms/token CPU (all threads)\n", 1000 * st.decode_s / st.steps,
                  1000 * st.decode_cpu_s / st.steps);
   std::fprintf(stderr, "achieved tok/s: %f\n", decode);
+  std::ifstream status("/proc/self/status");  // Linux: this process's peak resident memory (VmHWM, in kB)
+  for (std::string line; std::getline(status, line);)
+    if (line.rfind("VmHWM:", 0) == 0) std::fprintf(stderr, "peak memory %.0f MB\n", std::atof(line.c_str() + 6) / 1024);
 }
 
 inline void usage(const char* name) {
