@@ -165,6 +165,18 @@ def fake_quant_per_token_int8(x: Tensor) -> Tensor:
     return (q - zp) * scale
 
 
+# fake_quant_per_token_int8 as an opaque custom op, for torch.compile: Inductor otherwise inlines the quantization
+# arithmetic into the matmul kernel that consumes it, recomputing it for every weight element (measured ~50x slower
+# per 8da4w layer); as an op its output is computed once. Registered once per process (quantize.py may be imported
+# both as __main__ and as a module).
+if not hasattr(torch.ops.llama_flat, "fake_quant_per_token_int8"):
+    _LIB = torch.library.Library("llama_flat", "FRAGMENT")
+    _LIB.define("fake_quant_per_token_int8(Tensor x) -> Tensor")
+    _LIB.impl("fake_quant_per_token_int8", fake_quant_per_token_int8, "CompositeExplicitAutograd")
+    torch.library.register_fake("llama_flat::fake_quant_per_token_int8", lib=_LIB)(lambda x: torch.empty_like(x))
+_FAKE_QUANT_OP = torch.ops.llama_flat.fake_quant_per_token_int8
+
+
 # ----------------------------------------------------------------------------------------------------------- modules
 def _compiled_single_row(x: Tensor) -> bool:
     """True inside torch.compile (not export) for one row of activations: the decode step."""
@@ -358,7 +370,8 @@ class QuantizedLinear(nn.Module):
         if self.act == "int8":
             if torch.compiler.is_exporting() and qw.symmetric:
                 return self._forward_dynamic_act_export(x)
-            x = fake_quant_per_token_int8(x)
+            compiled = torch.compiler.is_compiling() and not torch.compiler.is_exporting()
+            x = _FAKE_QUANT_OP(x) if compiled else fake_quant_per_token_int8(x)
         if _compiled_single_row(x):  # decode under torch.compile: one generated kernel per matmul (fastest measured)
             y = qw.fused_linear(x).to(x.dtype)
         elif (y := None if torch.compiler.is_exporting() else qw.native_linear(x)) is not None:
