@@ -72,9 +72,11 @@ BUILD = {
 
 def gen(*args, weights="{ck}/model.pth", prompt="story", vs=None, needs=()):
     """A generate.py row. weights: the checkpoint whose bytes one decode step reads (for GB/s)."""
-    ck = [a for a in args if a.startswith("{ck}/model")]
-    return dict(kind="gen", args=list(args), weights=ck[0] if ck else weights, prompt=prompt, vs=vs,
-                needs=[*ck, *needs])
+    args = list(args)
+    if "--checkpoint_path" in args:
+        weights = args[args.index("--checkpoint_path") + 1]
+    ck = [a for a in args if a.startswith("{ck}/model")]  # a quantized target or draft is built if missing
+    return dict(kind="gen", args=args, weights=weights, prompt=prompt, vs=vs, needs=[*ck, *needs])
 
 
 def runner(binary, artifact, weights, vs=None):
@@ -117,10 +119,9 @@ ROWS = {
     "onnx fp32": artifact_row("--onnx", "{art}/onnx/model.onnx", "{ck}/model.pth", vs="eager fp32"),
     # decoding modes (issue 7): speedup over plain decoding of the same prompt and precision
     "compile spec int4 k5": gen("--compile", "--compile_prefill", "--draft_checkpoint_path",
-                                "{ck}/model_int4.g32.pth", "--speculate_k", "5", vs="compile fp32",
-                                needs=["{ck}/model_int4.g32.pth"]),
+                                "{ck}/model_int4.g32.pth", "--speculate_k", "5", vs="compile fp32"),
     "compile spec int8 k6": gen("--compile", "--compile_prefill", "--draft_checkpoint_path", "{ck}/model_int8.pth",
-                                "--speculate_k", "6", vs="compile fp32", needs=["{ck}/model_int8.pth"]),
+                                "--speculate_k", "6", vs="compile fp32"),
     "eager fp32 code": gen(prompt="code"),
     "eager lookahead code": gen("--lookahead", "5,1,2", prompt="code", vs="eager fp32 code"),  # runs model.py eagerly
     "compile fp32 code": gen("--compile", prompt="code", vs="eager fp32 code"),

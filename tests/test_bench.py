@@ -31,4 +31,6 @@ def test_bench_rows_run_and_report(tmp_path):
     assert "mean_accepted" in by["eager lookahead code"]
     assert by["eager fp32 cb4"]["new_tokens"] > 0
     table = r.stdout
+    import bench  # a decoding-mode row runs the float target (its draft is what it adds)
+    assert bench.ROWS["compile spec int4 k5"]["weights"] == "{ck}/model.pth"
     assert "| eager lookahead code |" in table and "eager fp32 code |" in table  # the ratio's reference row
