@@ -31,9 +31,8 @@ PY = sys.executable
 PROMPTS = {
     "story": ("Write a short story about a robot who learns to paint. The robot lives in a small town by the sea and "
               "every morning it watches the fishermen leave the harbour."),
-    "code": ('def add(a, b):\n    """Return the sum of a and b."""\n    return a + b\n\n\n'
-             'def sub(a, b):\n    """Return the difference of a and b."""\n    return a - b\n\n\n'
-             'def mul(a, b):\n    """Return the product of a and b."""\n    return a * b\n\n\ndef div(a, b):\n'),
+    "code": ("class Calculator:\n    def add(self, a, b):\n        return a + b\n\n    def sub(self, a, b):\n"
+             "        return a - b\n\n    def mul(self, a, b):\n        return a * b\n\n    def"),
 }
 CB_PROMPTS = [  # continuous batching: more prompts than slots
     "The history of the printing press begins", "Here is a recipe for a simple tomato soup:",
