@@ -109,13 +109,18 @@ def _dynamic_int8_linear_forward(self, x: Tensor) -> Tensor:
         int8 by that activation rounding only."""
     import torchao.quantization.quant_primitives  # noqa: F401 - registers torch.ops.torchao
     ops = torch.ops.torchao
+    zt = None
+    if "_et_zero_term" in self._buffers:  # asymmetric 8da4w: group sums of the float activations @ (z + 8 s).T
+        from quantize import group_sums
+        zt = torch.nn.functional.linear(group_sums(x, self._et_block[1]), self._et_zero_term)
     bs = [1] * (x.dim() - 1) + [x.shape[-1]]
     s, zp = ops.choose_qparams_affine(x, "ASYMMETRIC", bs, torch.int8, -128, 127, None, None, torch.int8)
     xq = ops.quantize_affine(x, bs, s, zp, torch.int8, -128, 127)
     x = ops.dequantize_affine(xq, bs, s, zp, torch.int8, -128, 127, x.dtype)
     w = ops.dequantize_affine(self._et_qdata, self._et_block, self._et_scales, self._et_zero_point, torch.int8,
                               self._et_qmin, self._et_qmax, x.dtype)
-    return torch.nn.functional.linear(x, w, self.bias)
+    y = torch.nn.functional.linear(x, w, self.bias)
+    return y if zt is None else y + zt
 
 
 def _linear_kind(m) -> Optional[str]:
@@ -125,7 +130,7 @@ def _linear_kind(m) -> Optional[str]:
         return None
     if qw.bits == 8:
         return "int8"
-    return "8da4w" if (getattr(m, "act", None) == "int8" and qw.symmetric) else "int4"
+    return "8da4w" if (getattr(m, "act", None) == "int8" and (qw.symmetric or qw.xnnpack)) else "int4"
 
 
 _ROPE_OWNER = []  # the module holding the rotation weight as a buffer while export_swaps is active
@@ -174,6 +179,8 @@ def export_swaps(model, int8_dynamic: bool = True):
             qw = m.qweight
             if qw.bits == 4:
                 buffers = dict(_et_qdata=qw.qdata_int8, _et_scales=qw.scales, _et_zero_point=qw.zero_point)
+                if qw.zeros is not None:  # asymmetric: + group sums of x @ (z + 8 s).T (see quantize.py)
+                    buffers["_et_zero_term"] = qw.zero_term
                 m._et_block, m._et_qmin, m._et_qmax = [1, qw.groupsize], -8, 7
             else:
                 buffers = dict(_et_qdata=qw.qdata, _et_scales=qw.scales.reshape(-1, 1),

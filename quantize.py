@@ -68,8 +68,12 @@ except (ImportError, AttributeError):  # pragma: no cover - older/newer torch wi
 
 
 # ----------------------------------------------------------------------------------------------------------- schemes
-def _scheme(bits: int, groupsize: Optional[int] = None, symmetric: bool = False) -> dict:
-    return {"bits": bits, "groupsize": groupsize if bits == 4 else None, "symmetric": bool(symmetric or bits == 8)}
+def _scheme(bits: int, groupsize: Optional[int] = None, symmetric: bool = False, xnnpack: bool = False) -> dict:
+    """xnnpack (4-bit, 8da4w): scales on the bfloat16 grid and export operands in XNNPACK's qb4w pattern."""
+    d = {"bits": bits, "groupsize": groupsize if bits == 4 else None, "symmetric": bool(symmetric or bits == 8)}
+    if xnnpack and bits == 4:
+        d["xnnpack"] = True
+    return d
 
 
 def pack_int4(q: Tensor, groupsize: int) -> Tensor:
@@ -140,6 +144,12 @@ def int4_group_params(w: Tensor, groupsize: int, symmetric: bool, search: bool =
     return _int4_group_params(wg, best, symmetric)
 
 
+def group_params(w: Tensor, scheme: dict, search: bool = True):
+    """int4_group_params for a scheme; an xnnpack scheme's scales go on the bfloat16 grid (XNNPACK stores them so)."""
+    s, z = int4_group_params(w, scheme["groupsize"], scheme["symmetric"], search)
+    return (s.to(torch.bfloat16).float() if scheme.get("xnnpack") else s), z
+
+
 def quantize_tensor(w: Tensor, scheme: dict, search: bool = True) -> dict:
     """Round-to-nearest quantization of w [N, K]: {"q": integer values (int8: [-127, 127], int4: [0, 15]) [N, K],
     "scales": ..., "zeros": ... or None}."""
@@ -148,7 +158,7 @@ def quantize_tensor(w: Tensor, scheme: dict, search: bool = True) -> dict:
         s = (w.abs().amax(-1) / 127).clamp(min=_EPS)
         return {"q": torch.clamp(torch.round(w / s[:, None]), -127, 127), "scales": s, "zeros": None}
     G = scheme["groupsize"]
-    s, z = int4_group_params(w, G, scheme["symmetric"], search)
+    s, z = group_params(w, scheme, search)
     N, K = w.shape
     q = _int4_round(w.reshape(N, K // G, G), s, z).reshape(N, K)
     return {"q": q, "scales": s, "zeros": z}
@@ -177,6 +187,11 @@ if not hasattr(torch.ops.llama_flat, "fake_quant_per_token_int8"):
 _FAKE_QUANT_OP = torch.ops.llama_flat.fake_quant_per_token_int8
 
 
+def group_sums(x: Tensor, G: int) -> Tensor:
+    """x [..., K] -> the sums of each group of G columns [..., K/G]."""
+    return x.unflatten(-1, (-1, G)).sum(-1)
+
+
 # ----------------------------------------------------------------------------------------------------------- modules
 def _compiled_single_row(x: Tensor) -> bool:
     """True inside torch.compile (not export) for one row of activations: the decode step."""
@@ -198,6 +213,7 @@ class QuantizedWeight(nn.Module):
         super().__init__()
         self.out_features, self.in_features = out_features, in_features
         self.bits, self.groupsize, self.symmetric = scheme["bits"], scheme["groupsize"], scheme["symmetric"]
+        self.xnnpack = bool(scheme.get("xnnpack"))
         N, K = out_features, in_features
         kw = dict(device=device)
         if self.bits == 8:
@@ -211,16 +227,19 @@ class QuantizedWeight(nn.Module):
                 raise ValueError(f"group size {G} does not divide in_features {K}")
             self.register_buffer("qdata", torch.empty(N, K // 2, dtype=torch.uint8, **kw))
             self.register_buffer("scales", torch.empty(N, K // G, dtype=dtype, **kw))
-            if self.symmetric:
-                self.zeros = None
+            if self.symmetric or self.xnnpack:
                 self.register_buffer("qdata_int8", torch.empty(N, K, dtype=torch.int8, **kw), persistent=False)
                 self.register_buffer("zero_point", torch.empty(N, K // G, dtype=torch.int8, **kw), persistent=False)
+            if self.symmetric:
+                self.zeros = None
             else:
                 self.register_buffer("zeros", torch.empty(N, K // G, dtype=dtype, **kw))
+                if self.xnnpack:
+                    self.register_buffer("zero_term", torch.empty(N, K // G, dtype=dtype, **kw), persistent=False)
 
     @property
     def scheme(self) -> dict:
-        return _scheme(self.bits, self.groupsize, self.symmetric)
+        return _scheme(self.bits, self.groupsize, self.symmetric, self.xnnpack)
 
     @classmethod
     def from_float(cls, w: Tensor, scheme: dict, search: bool = True) -> "QuantizedWeight":
@@ -242,13 +261,15 @@ class QuantizedWeight(nn.Module):
         return m
 
     def _rebuild_export_operands(self):
-        if self.qdata.device.type == "meta" or not self.symmetric:
+        if self.qdata.device.type == "meta" or not (self.symmetric or self.xnnpack):
             return
         if self.bits == 8:
             self.zero_point = torch.zeros(self.out_features, 1, dtype=torch.int8, device=self.qdata.device)
         else:
             self.qdata_int8 = (unpack_int4(self.qdata, self.groupsize).to(torch.int8) - 8)
             self.zero_point = torch.zeros(self.scales.shape, dtype=torch.int8, device=self.qdata.device)
+            if self.zeros is not None:
+                self.zero_term = self.zeros + 8 * self.scales
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
@@ -272,13 +293,16 @@ class QuantizedWeight(nn.Module):
         if (self.bits == 4 and self.qdata.device.type == "cpu" and self.scales.dtype == torch.bfloat16
                 and hasattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu")):
             s = self.scales
-            z = torch.zeros_like(s) if self.zeros is None else self.zeros + 8 * s  # (q - 8) * s + z'
+            z = torch.zeros_like(s) if self.zeros is None or self.xnnpack else self.zeros + 8 * s  # (q - 8) s + z'
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(self.int_values().to(torch.int32), 1)
             self._int4_cpu = (packed, torch.stack([s.t(), z.t()], -1).contiguous())
 
-    def native_linear(self, x: Tensor) -> Optional[Tensor]:
-        """x @ w.T with ATen's packed CPU kernels when they apply (bfloat16 activations, CPU), else None."""
+    def native_linear(self, x: Tensor, offset: bool = True) -> Optional[Tensor]:
+        """x @ w.T with ATen's packed CPU kernels when they apply (bfloat16 activations, CPU), else None.
+        offset False: without the zero offsets of an asymmetric weight (w = (q - 8) * s)."""
         if x.dtype != torch.bfloat16 or x.device.type != "cpu" or self.scales.dtype != torch.bfloat16:
+            return None
+        if self.zeros is not None and offset == self.xnnpack:  # the packed copy holds the other variant
             return None
         x2 = x.reshape(-1, self.in_features)
         if self.bits == 8:
@@ -295,18 +319,18 @@ class QuantizedWeight(nn.Module):
             return self.qdata.to(torch.int16)
         return unpack_int4(self.qdata, self.groupsize).to(torch.int16)
 
-    def dequantize(self, dtype=None, start: int = 0, end: Optional[int] = None) -> Tensor:
-        """Float weight rows [start, end) (default all): [end - start, K]."""
+    def dequantize(self, dtype=None, start: int = 0, end: Optional[int] = None, offset: bool = True) -> Tensor:
+        """Float weight rows [start, end) (default all): [end - start, K]; offset False: without zero offsets."""
         dtype = dtype or self.scales.dtype
         end = self.out_features if end is None else end
         if self.bits == 8:
             return self.qdata[start:end].to(dtype) * self.scales[start:end].to(dtype)[:, None]
         K, G = self.in_features, self.groupsize
         q = unpack_int4(self.qdata[start:end], G).view(end - start, K // G, G).to(dtype)
-        z = None if self.zeros is None else self.zeros[start:end].to(dtype)
+        z = None if self.zeros is None or not offset else self.zeros[start:end].to(dtype)
         return _int4_values(q, self.scales[start:end].to(dtype), z).view(end - start, K)
 
-    def chunked_linear(self, x: Tensor, rows: int = 512) -> Tensor:
+    def chunked_linear(self, x: Tensor, rows: int = 512, offset: bool = True) -> Tensor:
         """Eager x @ w.T that dequantizes `rows` output channels at a time: the float temporaries stay in cache
         (dequantizing a whole matrix first costs a round trip through memory of 4 bytes per weight)."""
         N = self.out_features
@@ -315,7 +339,7 @@ class QuantizedWeight(nn.Module):
                 return F.linear(x, self.qdata[i:j].to(x.dtype)) * self.scales[i:j].to(x.dtype)
         else:
             def part(i, j):
-                return F.linear(x, self.dequantize(x.dtype, i, j))
+                return F.linear(x, self.dequantize(x.dtype, i, j, offset))
         if N <= rows:
             return part(0, N)
         return torch.cat([part(i, min(i + rows, N)) for i in range(0, N, rows)], -1)
@@ -334,7 +358,7 @@ class QuantizedWeight(nn.Module):
         z = None if self.zeros is None else self.zeros[idx].to(dtype)
         return _int4_values(q, self.scales[idx].to(dtype), z).flatten(-2)
 
-    def fused_linear(self, x: Tensor) -> Tensor:
+    def fused_linear(self, x: Tensor, offset: bool = True) -> Tensor:
         """x [..., K] @ w.T as one reduction over the integer weights (for torch.compile: a single generated kernel
         that reads each weight byte once; mixed-dtype products keep the weights out of Inductor's constant folding)."""
         if self.bits == 8:
@@ -344,7 +368,7 @@ class QuantizedWeight(nn.Module):
         p = self.qdata.view(N, K // G, G // 2)                    # [N, K/G, G/2]
         x_hi, x_lo = xg[..., 0, :], xg[..., 1, :]
         t = x_hi * (p >> 4) + x_lo * (p & 15)                      # [..., N, K/G, G/2]
-        if self.zeros is None:
+        if self.zeros is None or not offset:
             t = (t - 8 * (x_hi + x_lo)) * self.scales.unsqueeze(-1)
         else:
             t = t * self.scales.unsqueeze(-1) + (x_hi + x_lo) * self.zeros.unsqueeze(-1)
@@ -368,25 +392,35 @@ class QuantizedLinear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         qw = self.qweight
         if self.act == "int8":
-            if torch.compiler.is_exporting() and qw.symmetric:
+            if torch.compiler.is_exporting() and (qw.symmetric or qw.xnnpack):
                 return self._forward_dynamic_act_export(x)
+            zt = None
+            if qw.xnnpack and qw.zeros is not None:  # asymmetric 8da4w: the zero term takes the float activations
+                zt = F.linear(group_sums(x, qw.groupsize), qw.zero_term.to(x.dtype))
             compiled = torch.compiler.is_compiling() and not torch.compiler.is_exporting()
             x = _FAKE_QUANT_OP(x) if compiled else fake_quant_per_token_int8(x)
-        if _compiled_single_row(x):  # decode under torch.compile: one generated kernel per matmul (fastest measured)
-            y = qw.fused_linear(x).to(x.dtype)
-        elif (y := None if torch.compiler.is_exporting() else qw.native_linear(x)) is not None:
-            pass  # ATen's packed bfloat16 CPU kernels
-        elif torch.compiler.is_compiling():  # compiled prefill / batched decode, export: one dequantize, one GEMM
-            return F.linear(x, qw.dequantize(x.dtype), self.bias)
+            y = self._matmul(x, offset=zt is None)
+            y = y if zt is None else y + zt
         else:
-            y = qw.chunked_linear(x)
+            y = self._matmul(x)
         return y + self.bias if self.bias is not None else y
+
+    def _matmul(self, x: Tensor, offset: bool = True) -> Tensor:
+        qw = self.qweight
+        if _compiled_single_row(x):  # decode under torch.compile: one generated kernel per matmul (fastest measured)
+            return qw.fused_linear(x, offset).to(x.dtype)
+        if (y := None if torch.compiler.is_exporting() else qw.native_linear(x, offset)) is not None:
+            return y  # ATen's packed bfloat16 CPU kernels
+        if torch.compiler.is_compiling():  # compiled prefill / batched decode, export: one dequantize, one GEMM
+            return F.linear(x, qw.dequantize(x.dtype, offset=offset))
+        return qw.chunked_linear(x, offset=offset)
 
     def _forward_dynamic_act_export(self, x: Tensor) -> Tensor:
         """The op pattern of torchao's Int8DynamicActivationIntxWeightConfig(int4, PerGroup(G)) after export, which
         ExecuTorch's XnnpackPartitioner lowers to its qd8-f32-qb4w GEMM (int8 per-channel weights: qd8-f32-qc8w)."""
         qp = _torchao_primitives()
         qw = self.qweight
+        zt = F.linear(group_sums(x, qw.groupsize), qw.zero_term) if qw.bits == 4 and qw.zeros is not None else None
         bs = (1,) * (x.dim() - 1) + (x.shape[-1],)
         s, zp = qp.choose_qparams_affine(x, qp.MappingType.ASYMMETRIC, bs, torch.int8, -128, 127,
                                          zero_point_dtype=torch.int8)
@@ -398,7 +432,8 @@ class QuantizedLinear(nn.Module):
         else:
             w = qp.dequantize_affine(qw.qdata_int8, (1, qw.groupsize), qw.scales, qw.zero_point, torch.int8, -8, 7,
                                      output_dtype=x.dtype)
-        return F.linear(x, w, self.bias)
+        y = F.linear(x, w, self.bias)
+        return y if zt is None else y + zt
 
     def extra_repr(self):
         return f"act={self.act}" if self.act else ""
@@ -457,7 +492,7 @@ def make_recipe(model: nn.Module, mode: str, groupsize: Optional[int] = 32, embe
     if four_bit and groupsize not in GROUPSIZES:
         raise ValueError(f"--groupsize must be one of {', '.join(map(str, GROUPSIZES))} for {mode}, got {groupsize}")
     G = groupsize if four_bit else None
-    linear = _scheme(8) if mode == "int8" else _scheme(4, G, symmetric=(mode == "8da4w"))
+    linear = _scheme(8) if mode == "int8" else _scheme(4, G, xnnpack=(mode == "8da4w"))
     act = "int8" if mode == "8da4w" else None
     if embedding in (None, "auto", "default"):
         embedding = "int8"  # see the header: the table is also the output projection of tied models
@@ -583,7 +618,7 @@ def gptq_quantize(W: Tensor, H: Tensor, scheme: dict, act_order: bool = False, d
     zeros = None if sym else torch.zeros(N, K // G, device=W.device)
     perm = None
     if act_order:
-        s0, z0 = int4_group_params(W, G, sym)
+        s0, z0 = group_params(W, scheme)
         scales.copy_(s0)
         if zeros is not None:
             zeros.copy_(z0)
@@ -604,7 +639,7 @@ def gptq_quantize(W: Tensor, H: Tensor, scheme: dict, act_order: bool = False, d
             else:
                 g = col // G
                 if col % G == 0:  # group parameters from the weights as updated so far
-                    s, z = int4_group_params(W1[:, i:i + G], G, sym)
+                    s, z = group_params(W1[:, i:i + G], scheme)
                     scales[:, g] = s[:, 0]
                     if zeros is not None:
                         zeros[:, g] = z[:, 0]

@@ -18,7 +18,8 @@ SCHEMES = {  # name: (scheme, activation quantization)
     "int8": (Q._scheme(8), None),
     "int4-g32": (Q._scheme(4, 32), None),
     "int4-g64": (Q._scheme(4, 64), None),
-    "8da4w-g32": (Q._scheme(4, 32, symmetric=True), "int8"),
+    "8da4w-g32": (Q._scheme(4, 32, xnnpack=True), "int8"),            # what --mode 8da4w makes
+    "8da4w-sym-g32": (Q._scheme(4, 32, symmetric=True), "int8"),     # ExecuTorch's own 8da4w (older checkpoints)
 }
 
 
@@ -36,11 +37,14 @@ def _linear(name, N=96, K=128, bias=False, seed=0):
 def test_linear_matches_its_dequantized_weights(name, bias):
     w, lin = _linear(name, bias=bias)
     x = torch.randn(2, 5, 128)
+    qw = lin.qweight
     ref_x = Q.fake_quant_per_token_int8(x) if lin.act else x
-    ref = F.linear(ref_x, lin.qweight.dequantize(), lin.bias)
+    split = qw.xnnpack and qw.zeros is not None  # 8da4w: int8 x (q - 8) s, plus float x's group sums x (z + 8 s)
+    zt = F.linear(x.unflatten(-1, (-1, qw.groupsize)).sum(-1), qw.zeros + 8 * qw.scales) if split else 0
+    ref = F.linear(ref_x, qw.dequantize(offset=not split), lin.bias) + zt
     torch.testing.assert_close(lin(x), ref, rtol=1e-5, atol=1e-5)
     # the compile-path formulation (one reduction over the integer weights), run eagerly on one row
-    fused = lin.qweight.fused_linear(ref_x[:1, :1])
+    fused = qw.fused_linear(ref_x[:1, :1], offset=not split) + (zt[:1, :1] if split else 0)
     torch.testing.assert_close(fused + (lin.bias if bias else 0), ref[:1, :1], rtol=1e-4, atol=1e-4)
     # round to nearest: every stored value is the grid point nearest to the float weight, given the stored scales
     qw = lin.qweight
@@ -66,6 +70,31 @@ def test_bfloat16_native_kernels_match_dequantized_weights(name):
     torch.testing.assert_close(y.float(), ref, rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(lin(x).float(), ref, rtol=2e-2, atol=2e-2)
     assert lin.to(torch.float32).qweight.native_linear(x.float()) is None  # float32 takes the portable path
+
+
+def test_bfloat16_native_kernel_of_asymmetric_8da4w():
+    """8da4w's packed copy holds the zero-point-free part (q - 8) s; the zero term is QuantizedLinear's."""
+    w, lin = _linear("8da4w-g32", N=96, K=256)
+    qw = lin.to(torch.bfloat16).qweight
+    x = torch.randn(3, 256, dtype=torch.bfloat16)
+    y = qw.native_linear(x, offset=False)
+    if y is None:
+        pytest.skip("this torch build has no packed CPU int4 kernel")
+    ref = F.linear(x.float(), qw.dequantize(torch.float32, offset=False))
+    torch.testing.assert_close(y.float(), ref, rtol=2e-2, atol=2e-2)
+    assert qw.native_linear(x) is None  # with offsets: the portable path
+
+
+@pytest.mark.parametrize("name", ["8da4w-g32", "8da4w-sym-g32"])
+def test_8da4w_export_arithmetic_matches_eager(name):
+    """The op pattern the exporters emit (torchao quantize/dequantize_affine, qb4w weights with zero point 8, plus the
+    group-sum GEMM for asymmetric weights) computes what the eager module computes; scales are bfloat16 values."""
+    w, lin = _linear(name, bias=True)
+    x = torch.randn(2, 5, 128)
+    torch.testing.assert_close(lin._forward_dynamic_act_export(x), lin(x), rtol=1e-5, atol=1e-5)
+    s = lin.qweight.scales
+    assert torch.equal(s, s.to(torch.bfloat16).to(s.dtype))
+    assert (lin.qweight.zeros is None) == (name == "8da4w-sym-g32")
 
 
 def test_int4_pack_roundtrip_and_layout():
@@ -312,6 +341,18 @@ def test_8da4w_lowers_fully_to_xnnpack():
                                                         "quantize_affine", "choose_qparams"))]
     assert not left, left
     assert sum("executorch_call_delegate" in t for t in targets) >= 1
+    # with et_export.py's swaps (its own norm / rope / cache forms), no matmul or quantize op is left out
+    import et_export
+    m = hf_to_model(tiny_hf("llama", seed=5, vocab_size=256, tie=True, num_hidden_layers=1))
+    Q.quantize_model(m, "8da4w", 32, log=False)
+    with et_export.export_swaps(m):
+        low = _lowered(m)
+    names = [getattr(n.target, "__name__", str(n.target)) for n in low.exported_program().graph_module.graph.nodes
+             if n.op == "call_function"]
+    assert any("embedding" in t for t in names), names  # the names are what this check expects
+    left = [t for t in names if t.removeprefix("aten.").split(".")[0] in ("linear", "mm", "addmm", "bmm")
+            or "affine" in t or "choose_qparams" in t]
+    assert not left, left
     # (running the program, with its KV-cache buffers, is et_export.py's business: tests/test_et_export.py)
 
 
