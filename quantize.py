@@ -387,6 +387,8 @@ class QuantizedWeight(nn.Module):
 class QuantizedLinear(nn.Module):
     """nn.Linear replacement: weight-only (act None) or with dynamic per-token int8 activations (act "int8")."""
 
+    act_quant = None  # act "int8": a replacement for fake_quant_per_token_int8 (tp.py sets one on its shards)
+
     def __init__(self, qweight: QuantizedWeight, bias: Optional[Tensor] = None, act: Optional[str] = None):
         super().__init__()
         self.in_features, self.out_features = qweight.in_features, qweight.out_features
@@ -403,7 +405,10 @@ class QuantizedLinear(nn.Module):
             if qw.xnnpack and qw.zeros is not None:  # asymmetric 8da4w: the zero term takes the float activations
                 zt = F.linear(group_sums(x, qw.groupsize), qw.zero_term.to(x.dtype))
             compiled = torch.compiler.is_compiling() and not torch.compiler.is_exporting()
-            x = _FAKE_QUANT_OP(x) if compiled else fake_quant_per_token_int8(x)
+            if self.act_quant is not None:  # tp.py's row-parallel shards: the range of the whole row
+                x = self.act_quant(x)
+            else:
+                x = _FAKE_QUANT_OP(x) if compiled else fake_quant_per_token_int8(x)
             y = self._matmul(x, offset=zt is None)
             y = y if zt is None else y + zt
         else:

@@ -226,14 +226,13 @@ def _all_reduce_hook(group):
     return hook
 
 
-def _global_act_quant_hook(group):
-    """Forward pre-hook for a row-parallel QuantizedLinear with dynamic per-token int8 activations (8da4w): quantize
-    the rank's slice with the range of the WHOLE token row (min/max all-reduced), as one device would. The arithmetic
-    is quantize.fake_quant_per_token_int8's with lo/hi taken globally."""
+def _global_act_quant(group):
+    """The activation quantizer of a row-parallel QuantizedLinear with dynamic per-token int8 activations (8da4w, its
+    act_quant): quantize the rank's slice with the range of the WHOLE token row (min/max all-reduced), as one device
+    would. The arithmetic is quantize.fake_quant_per_token_int8's with lo/hi taken globally."""
     from torch.distributed import _functional_collectives as funcol
 
-    def hook(module, inputs):
-        x = inputs[0]
+    def quant(x):
         lo = torch.clamp(x.amin(-1, keepdim=True), max=0)
         hi = torch.clamp(x.amax(-1, keepdim=True), min=0)
         m = funcol.all_reduce(torch.cat((hi, -lo), dim=-1), "max", group)
@@ -241,8 +240,8 @@ def _global_act_quant_hook(group):
         scale = torch.clamp((hi - lo) / 255.0, min=torch.finfo(x.dtype).smallest_normal)
         zp = torch.clamp(-128 - torch.round(lo / scale), -128, 127)
         q = torch.clamp(torch.round(x * (1.0 / scale)) + zp, -128, 127)
-        return ((q - zp) * scale,) + tuple(inputs[1:])
-    return hook
+        return (q - zp) * scale
+    return quant
 
 
 def _check_quant_cols(m: nn.Module, name: str, per_rank: int, world: int):
@@ -313,8 +312,7 @@ def apply_tp(model: nn.Module, rank: Optional[int] = None, world_size: Optional[
         _shard_cols(f.w2, r * I // W, (r + 1) * I // W, r)
         for m in (a.wo, f.w2):
             if getattr(m, "act", None) == "int8":       # 8da4w: activation range over the whole row
-                m.register_forward_pre_hook(_global_act_quant_hook(group))
-                m.act = None
+                m.act_quant = _global_act_quant(group)
             m.register_forward_hook(_all_reduce_hook(group))
     # setup_caches sizes the KV cache from config.n_local_heads: a per-rank copy of the config (model.py untouched)
     model.tp_full_config = c
