@@ -98,31 +98,6 @@ def _quantized_embedding_forward(self, idx: Tensor) -> Tensor:
     return ops.embedding_4bit.default(self._et_weight, self._et_scales, zp, -8, 7, idx)
 
 
-def _dynamic_int8_linear_forward(self, x: Tensor) -> Tensor:
-    """quantize.py's QuantizedLinear in the op pattern XNNPACK lowers to its dynamically quantized GEMMs: activations
-    quantized per token (asymmetric int8), weights dequantize_affine'd from int8 values (qd8-f32-qb4w for 8da4w,
-    qd8-f32-qc8w for int8). Calls the torchao ops themselves: their Python wrappers are decorated with
-    torch.no_grad(), and every such region costs torch.export a graph split (18 min instead of seconds for SmolLM2).
-      8da4w: the same arithmetic as quantize.py's own export path (QuantizedLinear._forward_8da4w_export);
-      int8 (weight-only in eager): XNNPACK has no float x int8 weight-only GEMM, so the .pte quantizes activations per
-        token too (without this, portable kernels would dequantize every weight on every call); it differs from eager
-        int8 by that activation rounding only."""
-    import torchao.quantization.quant_primitives  # noqa: F401 - registers torch.ops.torchao
-    ops = torch.ops.torchao
-    zt = None
-    if "_et_zero_term" in self._buffers:  # asymmetric 8da4w: group sums of the float activations @ (z + 8 s).T
-        from quantize import group_sums
-        zt = torch.nn.functional.linear(group_sums(x, self._et_block[1]), self._et_zero_term)
-    bs = [1] * (x.dim() - 1) + [x.shape[-1]]
-    s, zp = ops.choose_qparams_affine(x, "ASYMMETRIC", bs, torch.int8, -128, 127, None, None, torch.int8)
-    xq = ops.quantize_affine(x, bs, s, zp, torch.int8, -128, 127)
-    x = ops.dequantize_affine(xq, bs, s, zp, torch.int8, -128, 127, x.dtype)
-    w = ops.dequantize_affine(self._et_qdata, self._et_block, self._et_scales, self._et_zero_point, torch.int8,
-                              self._et_qmin, self._et_qmax, x.dtype)
-    y = torch.nn.functional.linear(x, w, self.bias)
-    return y if zt is None else y + zt
-
-
 def _linear_kind(m) -> Optional[str]:
     """quantize.py QuantizedLinear -> "8da4w" | "int8" | "int4" (weight-only asymmetric: no ExecuTorch kernel)."""
     qw = getattr(m, "qweight", None)
@@ -153,9 +128,8 @@ def export_swaps(model, int8_dynamic: bool = True):
         stay inside the XNNPACK delegate (same arithmetic);
       * quantize.py's QuantizedEmbedding gathers through quantized_decomposed::embedding_byte / embedding_4bit (the
         kernels of ExecuTorch's quantized library) from a repacked copy of its table;
-      * 8da4w QuantizedLinears call the torchao quantize ops directly (see _dynamic_int8_linear_forward); with
-        int8_dynamic, int8 weight-only ones also quantize their activations per token so that XNNPACK takes them (for
-        the portable backend they stay weight-only)."""
+      * with int8_dynamic, int8 weight-only QuantizedLinears quantize their activations per token like 8da4w ones, so
+        that XNNPACK takes them (for the portable backend they stay weight-only)."""
     import model as model_py
     patched, extras = [], []
     for m in model.modules():
@@ -175,22 +149,12 @@ def export_swaps(model, int8_dynamic: bool = True):
             m.forward = _quantized_embedding_forward.__get__(m)
             patched.append((m, "forward"))
             extras.append((m, ("_et_weight", "_et_scales", "_et_zeros"), ("_et_bits",)))
-        elif _linear_kind(m) == "8da4w" or (int8_dynamic and _linear_kind(m) == "int8"):
-            qw = m.qweight
-            if qw.bits == 4:
-                buffers = dict(_et_qdata=qw.qdata_int8, _et_scales=qw.scales, _et_zero_point=qw.zero_point)
-                if qw.zeros is not None:  # asymmetric: + group sums of x @ (z + 8 s).T (see quantize.py)
-                    buffers["_et_zero_term"] = qw.zero_term
-                m._et_block, m._et_qmin, m._et_qmax = [1, qw.groupsize], -8, 7
-            else:
-                buffers = dict(_et_qdata=qw.qdata, _et_scales=qw.scales.reshape(-1, 1),
-                               _et_zero_point=torch.zeros(qw.out_features, 1, dtype=torch.int8, device=qw.qdata.device))
-                m._et_block, m._et_qmin, m._et_qmax = [1, qw.in_features], -127, 127
-            for name, t in buffers.items():
-                m.register_buffer(name, t, persistent=False)
-            m.forward = _dynamic_int8_linear_forward.__get__(m)
+        elif int8_dynamic and _linear_kind(m) == "int8" and m.act is None:
+            # XNNPACK has no float x int8 weight-only GEMM: the .pte quantizes activations per token too (quantize.py's
+            # 8da4w export pattern, qd8-f32-qc8w), which differs from eager int8 by that rounding only; without it
+            # portable kernels would dequantize every weight on every call. 8da4w linears export that pattern already.
+            m.forward = m._forward_dynamic_act_export
             patched.append((m, "forward"))
-            extras.append((m, tuple(buffers), ("_et_block", "_et_qmin", "_et_qmax")))
     rope = model_py.apply_rope
     model.register_buffer("_et_rotate_half", _rotate_half_weight(model.config.head_dim).to(model.norm.weight.device),
                           persistent=False)

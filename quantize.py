@@ -428,20 +428,20 @@ class QuantizedLinear(nn.Module):
     def _forward_dynamic_act_export(self, x: Tensor) -> Tensor:
         """The op pattern of torchao's Int8DynamicActivationIntxWeightConfig(int4, PerGroup(G)) after export, which
         ExecuTorch's XnnpackPartitioner lowers to its qd8-f32-qb4w GEMM (int8 per-channel weights: qd8-f32-qc8w)."""
-        qp = _torchao_primitives()
-        qw = self.qweight
+        _torchao_primitives()  # registers torch.ops.torchao; the ops themselves, not their Python wrappers: those are
+        ops = torch.ops.torchao  # torch.no_grad()-decorated, and each such region costs torch.export a graph split
+        qw = self.qweight       # (18 min instead of seconds for SmolLM2)
         zt = F.linear(group_sums(x, qw.groupsize), qw.zero_term) if qw.bits == 4 and qw.zeros is not None else None
-        bs = (1,) * (x.dim() - 1) + (x.shape[-1],)
-        s, zp = qp.choose_qparams_affine(x, qp.MappingType.ASYMMETRIC, bs, torch.int8, -128, 127,
-                                         zero_point_dtype=torch.int8)
-        xq = qp.quantize_affine(x, bs, s, zp, torch.int8, -128, 127)
-        x = qp.dequantize_affine(xq, bs, s, zp, torch.int8, -128, 127, output_dtype=x.dtype)
+        bs = [1] * (x.dim() - 1) + [x.shape[-1]]
+        s, zp = ops.choose_qparams_affine(x, "ASYMMETRIC", bs, torch.int8, -128, 127, None, None, torch.int8)
+        xq = ops.quantize_affine(x, bs, s, zp, torch.int8, -128, 127)
+        x = ops.dequantize_affine(xq, bs, s, zp, torch.int8, -128, 127, x.dtype)
         if qw.bits == 8:
-            w = qp.dequantize_affine(qw.qdata, (1, qw.in_features), qw.scales, qw.zero_point, torch.int8, -127, 127,
-                                     output_dtype=x.dtype)
+            w = ops.dequantize_affine(qw.qdata, [1, qw.in_features], qw.scales, qw.zero_point, torch.int8, -127, 127,
+                                      x.dtype)
         else:
-            w = qp.dequantize_affine(qw.qdata_int8, (1, qw.groupsize), qw.scales, qw.zero_point, torch.int8, -8, 7,
-                                     output_dtype=x.dtype)
+            w = ops.dequantize_affine(qw.qdata_int8, [1, qw.groupsize], qw.scales, qw.zero_point, torch.int8, -8, 7,
+                                      x.dtype)
         y = F.linear(x, w, self.bias)
         return y if zt is None else y + zt
 
