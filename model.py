@@ -1,15 +1,23 @@
 # One LLaMA-family transformer (Llama 2/3, Mistral, TinyLlama, SmolLM2, Qwen2.5, Qwen3), gpt-fast style.
 #
 # Conventions every stage relies on:
-#   * forward(idx[B,T], input_pos) -> logits[B,T,V] (float32 for a float model run in float32).
+#   * forward(idx[B,T], input_pos, batch_index=None, mask=None) -> logits[B,T,V] (float32 for a float model run in
+#     float32).
 #   * input_pos is [T] (every row at the same positions) or [B,T] (each row its own positions, -1 = padding).
-#   * The KV cache lives in buffers made by setup_caches(max_batch_size, max_seq_length); the attention mask is
-#     derived from the positions, so there is no mask argument and no data-dependent Python branching.
+#   * The KV cache lives in buffers made by setup_caches(max_batch_size, max_seq_length). The attention mask is
+#     derived from the positions (a query at position p sees cache slots 0..p), so ordinary callers pass none and
+#     there is no data-dependent Python branching. A caller that lays out the cache itself passes `mask`: bool
+#     (True = may attend) or additive float, shape [B or 1, 1, T, S] with S the length of the cache the layers
+#     attend over; it replaces the derived mask in every layer.
 #   * Rotary embedding uses the Hugging Face "half-split" layout (rotate_half); converters permute Meta/GGUF/llama2.c
 #     Q/K weights (adjacent-pair layout) into it.
+#   * Exports and decoding modes replace pieces through documented swap points, by assigning modules (never by
+#     patching functions): each layer's `attention.kv_cache` (a module with update(input_pos, k, v, batch_index) ->
+#     the keys/values to attend over), `attention.rope` (a module with forward(x, cos, sin); default Rotary) and the
+#     RMSNorm modules (attention_norm, ffn_norm, norm, q_norm/k_norm), which may be replaced by any module computing
+#     the same function. load_model() keeps the quantization recipe on the model as `model.quantization`.
 import json
 import math
-import os
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Optional
@@ -18,6 +26,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
+
+from common import atomic_path, checkpoint_file
 
 
 @dataclass
@@ -203,11 +213,14 @@ def precompute_rope(args: ModelArgs, seq_len: int, dtype=torch.float32) -> Tenso
     return torch.stack((emb.cos(), emb.sin()), dim=0).to(dtype)  # [2, S, head_dim]
 
 
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    # x: [B, T, H, D]; cos/sin: [B or 1, T, 1, D]
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+class Rotary(nn.Module):
+    """Rotary embedding in the half-split layout (the Attention.rope swap point)."""
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        # x: [B, T, H, D]; cos/sin: [B or 1, T, 1, D]
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rotated * sin
 
 
 class Attention(nn.Module):
@@ -219,7 +232,8 @@ class Attention(nn.Module):
         self.wo = nn.Linear(self.n_head * self.head_dim, args.dim, bias=False)
         self.q_norm = RMSNorm(self.head_dim, args.norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, args.norm_eps) if args.qk_norm else None
-        self.kv_cache: Optional[KVCache] = None
+        self.rope = Rotary()
+        self.kv_cache: Optional[KVCache] = None  # set by setup_caches()
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, input_pos: Tensor,
                 batch_index: Optional[Tensor] = None) -> Tensor:
@@ -231,7 +245,7 @@ class Attention(nn.Module):
         v = v.view(B, T, self.n_kv, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = self.rope(q, cos, sin), self.rope(k, cos, sin)
         k, v = self.kv_cache.update(input_pos, k.transpose(1, 2), v.transpose(1, 2), batch_index)  # [B, n_kv, S, D]
         # grouped-query attention without copying the cache (enable_gqa shares each KV head among its query heads)
         y = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask, enable_gqa=self.n_kv != self.n_head)
@@ -257,7 +271,7 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
 
-    def forward(self, x, cos, sin, mask, input_pos, batch_index=None):
+    def forward(self, x, cos, sin, input_pos, batch_index=None, mask=None):
         h = x + self.attention(self.attention_norm(x), cos, sin, mask, input_pos, batch_index)
         return h + self.feed_forward(self.ffn_norm(h))
 
@@ -272,6 +286,7 @@ class Transformer(nn.Module):
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.max_batch_size = -1
         self.max_seq_length = -1
+        self.quantization: Optional[dict] = None  # the recipe quantize.py applied (load_model sets it); None = float
         self.tie_weights()
 
     def tie_weights(self):
@@ -290,25 +305,26 @@ class Transformer(nn.Module):
                                                self.config.head_dim, dtype).to(device)
         self.register_buffer("rope", precompute_rope(self.config, max_seq_length, dtype).to(device), persistent=False)
 
-    def forward(self, idx: Tensor, input_pos: Tensor, batch_index: Optional[Tensor] = None) -> Tensor:
-        """idx [B, T]; input_pos [T] or [B, T] (-1 = padding); batch_index [B] (or [B, 1]): cache slot of each row."""
+    def forward(self, idx: Tensor, input_pos: Tensor, batch_index: Optional[Tensor] = None,
+                mask: Optional[Tensor] = None) -> Tensor:
+        """idx [B, T]; input_pos [T] or [B, T] (-1 = padding); batch_index [B] (or [B, 1]): cache slot of each row;
+        mask [B or 1, 1, T, S] (bool, True = may attend, or additive float): replaces the position-derived mask."""
         assert self.max_seq_length > 0, "call setup_caches() first"
         B, T = idx.shape
         S = self.max_seq_length
         pos = input_pos.clamp(min=0)  # padding positions (-1) compute garbage that nobody reads, without NaNs
         cs = self.rope[:, pos]  # [2, T, D] or [2, B, T, D]
-        if pos.dim() == 1:
-            cos, sin = cs[0].view(1, T, 1, -1), cs[1].view(1, T, 1, -1)
-            allowed = torch.arange(S, device=idx.device).view(1, S) <= pos.view(T, 1)      # [T, S]
-            allowed = allowed.view(1, 1, T, S)
-        else:
-            cos, sin = cs[0].view(B, T, 1, -1), cs[1].view(B, T, 1, -1)
-            allowed = torch.arange(S, device=idx.device).view(1, 1, S) <= pos.view(B, T, 1)  # [B, T, S]
-            allowed = allowed.view(B, 1, T, S)
+        rows = 1 if pos.dim() == 1 else B
+        cos, sin = cs[0].view(rows, T, 1, -1), cs[1].view(rows, T, 1, -1)
         x = self.tok_embeddings(idx)
-        mask = torch.zeros(allowed.shape, dtype=x.dtype, device=x.device).masked_fill(~allowed, float("-inf"))
+        if mask is None:  # a query at position p sees cache slots 0..p
+            if pos.dim() == 1:
+                allowed = (torch.arange(S, device=idx.device).view(1, S) <= pos.view(T, 1)).view(1, 1, T, S)
+            else:
+                allowed = (torch.arange(S, device=idx.device).view(1, 1, S) <= pos.view(B, T, 1)).view(B, 1, T, S)
+            mask = torch.zeros(allowed.shape, dtype=x.dtype, device=x.device).masked_fill(~allowed, float("-inf"))
         for layer in self.layers:
-            x = layer(x, cos, sin, mask, input_pos, batch_index)
+            x = layer(x, cos, sin, input_pos, batch_index=batch_index, mask=mask)
         return self.output(self.norm(x)).float()
 
 
@@ -318,9 +334,7 @@ def load_model(checkpoint_path, device="cpu", dtype: Optional[torch.dtype] = Non
     The file carries its own config under "_config" (a JSON string of ModelArgs) and, when quantized, its recipe
     under "_quantization" (JSON, applied by quantize.py before the weights are assigned): no flag, no filename
     parsing. Older files without "_config" fall back to config.json beside them, then to the directory's name."""
-    path = Path(checkpoint_path)
-    if path.is_dir():
-        path = path / "model.pth"
+    path = checkpoint_file(checkpoint_path)
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint not found: {path}")
     try:
@@ -341,6 +355,7 @@ def load_model(checkpoint_path, device="cpu", dtype: Optional[torch.dtype] = Non
     if recipe:
         import quantize  # only quantized checkpoints need it
         model = quantize.apply_recipe(model, json.loads(recipe))
+    model.quantization = json.loads(recipe) if recipe else None
     if args.tie_embeddings:
         sd.pop("output.weight", None)
     missing, unexpected = model.load_state_dict(sd, strict=False, assign=True)
@@ -363,12 +378,6 @@ def checkpoint_state(model: Transformer, quantization: Optional[dict] = None) ->
 
 
 def save_checkpoint(sd: dict, path) -> None:
-    """Write atomically: a temp file beside the target, then rename, so no half-written checkpoint is left."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    try:
+    """Write atomically (common.atomic_path), so no half-written checkpoint is left behind."""
+    with atomic_path(path) as tmp:
         torch.save(sd, str(tmp))
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)

@@ -97,3 +97,25 @@ def test_export_with_dynamic_length():
     with torch.no_grad():
         ref = model(ids, torch.arange(7))
     assert torch.allclose(ep.module()(ids, torch.arange(7)), ref, atol=1e-5)
+
+
+@torch.no_grad()
+def test_mask_argument_over_a_swapped_longer_cache():
+    """The documented swap points: a caller assigns a longer KVCache to every layer and passes its own bool mask
+    [1, 1, T, S'] over it (what lookahead decoding does); the logits still match transformers'."""
+    from model import KVCache
+    hf = tiny_hf("qwen3", seed=6)
+    model = hf_to_model(hf)
+    model.setup_caches(1, 32)
+    S2 = 40  # 8 slots beyond the model's own cache length
+    for layer in model.layers:
+        layer.attention.kv_cache = KVCache(1, S2, model.config.n_local_heads, model.config.head_dim, torch.float32)
+    ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(4))
+    ref = hf(ids).logits
+    causal = torch.arange(S2).view(1, S2) <= torch.arange(12).view(12, 1)
+    got = model(ids, torch.arange(12), mask=causal.view(1, 1, 12, S2))
+    assert (got - ref).abs().max() <= 1e-4
+    additive = torch.zeros(1, 1, 1, S2).masked_fill(torch.arange(S2) > 12, float("-inf"))
+    got = model(torch.tensor([[7]]), torch.tensor([12]), mask=additive)  # one more token, additive float mask
+    ref = hf(torch.cat([ids, torch.tensor([[7]])], 1)).logits[:, -1]
+    assert (got[:, 0] - ref).abs().max() <= 1e-4
