@@ -11,7 +11,8 @@
 # prompt produces the same tokens. Artifacts a row needs (quantized checkpoints, .pte / .pt2 / ONNX files,
 # tokenizer.bin, runner binaries) are built first with the stage's own script when missing, in <checkpoint_dir>/bench/.
 # "vs" is the row a row is compared with (the issue targets: quantized vs float32, runner-et 8da4w vs float32,
-# a decoding mode vs plain decoding); the ratio is shown when both rows ran.
+# a decoding mode vs plain decoding); the ratio is shown when both rows ran. The figures of a generate.py row are
+# generate.Emitter's (one definition of TTFT, prefill and decode tok/s for every backend and mode).
 import argparse
 import json
 import os
@@ -24,8 +25,9 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent
-CK = REPO / "checkpoints" / "SmolLM2-135M-Instruct"
+from common import DEFAULT_CHECKPOINT, REPO, cli, write_atomic
+
+CK = DEFAULT_CHECKPOINT.parent
 PY = sys.executable
 
 PROMPTS = {
@@ -294,7 +296,8 @@ def table(results, bw):
                      f"{r['prefill_tok_s']:.1f} | {r['ttft_s'] * 1000:.0f} | - | {r['weight_bytes'] / 1e6:.0f} | "
                      f"{ceil} | {r['peak_rss_mb']:.0f} |")
     lines.append("")
-    lines.append("decode tok/s of a cb row is aggregate: all sequences' tokens / wall time, prefills included.")
+    lines.append("decode tok/s of a cb row is aggregate: every sequence's tokens after its first / time after the "
+                 "first token (the later prompts' prefills included).")
     return "\n".join(lines)
 
 
@@ -336,11 +339,8 @@ def main():
     out = dict(machine=dict(cpu_count=os.cpu_count(), threads=torch.get_num_threads(), bandwidth_gb_s=bw,
                             torch=torch.__version__, device=args.device),
                settings=dict(runs=args.runs, max_new_tokens=args.max_new_tokens, prompts=PROMPTS), rows=results)
-    tmp = Path(args.json + ".tmp")
-    tmp.write_text(json.dumps(out, indent=1))
-    os.replace(tmp, args.json)
+    write_atomic(args.json, json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":
-    from generate import cli
     cli(main)

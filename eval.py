@@ -18,16 +18,24 @@ from typing import Optional
 
 import torch
 
+from common import check_device, checkpoint_file, cli, resolve_checkpoint
+from generate import load_backend
+
+
+def check_windows(max_seq_length: int, stride: Optional[int], n_tokens: Optional[int] = None) -> None:
+    """The one check of the window settings (main() runs it on the flags before anything loads)."""
+    if max_seq_length < 2:
+        raise ValueError(f"--max_seq_length must be at least 2, got {max_seq_length}")
+    if stride is not None and not 1 <= stride <= max_seq_length:
+        raise ValueError(f"--stride must be between 1 and --max_seq_length ({max_seq_length}), got {stride}")
+    if n_tokens is not None and n_tokens < 2:
+        raise ValueError(f"need at least 2 tokens to measure perplexity, got {n_tokens}")
+
 
 def sliding_windows(n_tokens: int, max_seq_length: int, stride: int) -> list:
     """[(begin, end, n_scored)]: the window is tokens[begin:end]; its last n_scored positions are scored, i.e. tokens
     end - n_scored .. end - 1 are predicted (token 0 never is: nothing precedes it)."""
-    if max_seq_length < 2:
-        raise ValueError(f"--max_seq_length must be at least 2, got {max_seq_length}")
-    if not 1 <= stride <= max_seq_length:
-        raise ValueError(f"--stride must be between 1 and --max_seq_length ({max_seq_length}), got {stride}")
-    if n_tokens < 2:
-        raise ValueError(f"need at least 2 tokens to measure perplexity, got {n_tokens}")
+    check_windows(max_seq_length, stride, n_tokens)
     out, prev_end = [], 0
     for begin in range(0, n_tokens, stride):
         end = min(begin + max_seq_length, n_tokens)
@@ -122,38 +130,31 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    import generate
     if not args.text_file.is_file():
         raise FileNotFoundError(f"text file not found: {args.text_file}")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda but no CUDA device is available")
-    if args.stride is not None and not 1 <= args.stride <= args.max_seq_length:
-        raise ValueError(f"--stride must be between 1 and --max_seq_length ({args.max_seq_length}), got {args.stride}")
-    if args.max_seq_length < 2:
-        raise ValueError(f"--max_seq_length must be at least 2, got {args.max_seq_length}")
-    if args.checkpoint_path is not None and not (args.aoti_package or args.pte or args.onnx or args.qpc):
-        ck = args.checkpoint_path
-        if not (ck.is_file() or (ck / "model.pth").is_file()):
-            raise FileNotFoundError(f"checkpoint not found: {ck}")
-    generate.resolve_checkpoint(args)
+    check_device(args.device)
+    check_windows(args.max_seq_length, args.stride)
+    exported = args.aoti_package or args.pte or args.onnx or args.qpc
+    if args.checkpoint_path is not None and not exported and not checkpoint_file(args.checkpoint_path).is_file():
+        raise FileNotFoundError(f"checkpoint not found: {args.checkpoint_path}")
+    resolve_checkpoint(args)
     from tokenizer import load_tokenizer
     tok = load_tokenizer(args.tokenizer_path)
     text = args.text_file.read_text(encoding="utf-8")
     ids = tok.encode(text, bos=None if args.bos == "auto" else args.bos == "yes")
     if args.max_tokens:
         ids = ids[:args.max_tokens]
-    if len(ids) < 2:
-        raise ValueError(f"{args.text_file} has {len(ids)} tokens: need at least 2")
+    check_windows(args.max_seq_length, args.stride, len(ids))
     device = torch.device(args.device)
     args.compile_prefill, args.compile = args.compile, False  # every call is a prefill here
     t0 = time.perf_counter()
-    backend = generate.load_backend(args, device, getattr(torch, args.dtype), 1, args.max_seq_length)
+    backend = load_backend(args, device, getattr(torch, args.dtype), 1, args.max_seq_length)
     load_s = time.perf_counter() - t0
     if backend.max_seq_length < args.max_seq_length:
         print(f"note: the backend holds {backend.max_seq_length} tokens: windows of {backend.max_seq_length}",
               file=sys.stderr)
     r = perplexity(backend, ids, args.max_seq_length, args.stride, device, progress=not args.quiet)
-    what = args.pte or args.aoti_package or args.onnx or args.qpc or args.checkpoint_path
+    what = exported or args.checkpoint_path
     window = min(args.max_seq_length, backend.max_seq_length)
     print(f"{what}: perplexity {r['ppl']:.4f} (nll {r['nll']:.5f}) over {r['tokens']} tokens | window {window}, "
           f"stride {args.stride or max(1, window // 2)}, {len(r['windows'])} windows | {r['processed']} tokens in "
@@ -162,5 +163,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    from generate import cli
     cli(main)

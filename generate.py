@@ -8,9 +8,11 @@
 # A [B, 1, V] result holds the logits of each row's last valid position (fixed-graph backends such as ONNX return that).
 # The same prefill / decode / sampling code below then drives eager PyTorch, torch.compile, an AOT Inductor package,
 # an ExecuTorch .pte, ONNX Runtime and a Cloud AI 100 QPC.
+#
+# This is the generation loop (bench.py, eval.py, speculative.py import it; exporters do not); plumbing is common.py's.
+# Deliberate lazy plugin imports (the only ones back to importers of this file): load_backend() imports the backend
+# classes of aoti_export / et_export / export_onnx / compile_qaic, make_decode_mode() imports speculative.py.
 import argparse
-import contextlib
-import os
 import resource
 import sys
 import time
@@ -20,9 +22,8 @@ from typing import Callable, Optional
 import torch
 
 import tp  # tensor parallelism under torchrun
-
-REPO = Path(__file__).resolve().parent
-DEFAULT_CHECKPOINT = REPO / "checkpoints" / "SmolLM2-135M-Instruct" / "model.pth"
+from common import DEFAULT_CHECKPOINT, REPO, check_device, cli, resolve_checkpoint
+from model import load_model
 
 
 # ----------------------------------------------------------------------------------------------------------- sampling
@@ -101,7 +102,6 @@ def load_backend(args, device, dtype, max_batch_size, max_seq_length):
     if getattr(args, "qpc", None):
         from compile_qaic import QpcBackend
         return QpcBackend(args.qpc, device_group=args.device_group)
-    from model import load_model
     if tp.get_world_size() > 1:  # under torchrun: this rank's shard of every attention / feed-forward matrix
         model = tp.load_model_tp(args.checkpoint_path, device=device, dtype=dtype)
     else:
@@ -147,62 +147,79 @@ def prefill(backend, prompts: list[list[int]], device, chunk: Optional[int] = No
     return last
 
 
+class Emitter:
+    """The one token keeper and run clock of every decoding loop (generate, generate_continuous, speculative.py's
+    speculative_generate and lookahead_generate). put(row, tokens) keeps a sequence's new tokens until a stop id or
+    max_new_tokens, streams each kept one through on_token(row, token) and says whether the sequence goes on. The
+    clock starts when the Emitter is made (just before the first prefill); the first put() marks the first token.
+    stats(): prompt_tokens, new_tokens (kept, all sequences), decode_steps (the loop's forwards after the first token)
+    and the one definition of the figures that every mode and bench.py report:
+        ttft_s         time from the start to the first token produced
+        prefill_tok_s  prompt tokens processed before that first token / ttft_s
+        decode_s       time after ttft_s, to the end
+        decode_tok_s   tokens produced after the first token of each sequence / decode_s"""
+
+    def __init__(self, rows: int, max_new_tokens: int, stop_ids, on_token, device):
+        self.out: list[list[int]] = [[] for _ in range(rows)]
+        self.done = [max_new_tokens <= 0] * rows
+        self.max_new, self.stop_ids, self.on_token, self.device = max_new_tokens, set(stop_ids), on_token, device
+        _sync(device)
+        self.t0, self.t_first = time.perf_counter(), None
+
+    def put(self, row: int, tokens) -> bool:
+        out = self.out[row]
+        for t in tokens:
+            if self.done[row] or t in self.stop_ids:
+                self.done[row] = True
+                break
+            out.append(t)
+            if self.on_token:
+                self.on_token(row, t)
+            self.done[row] = len(out) >= self.max_new
+        if self.t_first is None:
+            self.t_first = time.perf_counter()
+        return not self.done[row]
+
+    def stats(self, prompt_tokens: int, decode_steps: int, prefill_tokens: Optional[int] = None) -> dict:
+        """prefill_tokens: the prompt tokens processed before the first token when not all of them were."""
+        _sync(self.device)
+        t_end = time.perf_counter()
+        t_first = t_end if self.t_first is None else self.t_first
+        n, firsts = sum(map(len, self.out)), sum(1 for o in self.out if o)
+        ttft, decode_s, prefilled = t_first - self.t0, t_end - t_first, prefill_tokens or prompt_tokens
+        return dict(prompt_tokens=prompt_tokens, ttft_s=ttft, decode_steps=decode_steps, decode_s=decode_s,
+                    new_tokens=n, prefill_tok_s=prefilled / max(ttft, 1e-9),
+                    decode_tok_s=(n - firsts) / decode_s if decode_s > 0 and n > firsts else 0.0)
+
+
 def generate(backend, prompts: list[list[int]], max_new_tokens: int, device, *, temperature=0.0, top_k=None,
              top_p=None, stop_ids=(), generator=None, on_token: Optional[Callable[[int, int], None]] = None,
              start_pos: int = 0, prefill_chunk: Optional[int] = None):
-    """Generate for a batch of prompts. Returns (new token ids per prompt, timing stats).
+    """Generate for a batch of prompts. Returns (new token ids per prompt, Emitter.stats()).
     on_token(row, token) is called for every kept token as it is produced (for streaming)."""
     B = len(prompts)
     lens = [start_pos + len(p) for p in prompts]
     if B > backend.max_batch_size:
         raise ValueError(f"{B} prompts but the backend holds at most {backend.max_batch_size} sequences")
-    if max(lens) + max_new_tokens > backend.max_seq_length:
-        longest = max(lens)
-        if longest >= backend.max_seq_length:
-            raise ValueError(f"prompt of {longest} tokens does not fit the context of {backend.max_seq_length} tokens")
-        max_new_tokens = backend.max_seq_length - longest
-    stop_ids = set(stop_ids)
-    out = [[] for _ in range(B)]
-    done = [False] * B
-
-    def keep(next_ids):
-        for b, t in enumerate(next_ids.tolist()):
-            if done[b]:
-                continue
-            if t in stop_ids:
-                done[b] = True
-                continue
-            out[b].append(t)
-            if on_token:
-                on_token(b, t)
-
-    _sync(device)
-    t0 = time.perf_counter()
+    if max(lens) >= backend.max_seq_length:
+        raise ValueError(f"prompt of {max(lens)} tokens does not fit the context of {backend.max_seq_length} tokens")
+    max_new_tokens = min(max_new_tokens, backend.max_seq_length - max(lens))
+    emit = Emitter(B, max_new_tokens, stop_ids, on_token, device)
+    keep = lambda ids: [emit.put(b, [t]) for b, t in enumerate(ids.tolist())]
     logits = prefill(backend, prompts, device, chunk=prefill_chunk or backend.prefill_chunk, start_pos=start_pos)
     nxt = sample(logits, temperature, top_k, top_p, generator)
     keep(nxt)
-    _sync(device)
-    t_first = time.perf_counter()
     shared = len(set(lens)) == 1
     steps = 0
     for i in range(max_new_tokens - 1):
-        if all(done):
+        if all(emit.done):
             break
-        if shared:
-            ip = torch.tensor([lens[0] + i], device=device)
-        else:
-            ip = torch.tensor([[n + i] for n in lens], device=device)
+        ip = torch.tensor([lens[0] + i] if shared else [[n + i] for n in lens], device=device)
         logits = backend.forward(nxt.view(B, 1), ip)
         nxt = sample(logits[:, -1], temperature, top_k, top_p, generator)
         keep(nxt)
         steps += 1
-    _sync(device)
-    t_end = time.perf_counter()
-    stats = dict(prompt_tokens=sum(lens) - B * start_pos, ttft_s=t_first - t0, decode_steps=steps,
-                 decode_s=t_end - t_first, new_tokens=sum(len(o) for o in out))
-    stats["prefill_tok_s"] = stats["prompt_tokens"] / max(stats["ttft_s"], 1e-9)
-    stats["decode_tok_s"] = B * steps / stats["decode_s"] if steps else 0.0  # every row advances each step
-    return out, stats
+    return emit.out, emit.stats(sum(lens) - B * start_pos, steps)
 
 
 def generate_continuous(backend, prompts: list[list[int]], max_new_tokens: int, device, full_batch_size: int, *,
@@ -210,7 +227,8 @@ def generate_continuous(backend, prompts: list[list[int]], max_new_tokens: int, 
                         on_token: Optional[Callable[[int, int], None]] = None, prefill_chunk: Optional[int] = None):
     """Continuous batching: full_batch_size cache slots, more prompts than slots. Each decode step advances every
     slot by one token (empty slots ride along at position -1); a slot whose sequence ends is refilled at once with
-    the next prompt (prefilled alone, batch 1, into that slot). Returns (new token ids per prompt, stats).
+    the next prompt (prefilled alone, batch 1, into that slot). Returns (new token ids per prompt, Emitter.stats():
+    the first token comes after the first prompt's prefill; the later prefills fall in decode_s).
     The backend's forward must accept batch_index [B, 1] (rows -> cache slots)."""
     if full_batch_size > backend.max_batch_size:
         raise ValueError(f"full_batch_size {full_batch_size} exceeds the backend's {backend.max_batch_size} slots")
@@ -218,28 +236,18 @@ def generate_continuous(backend, prompts: list[list[int]], max_new_tokens: int, 
     for p in prompts:
         if len(p) >= S:
             raise ValueError(f"prompt of {len(p)} tokens does not fit the context of {S} tokens")
-    stop_ids = set(stop_ids)
-    out = [[] for _ in prompts]
     queue = list(range(len(prompts)))
     seq = [None] * full_batch_size          # which prompt each slot holds
     pos = [-1] * full_batch_size            # position of the token each slot feeds next
     tok = [0] * full_batch_size
     chunk = prefill_chunk or backend.prefill_chunk
-    _sync(device)
-    t0 = time.perf_counter()
-    ttft = None
+    emit = Emitter(len(prompts), max_new_tokens, stop_ids, on_token, device)
     steps = 0
 
-    def accept(slot, t):  # record a sampled token; free the slot when its sequence ends
-        i = seq[slot]
-        if t in stop_ids or len(out[i]) >= max_new_tokens:
-            seq[slot], pos[slot] = None, -1
-            return
-        out[i].append(t)
-        if on_token:
-            on_token(i, t)
-        tok[slot] = t
-        if len(out[i]) >= max_new_tokens or pos[slot] + 1 >= S:
+    def accept(slot, t):  # keep a sampled token; free the slot when its sequence ends or reaches the context end
+        if emit.put(seq[slot], [t]) and pos[slot] + 1 < S:
+            tok[slot] = t
+        else:
             seq[slot], pos[slot] = None, -1
 
     while queue or any(s is not None for s in seq):
@@ -249,7 +257,6 @@ def generate_continuous(backend, prompts: list[list[int]], max_new_tokens: int, 
                 seq[slot], pos[slot] = i, len(prompts[i])
                 logits = prefill(backend, [prompts[i]], device, chunk=chunk, batch_index=torch.tensor([[slot]]))
                 accept(slot, int(sample(logits, temperature, top_k, top_p, generator)[0]))
-                ttft = ttft if ttft is not None else time.perf_counter() - t0
         if all(s is None for s in seq):
             continue
         ip = torch.tensor([[p] for p in pos], device=device)
@@ -261,12 +268,7 @@ def generate_continuous(backend, prompts: list[list[int]], max_new_tokens: int, 
             if seq[slot] is not None:
                 pos[slot] += 1
                 accept(slot, nxt[slot])
-    _sync(device)
-    total = time.perf_counter() - t0
-    n = sum(len(o) for o in out)
-    stats = dict(prompt_tokens=sum(map(len, prompts)), ttft_s=ttft or 0.0, decode_steps=steps, decode_s=total,
-                 new_tokens=n, prefill_tok_s=0.0, decode_tok_s=n / total)
-    return out, stats
+    return emit.out, emit.stats(sum(map(len, prompts)), steps, prefill_tokens=len(prompts[0]) if prompts else 0)
 
 
 def weight_bytes(model) -> int:
@@ -329,21 +331,19 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def make_decode_mode(args, ids):
+def make_decode_mode(args, n_prompts: int):
     """Speculative (--draft_checkpoint_path) or lookahead (--lookahead) decoding from speculative.py, or None.
-    Returns fn(backend, draft, ids, sampling) -> (outputs, stats) that also prints the acceptance statistics."""
+    Checks the flags. Returns fn(backend, draft, ids, sampling) -> (outputs, stats) that also prints the acceptance
+    statistics."""
     if not (args.draft_checkpoint_path or args.lookahead):
         return None
-    import speculative as S
+    import speculative as S  # lazy plugin import (speculative.py imports this file's loop)
     if args.draft_checkpoint_path and args.lookahead:
         raise ValueError("choose one of --draft_checkpoint_path (speculative) and --lookahead")
-    if len(ids) != 1 or args.full_batch_size:
+    if n_prompts != 1 or args.full_batch_size:
         raise ValueError("speculative and lookahead decoding take one prompt (batch 1)")
-    if args.speculate_k < 1:
-        raise ValueError(f"--speculate_k must be >= 1, got {args.speculate_k}")
-    spec = S.parse_lookahead_spec(args.lookahead) if args.lookahead else None
-    if spec and args.temperature > 0:
-        raise ValueError("lookahead decoding is greedy only: use --temperature 0")
+    S.check_speculate_k(args.speculate_k)  # also sizes the cache below, whichever mode
+    spec = S.parse_lookahead_spec(args.lookahead, args.temperature) if args.lookahead else None
 
     def run(backend, draft, ids, sampling):
         sampling = {k: v for k, v in sampling.items() if k != "prefill_chunk"}
@@ -378,34 +378,12 @@ def read_prompts(args) -> list[str]:
     return args.prompt.split("|")
 
 
-def resolve_checkpoint(args):
-    """Fill in checkpoint_path / tokenizer_path. An exported artifact uses the tokenizer files beside it (the exporters
-    copy them there) unless --tokenizer_path or --checkpoint_path says otherwise; else the default model's."""
-    exported = args.aoti_package or args.pte or args.onnx or args.qpc
-    if args.tokenizer_path is None and args.checkpoint_path is None and exported:
-        for d in (Path(exported).parent, Path(exported), Path(exported).parent.parent):
-            if d.is_dir() and any((d / f).is_file() for f in ("tokenizer.json", "tokenizer.model")):
-                args.tokenizer_path = d
-                break
-    if args.checkpoint_path is None and not (exported and args.tokenizer_path):
-        if not DEFAULT_CHECKPOINT.is_file():
-            sys.path.insert(0, str(REPO / "scripts"))
-            import download
-            print(f"preparing the default model in {DEFAULT_CHECKPOINT.parent} ...", file=sys.stderr)
-            download.prepare_default(DEFAULT_CHECKPOINT.parent)
-        args.checkpoint_path = DEFAULT_CHECKPOINT
-    if args.tokenizer_path is None:
-        ck = Path(args.checkpoint_path)
-        args.tokenizer_path = ck if ck.is_dir() else ck.parent
-
-
 def main(argv=None) -> list[dict]:
     """Runs generate.py; returns each timed run's stats (bench.py reads them)."""
     args = parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda but no CUDA device is available")
-    if args.device == "mps" and not torch.backends.mps.is_available():
-        raise ValueError("--device mps but MPS is not available")
+    check_device(args.device)
+    prompts = None if args.chat else read_prompts(args)
+    decode_mode = None if args.chat else make_decode_mode(args, len(prompts))  # checks its flags before loading
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
     rank = tp.maybe_init_dist(device)  # None unless launched by torchrun with several processes
@@ -424,21 +402,16 @@ def main(argv=None) -> list[dict]:
     if args.chat:
         return chat(args, tok, device, dtype)
 
-    prompts = read_prompts(args)
     ids = [tok.encode(p) for p in prompts]
     if any(len(x) == 0 for x in ids):
         raise ValueError("empty prompt (and the tokenizer adds no BOS): nothing to condition on")
     max_seq = args.max_seq_length or max(len(x) for x in ids) + args.max_new_tokens
-    decode_mode = make_decode_mode(args, ids)
     if decode_mode is not None:
         max_seq += args.speculate_k + 1  # a verification step may write past the last kept token
     backend = load_backend(args, device, dtype, args.full_batch_size or len(ids), max_seq)
     check_vocab(tok, backend)
-    draft = None
-    if args.draft_checkpoint_path:
-        from model import load_model
-        draft = TorchBackend(load_model(args.draft_checkpoint_path, device=device, dtype=dtype), 1, max_seq,
-                             compile=args.compile)
+    draft = (TorchBackend(load_model(args.draft_checkpoint_path, device=device, dtype=dtype), 1, max_seq,
+                          compile=args.compile) if args.draft_checkpoint_path else None)
     log = (lambda *a: None) if args.quiet else (lambda *a: print(*a, file=sys.stderr))
     stream = len(ids) == 1 and not args.full_batch_size
     runs = ([-1] if args.compile else []) + list(range(args.num_samples))
@@ -472,17 +445,14 @@ def main(argv=None) -> list[dict]:
 
 
 def report(log, st, backend, device):
-    steps = st.get("decode_steps")
+    steps, model = st["decode_steps"], getattr(backend, "model", None)
     log(f"TTFT {st['ttft_s'] * 1000:.1f} ms | prefill {st['prefill_tok_s']:.1f} tok/s | "
-        f"decode {st['decode_tok_s']:.2f} tok/s" + (f" ({steps} steps)" if steps is not None else "") +
-        f" | {st['new_tokens']} new tokens")
-    model = getattr(backend, "model", None)
+        f"decode {st['decode_tok_s']:.2f} tok/s ({steps} steps) | {st['new_tokens']} new tokens")
+    bandwidth = ""
     if model is not None and st["decode_s"] > 0 and steps:
         gb = weight_bytes(model) / 1e9
-        log(f"weights {gb:.3f} GB | achieved bandwidth {gb * steps / st['decode_s']:.2f} GB/s | "
-            f"peak memory {peak_memory_mb(device):.0f} MB")
-    else:
-        log(f"peak memory {peak_memory_mb(device):.0f} MB")
+        bandwidth = f"weights {gb:.3f} GB | achieved bandwidth {gb * steps / st['decode_s']:.2f} GB/s | "
+    log(f"{bandwidth}peak memory {peak_memory_mb(device):.0f} MB")
 
 
 def chat(args, tok, device, dtype):
@@ -524,18 +494,6 @@ def chat(args, tok, device, dtype):
         messages.append({"role": "assistant", "content": tok.decode(out[0])})
         if not args.quiet:
             print(f"[{st['new_tokens']} tokens, {st['decode_tok_s']:.1f} tok/s]", file=sys.stderr)
-
-
-def cli(entry: Callable):
-    """Run entry(); turn expected failures into a one-line `error: ...` and exit code 1 (no traceback)."""
-    try:
-        entry()
-    except KeyboardInterrupt:
-        sys.exit(130)
-    except (FileNotFoundError, ValueError, NotImplementedError, ImportError, RuntimeError, OSError) as e:
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        print(f"error: {msg}", file=sys.stderr)
-        sys.exit(1)
 
 
 if __name__ == "__main__":

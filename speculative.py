@@ -23,11 +23,13 @@
 #     The pool is also seeded with the n-grams of the prompt and of the accepted text (prompt_ngrams=True).
 #     The speculative tokens need positions that repeat and cache slots apart from positions, and a mask that is
 #     not "slot <= position": for the duration of the call each layer's KVCache is swapped for a _SlotCache (the same
-#     cache plus scratch slots, written at slots chosen here) and a forward pre-hook on each Attention module hands
-#     SDPA the step's mask. The network itself is model.py's, unchanged; the swap is undone on return.
+#     cache plus scratch slots, written at slots chosen here; layer.attention.kv_cache is model.py's swap point) and
+#     each step's mask goes to Transformer.forward(mask=...). The network is model.py's; the swap is undone on return.
 #     Needs model.py's Transformer (TorchBackend.model); runs it eagerly.
 #
-# Both: batch 1 (one prompt), stats dict with the acceptance figures, format_stats() for a one-line summary.
+# Both: batch 1 (one prompt); tokens kept and timed by generate.py's Emitter (its stats plus the acceptance figures);
+# format_stats() for a one-line summary. Their arguments are checked once, by check_speculate_k / check_lookahead
+# (generate.py calls them on the command line's values before anything loads).
 # Greedy output equals plain greedy decoding up to floating-point rounding: the target scores several tokens per
 # forward, whose matmuls round differently from one-token decode steps, so an exact near-tie could in principle flip.
 #
@@ -38,13 +40,12 @@
 #   * lookahead: keep the step small, since a forward of T tokens costs more than one of 1 token (about 1.6x at
 #     T = 6 and 2x at T = 16 in eager float32): e.g. 5,1,2 on text that repeats (code, edits, lists), where most
 #     hits come from the pool's n-grams of the prompt and of the text so far; on free prose few guesses hit.
-import time
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor
 
-from generate import _sync, logits_to_probs, prefill
+from generate import Emitter, logits_to_probs, prefill
 from model import KVCache
 
 
@@ -68,8 +69,20 @@ def _check_int(name: str, value, minimum: int):
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
 
 
-def parse_lookahead_spec(spec: str) -> tuple[int, int, int]:
-    """'NGRAM,WINDOW,GCAP' (e.g. '4,5,5') -> (ngram, window, gcap), with a clear error for anything else."""
+def check_speculate_k(k) -> None:
+    _check_int("speculate_k", k, 1)
+
+
+def check_lookahead(ngram, window, gcap, temperature: float = 0.0) -> None:
+    """Lookahead decoding is greedy; NGRAM >= 2, WINDOW >= 1, GCAP >= 1."""
+    if temperature and temperature > 0:
+        raise ValueError("lookahead decoding is greedy only: use --temperature 0")
+    for name, value, minimum in (("NGRAM", ngram, 2), ("WINDOW", window, 1), ("GCAP", gcap, 1)):
+        _check_int(f"lookahead {name}", value, minimum)
+
+
+def parse_lookahead_spec(spec: str, temperature: float = 0.0) -> tuple[int, int, int]:
+    """'NGRAM,WINDOW,GCAP' (e.g. '4,5,5') -> (ngram, window, gcap), checked, with a clear error for anything else."""
     parts = [p.strip() for p in str(spec).split(",")]
     if len(parts) != 3:
         raise ValueError(f"--lookahead expects NGRAM,WINDOW,GCAP (three integers, e.g. 4,5,5), got {spec!r}")
@@ -77,39 +90,8 @@ def parse_lookahead_spec(spec: str) -> tuple[int, int, int]:
         n, w, g = (int(p) for p in parts)
     except ValueError:
         raise ValueError(f"--lookahead expects NGRAM,WINDOW,GCAP as integers (e.g. 4,5,5), got {spec!r}") from None
-    if n < 2 or w < 1 or g < 1:
-        raise ValueError(f"--lookahead {spec!r}: NGRAM must be >= 2, WINDOW >= 1 and GCAP >= 1")
+    check_lookahead(n, w, g, temperature)
     return n, w, g
-
-
-class _Emitter:
-    """Collects kept tokens: stops at a stop id or at max_new_tokens, streams through on_token(0, token)."""
-
-    def __init__(self, max_new_tokens, stop_ids, on_token):
-        self.max_new, self.stop_ids, self.on_token = max_new_tokens, set(stop_ids), on_token
-        self.out: list[int] = []
-        self.done = max_new_tokens <= 0
-
-    def put(self, tokens: Sequence[int]) -> None:
-        for t in tokens:
-            if self.done:
-                return
-            if t in self.stop_ids:
-                self.done = True
-                return
-            self.out.append(t)
-            if self.on_token:
-                self.on_token(0, t)
-            if len(self.out) >= self.max_new:
-                self.done = True
-
-
-def _timing(stats, L, t0, t_first, t_end, n_new):
-    stats.update(prompt_tokens=L, ttft_s=t_first - t0, decode_s=t_end - t_first, new_tokens=n_new)
-    stats["prefill_tok_s"] = L / max(stats["ttft_s"], 1e-9)
-    # tokens after the first one (which comes from prefill), as generate() counts its decode steps
-    stats["decode_tok_s"] = max(n_new - 1, 0) / stats["decode_s"] if stats["decode_s"] > 0 and n_new > 1 else 0.0
-    return stats
 
 
 def format_stats(stats: dict) -> str:
@@ -146,7 +128,7 @@ def speculative_generate(target_backend, draft_backend, prompt_ids, max_new_toke
     logits_to_probs(temperature, top_k, top_p) of both models keeps the target's distribution. on_token(0, token)
     streams the kept tokens. stats: accepted_hist[n] = verification steps that kept n draft tokens, mean_accepted,
     acceptance_rate (kept / proposed draft tokens), tokens_per_step (new tokens per target forward), timings."""
-    _check_int("speculate_k", k, 1)
+    check_speculate_k(k)
     _check_int("max_new_tokens", max_new_tokens, 0)
     prompt = _one_prompt(prompt_ids)
     _check_full_logits(target_backend, "target")
@@ -182,11 +164,9 @@ def speculative_generate(target_backend, draft_backend, prompt_ids, max_new_toke
                                        torch.arange(start, start + len(tokens), device=device))
         return logits[0, -1]
 
-    emit = _Emitter(max_new_tokens, stop_ids, on_token)
     stats = dict(mode="speculative", k=k, accepted_hist=[0] * (k + 1), proposed=0, accepted=0, rounds=0,
                  draft_forwards=0)
-    _sync(device)
-    t0 = time.perf_counter()
+    emit = Emitter(1, max_new_tokens, stop_ids, on_token, device)
     logits = prefill(target_backend, [prompt], device, chunk=target_backend.prefill_chunk)[0]
     vt = logits.shape[-1]
     first = int(logits.argmax()) if greedy else draw(probs(logits[None])[0])
@@ -196,12 +176,10 @@ def speculative_generate(target_backend, draft_backend, prompt_ids, max_new_toke
                          f"({vt}): speculative decoding needs a draft with the same tokenizer")
     seq = prompt + [first]          # everything so far; seq[-1] is in neither cache yet
     draft_valid = L                 # draft cache holds seq[:draft_valid]
-    emit.put([first])
-    _sync(device)
-    t_first = time.perf_counter()
-    while not emit.done:
+    emit.put(0, [first])
+    while not emit.done[0]:
         pos = len(seq) - 1          # position of the current token
-        remaining = max_new_tokens - len(emit.out)
+        remaining = max_new_tokens - len(emit.out[0])
         kk = min(k, remaining - 1, S - 1 - pos)
         drafts, qs = [], []
         if kk > 0:
@@ -249,16 +227,15 @@ def speculative_generate(target_backend, draft_backend, prompt_ids, max_new_toke
         stats["accepted"] += n
         stats["accepted_hist"][n] += 1
         new = drafts[:n] + [last]
-        emit.put(new)
+        emit.put(0, new)
         seq += new
         if kk > 0:  # the draft saw seq[pos] and drafts[:kk-1]; those that were kept stay valid
             draft_valid = pos + 1 + min(n, kk - 1)
-    _sync(device)
-    t_end = time.perf_counter()
+    stats.update(emit.stats(L, stats["rounds"]))
     r = max(stats["rounds"], 1)
     stats.update(mean_accepted=stats["accepted"] / r, acceptance_rate=stats["accepted"] / max(stats["proposed"], 1),
-                 tokens_per_step=max(len(emit.out) - 1, 0) / r, decode_steps=stats["rounds"])
-    return emit.out, _timing(stats, L, t0, t_first, t_end, len(emit.out))
+                 tokens_per_step=max(stats["new_tokens"] - 1, 0) / r)
+    return emit.out[0], stats
 
 
 # ----------------------------------------------------------------------------------------------------------- lookahead
@@ -282,14 +259,13 @@ class _SlotCache(KVCache):
 
 
 class _Lookahead:
-    """Swaps model.py's caches for _SlotCache and feeds SDPA our masks, for the duration of a `with` block.
+    """Swaps model.py's caches for _SlotCache for the duration of a `with` block; runs the model with our masks.
     prefill() runs the prompt; step() runs one lookahead step (current token + lookahead + verification branches)."""
 
     def __init__(self, model, window: int, scratch: int):
         self.model, self.W, self.scratch = model, window, scratch
         self.S = model.max_seq_length
         self.device = model.norm.weight.device
-        self.mask: Optional[Tensor] = None
         self.layouts = {}
 
     def __enter__(self):
@@ -298,27 +274,19 @@ class _Lookahead:
         self.caches = [_SlotCache(c, self.scratch) for c in self.orig]
         for layer, c in zip(m.layers, self.caches):
             layer.attention.kv_cache = c
-        self.hooks = [layer.attention.register_forward_pre_hook(self._hook) for layer in m.layers]
         return self
 
-    def _hook(self, module, args):
-        # Attention.forward(x, cos, sin, mask, input_pos, batch_index): replace the position-derived mask
-        return args[:3] + (self.mask,) + args[4:]
-
     def __exit__(self, *exc):
-        for h in self.hooks:
-            h.remove()
         for layer, c in zip(self.model.layers, self.orig):
             layer.attention.kv_cache = c
 
     def run(self, tokens: list[int], rope_pos: Tensor, slots: Optional[Tensor], mask: Tensor) -> Tensor:
         for c in self.caches:
             c.slots = slots
-        self.mask = mask.view(1, 1, *mask.shape)
         try:
-            return self.model(torch.tensor([tokens], device=self.device), rope_pos)[0]
+            return self.model(torch.tensor([tokens], device=self.device), rope_pos,
+                              mask=mask.view(1, 1, *mask.shape))[0]
         finally:
-            self.mask = None
             for c in self.caches:
                 c.slots = None
 
@@ -405,11 +373,7 @@ def lookahead_generate(backend, prompt_ids, max_new_tokens: int, device, ngram: 
     kept per first token, and verified per step). backend: a TorchBackend (needs .model, model.py's Transformer).
     prompt_ngrams also seeds the pool with the prompt's and the accepted text's n-grams. seed: the initial guesses.
     stats: mean_accepted (tokens per forward), accepted_hist[n] = steps that kept n tokens, steps_with_hit, timings."""
-    if temperature and temperature > 0:
-        raise ValueError("lookahead decoding is greedy only: use --temperature 0")
-    _check_int("lookahead NGRAM", ngram, 2)
-    _check_int("lookahead WINDOW", window, 1)
-    _check_int("lookahead GCAP", gcap, 1)
+    check_lookahead(ngram, window, gcap, temperature)
     _check_int("max_new_tokens", max_new_tokens, 0)
     prompt = _one_prompt(prompt_ids)
     model = getattr(backend, "model", None)
@@ -440,20 +404,16 @@ def lookahead_generate(backend, prompt_ids, max_new_tokens: int, device, ngram: 
     gen = torch.Generator().manual_seed(seed)
     # level 0 starts as tokens drawn from the prompt; levels 1..N-2 are filled by the first N-2 steps (warm-up)
     levels = [[prompt[int(i)] for i in torch.randint(0, L, (W,), generator=gen)]]
-    emit = _Emitter(max_new_tokens, stop_ids, on_token)
     stats = dict(mode="lookahead", ngram=N, window=W, gcap=G, accepted_hist=[0] * (N + 1), steps=0,
                  steps_with_hit=0)
     with _Lookahead(model, W, scratch) as la, torch.inference_mode():
-        _sync(device)
-        t0 = time.perf_counter()
+        emit = Emitter(1, max_new_tokens, stop_ids, on_token, device)
         cur = int(la.prefill(prompt)[-1].argmax())
         seq = prompt + [cur]
-        emit.put([cur])
-        _sync(device)
-        t_first = time.perf_counter()
-        while not emit.done:
+        emit.put(0, [cur])
+        while not emit.done[0]:
             p = len(seq) - 1
-            remaining = max_new_tokens - len(emit.out)
+            remaining = max_new_tokens - len(emit.out[0])
             depth = min(N - 1, remaining - 1, S - 1 - p)  # candidate tokens that can still be used
             cands = [c[:depth] for c in pool.get(cur, [])[-G:]] if depth > 0 else []
             logits, _, idx, cidx = la.step(cur, p, levels, cands)
@@ -482,14 +442,13 @@ def lookahead_generate(backend, prompt_ids, max_new_tokens: int, device, ngram: 
                 for i in range(W):
                     add_ngram([levels[j][i] for j in range(N - 1)] + [outs[i]])
                 levels = levels[1:] + [outs]
-            emit.put(accepted)
+            emit.put(0, accepted)
             seq += accepted
             if prompt_ngrams:
                 for e in range(max(len(seq) - v + 1, N), len(seq) + 1):
                     add_ngram(seq[e - N:e])
             cur = seq[-1]
-        _sync(device)
-        t_end = time.perf_counter()
-    stats.update(mean_accepted=max(len(emit.out) - 1, 0) / max(stats["steps"], 1), decode_steps=stats["steps"],
+        stats.update(emit.stats(L, stats["steps"]))
+    stats.update(mean_accepted=max(stats["new_tokens"] - 1, 0) / max(stats["steps"], 1),
                  pool_ngrams=sum(len(v) for v in pool.values()))
-    return emit.out, _timing(stats, L, t0, t_first, t_end, len(emit.out))
+    return emit.out[0], stats
