@@ -1,4 +1,4 @@
-// The llama2.c-style command line, generate loop and chat loop shared by runner-aoti/ and runner-et/.
+// The generate loop, chat loop and main shared by runner-aoti/ and runner-et/ (the command line: options.h).
 // A runner implements llm::Model (load, forward over a token chunk with the KV cache kept inside, metadata) and calls
 //     return llm::run_main(argc, argv, "runner-aoti", [](const std::string& path) { return load(path); });
 // Output matches generate.py: generate mode prints the prompt, the streamed continuation and a newline on stdout;
@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "options.h"
 #include "sampler.h"
 #include "tokenizer.h"
 
@@ -41,14 +42,6 @@ class Model {
 };
 
 using ModelLoader = std::function<std::unique_ptr<Model>(const std::string& path)>;
-
-struct Options {
-  std::string model_path, tokenizer_path, prompt, system_prompt, mode = "generate";
-  bool has_prompt = false, encode_only = false, quiet = false, ignore_stop = false;
-  float temperature = 1.0f, top_p = 0.9f;
-  int top_k = 0, steps = 256;
-  unsigned long long seed = 0;
-};
 
 inline double now_s() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
@@ -84,7 +77,7 @@ inline std::vector<int> generate(Model& model, const Tokenizer& tok, Sampler& sa
   bool done = false;
   auto keep = [&](int t) {
     if (done) return;
-    if (tok.is_stop(t)) {
+    if (is_stop(tok, t)) {
       done = true;
       return;
     }
@@ -128,82 +121,8 @@ inline void report(const GenStats& st) {
     if (line.rfind("VmHWM:", 0) == 0) std::fprintf(stderr, "peak memory %.0f MB\n", std::atof(line.c_str() + 6) / 1024);
 }
 
-inline void usage(const char* name) {
-  std::fprintf(stderr,
-               "Usage:   %s <model> [options]\n"
-               "Example: %s model.pt2 -z tokenizer.bin -i \"Once upon a time\" -n 256 -t 0.8 -p 0.9 -s 42\n"
-               "Options:\n"
-               "  -t <float>  temperature in [0,inf), default 1.0 (0 = greedy, the same tokens as generate.py)\n"
-               "  -p <float>  top-p (nucleus) in (0,1], default 0.9 (1 = off)\n"
-               "  -k <int>    top-k, default 0 (off)\n"
-               "  -s <int>    random seed, default: time(NULL)\n"
-               "  -n <int>    new tokens to generate (per chat turn), default 256; 0 = up to the context length\n"
-               "  -i <string> prompt (generate mode) / first user message (chat mode)\n"
-               "  -z <string> tokenizer.bin, default: tokenizer.bin beside the model, else ./tokenizer.bin\n"
-               "  -m <string> mode: generate|chat, default: generate\n"
-               "  -y <string> system prompt (chat mode)\n"
-               "  -e          encode only: print the prompt's token ids and exit (no model is loaded)\n"
-               "  -q          quiet: no timings on stderr\n"
-               "  -x          ignore stop tokens: always generate -n tokens (benchmarks)\n",
-               name, name);
-}
-
-inline Options parse_args(int argc, char** argv) {
-  Options o;
-  if (argc < 2 || argv[1][0] == '-') {
-    if (argc >= 2 && (std::string(argv[1]) == "-h" || std::string(argv[1]) == "--help")) {
-      usage(argv[0]);
-      std::exit(0);
-    }
-    usage(argv[0]);
-    std::exit(1);
-  }
-  o.model_path = argv[1];
-  for (int i = 2; i < argc; i++) {
-    std::string a = argv[i];
-    if (a.size() != 2 || a[0] != '-') throw Error("unknown argument " + a + " (see -h)");
-    char f = a[1];
-    if (f == 'e') { o.encode_only = true; continue; }
-    if (f == 'q') { o.quiet = true; continue; }
-    if (f == 'x') { o.ignore_stop = true; continue; }
-    if (f == 'h') { usage(argv[0]); std::exit(0); }
-    if (i + 1 >= argc) throw Error("option " + a + " needs a value");
-    std::string v = argv[++i];
-    auto whole = [&](size_t used) {  // "0.8x" is not a number either
-      if (used != v.size()) throw std::invalid_argument(v);
-    };
-    size_t used = 0;
-    try {
-      switch (f) {
-        case 't': o.temperature = std::stof(v, &used), whole(used); break;
-        case 'p': o.top_p = std::stof(v, &used), whole(used); break;
-        case 'k': o.top_k = std::stoi(v, &used), whole(used); break;
-        case 's': o.seed = std::stoull(v, &used), whole(used); break;
-        case 'n': o.steps = std::stoi(v, &used), whole(used); break;
-        case 'i': o.prompt = v, o.has_prompt = true; break;
-        case 'z': o.tokenizer_path = v; break;
-        case 'm': o.mode = v; break;
-        case 'y': o.system_prompt = v; break;
-        default: throw Error("unknown option " + a + " (see -h)");
-      }
-    } catch (const std::logic_error&) {  // stof/stoi on garbage
-      throw Error("bad value for " + a + ": " + v);
-    }
-  }
-  if (o.temperature < 0) o.temperature = 0;
-  if (o.top_p <= 0 || o.top_p > 1) o.top_p = 1.0f;
-  if (o.steps < 0) o.steps = 0;
-  if (o.mode != "generate" && o.mode != "chat") throw Error("unknown mode " + o.mode + " (generate or chat)");
-  if (o.seed == 0) o.seed = (unsigned long long)std::time(nullptr);
-  if (o.tokenizer_path.empty()) {
-    std::string dir = o.model_path.substr(0, o.model_path.find_last_of('/') + 1);
-    std::string beside = dir + "tokenizer.bin";
-    std::ifstream f(beside);
-    o.tokenizer_path = f.good() ? beside : "tokenizer.bin";
-  }
-  return o;
-}
-
+// The tokenizer must fit the model's vocabulary (its ids index the embedding); a model with more ids than the
+// tokenizer is fine (padded vocabularies; ids past the tokenizer decode to nothing, as in tokenizer.py).
 inline void check_pairing(const Tokenizer& tok, const ModelInfo& mi) {
   if (tok.n_vocab > mi.vocab_size)
     throw Error("the tokenizer has " + std::to_string(tok.n_vocab) + " tokens but the model's vocabulary is " +
@@ -215,7 +134,7 @@ inline void check_pairing(const Tokenizer& tok, const ModelInfo& mi) {
 
 inline int chat_loop(Model& model, Tokenizer& tok, Sampler& sampler, const Options& o) {
   const ModelInfo& mi = model.info();
-  tok.render_chat({}, true);  // fails early, with a clear message, when there is no template to render
+  render_chat(tok, {}, true);  // fails early, with a clear message, when there is no template to render
   std::vector<Message> messages;
   if (!o.system_prompt.empty()) messages.push_back({"system", o.system_prompt});
   std::vector<int> cached;
@@ -232,7 +151,7 @@ inline int chat_loop(Model& model, Tokenizer& tok, Sampler& sampler, const Optio
     first = false;
     if (user.find_first_not_of(" \t\r\n") == std::string::npos) break;
     messages.push_back({"user", user});
-    std::vector<int> ids = tok.encode(tok.render_chat(messages, true), 0);
+    std::vector<int> ids = encode(tok, render_chat(tok, messages, true), 0);
     size_t common = 0;
     while (common < std::min(cached.size(), ids.size() - 1) && cached[common] == ids[common]) common++;
     if (int(ids.size()) + 1 >= mi.max_seq_len) {
@@ -240,21 +159,21 @@ inline int chat_loop(Model& model, Tokenizer& tok, Sampler& sampler, const Optio
       messages = {messages.back()};
       cached.clear();
       common = 0;
-      ids = tok.encode(tok.render_chat(messages, true), 0);
+      ids = encode(tok, render_chat(tok, messages, true), 0);
       if (int(ids.size()) + 1 >= mi.max_seq_len)
         throw Error("message of " + std::to_string(ids.size()) + " tokens does not fit the context of " +
                     std::to_string(mi.max_seq_len));
     }
-    StreamDecoder dec(tok);
+    StreamDecoder dec{&tok};
     GenStats st;
     std::vector<int> rest(ids.begin() + common, ids.end());
     std::vector<int> out = generate(model, tok, sampler, rest, int(common), o.steps,
-                                    [&](int t) { write_out(dec.put(t)); }, &st);
-    write_out(dec.flush() + "\n");
+                                    [&](int t) { write_out(stream_put(dec, t)); }, &st);
+    write_out(stream_flush(dec) + "\n");
     // the cache now holds the prompt and every reply token except the last sampled one
     cached = ids;
     if (!out.empty()) cached.insert(cached.end(), out.begin(), out.end() - 1);
-    messages.push_back({"assistant", tok.decode(out)});
+    messages.push_back({"assistant", decode(tok, out)});
     if (!o.quiet)
       std::fprintf(stderr, "[%d tokens, %.1f tok/s]\n", st.new_tokens, st.steps ? st.steps / st.decode_s : 0.0);
   }
@@ -263,10 +182,9 @@ inline int chat_loop(Model& model, Tokenizer& tok, Sampler& sampler, const Optio
 
 inline int run_main_inner(int argc, char** argv, const char* name, const ModelLoader& load) {
   Options o = parse_args(argc, argv);
-  Tokenizer tok;
-  tok.load(o.tokenizer_path);
+  Tokenizer tok = load_tokenizer(o.tokenizer_path);
   if (o.encode_only) {
-    std::vector<int> ids = tok.encode(o.prompt);
+    std::vector<int> ids = encode(tok, o.prompt);
     for (size_t i = 0; i < ids.size(); i++) std::printf(i ? " %d" : "%d", ids[i]);
     std::printf("\n");
     return 0;
@@ -276,7 +194,7 @@ inline int run_main_inner(int argc, char** argv, const char* name, const ModelLo
   const ModelInfo& mi = model->info();
   if (!o.quiet)
     std::fprintf(stderr, "%s: loaded %s in %.2f s (%s); tokenizer: %s\n", name, o.model_path.c_str(), now_s() - t0,
-                 mi.description.c_str(), tok.describe().c_str());
+                 mi.description.c_str(), describe(tok).c_str());
   if (!tok.has_extension) {  // a plain llama2.c tokenizer.bin: the model's metadata knows better than the defaults
     if (mi.bos_id >= 0) tok.bos_id = mi.bos_id;
     if (!mi.eos_ids.empty()) tok.stop_ids = mi.eos_ids, tok.eos_id = mi.eos_ids[0];
@@ -286,16 +204,16 @@ inline int run_main_inner(int argc, char** argv, const char* name, const ModelLo
   Sampler sampler(o.temperature, o.top_p, o.top_k, o.seed);
   if (o.mode == "chat") return chat_loop(*model, tok, sampler, o);
 
-  std::vector<int> ids = tok.encode(o.prompt);
+  std::vector<int> ids = encode(tok, o.prompt);
   if (ids.empty()) throw Error("empty prompt (and the tokenizer adds no BOS): nothing to condition on");
   if (int(ids.size()) >= mi.max_seq_len)
     throw Error("prompt of " + std::to_string(ids.size()) + " tokens does not fit the context of " +
                 std::to_string(mi.max_seq_len) + " tokens");
-  StreamDecoder dec(tok);
+  StreamDecoder dec{&tok};
   GenStats st;
   write_out(o.prompt);
-  generate(*model, tok, sampler, ids, 0, o.steps, [&](int t) { write_out(dec.put(t)); }, &st);
-  write_out(dec.flush() + "\n");
+  generate(*model, tok, sampler, ids, 0, o.steps, [&](int t) { write_out(stream_put(dec, t)); }, &st);
+  write_out(stream_flush(dec) + "\n");
   if (!o.quiet) report(st);
   return 0;
 }

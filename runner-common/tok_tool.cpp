@@ -24,19 +24,20 @@ int main(int argc, char** argv) {
     return 2;
   }
   try {
-    llm::Tokenizer tok;
-    tok.load(argv[2]);
     std::string mode = argv[1];
+    if (mode != "info" && mode != "encode" && mode != "decode" && mode != "chat")
+      throw llm::Error("unknown mode " + mode + " (encode, decode, chat or info)");
+    const llm::Tokenizer tok = llm::load_tokenizer(argv[2]);
     std::string in((std::istreambuf_iterator<char>(std::cin)), std::istreambuf_iterator<char>());
     if (mode == "info") {
-      std::printf("%s\n", tok.describe().c_str());
+      std::printf("%s\n", llm::describe(tok).c_str());
     } else if (mode == "encode") {
       int bos = argc > 3 ? std::atoi(argv[3]) : -1;
       size_t start = 0;
       while (start <= in.size()) {
         size_t end = in.find('\0', start);
         if (end == std::string::npos) end = in.size();
-        for (int id : tok.encode(in.substr(start, end - start), bos)) std::printf("%d ", id);
+        for (int id : llm::encode(tok, in.substr(start, end - start), bos)) std::printf("%d ", id);
         std::printf("\n");
         start = end + 1;
       }
@@ -48,11 +49,11 @@ int main(int argc, char** argv) {
         std::vector<int> ids;
         int id;
         while (ls >> id) ids.push_back(id);
-        llm::StreamDecoder sd(tok);
+        llm::StreamDecoder sd{&tok};
         std::string streamed;
-        for (int i : ids) streamed += sd.put(i);
-        streamed += sd.flush();
-        std::printf("%s %s\n", hex(tok.decode(ids)).c_str(), hex(streamed).c_str());
+        for (int i : ids) streamed += llm::stream_put(sd, i);
+        streamed += llm::stream_flush(sd);
+        std::printf("%s %s\n", hex(llm::decode(tok, ids)).c_str(), hex(streamed).c_str());
       }
     } else if (mode == "chat") {
       std::vector<llm::Message> msgs;
@@ -65,14 +66,12 @@ int main(int argc, char** argv) {
         msgs.push_back({rec.substr(0, sep), sep == std::string::npos ? "" : rec.substr(sep + 1)});
         start = end + 1;
       }
-      std::string out = tok.render_chat(msgs, true);
+      std::string out = llm::render_chat(tok, msgs, true);
       std::fwrite(out.data(), 1, out.size(), stdout);
-    } else {
-      std::fprintf(stderr, "unknown mode %s\n", mode.c_str());
-      return 2;
     }
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "error: %s\n", e.what());
+    std::string msg = e.what();
+    std::fprintf(stderr, "error: %s\n", msg.substr(0, msg.find('\n')).c_str());
     return 1;
   }
   return 0;

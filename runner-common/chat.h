@@ -1,0 +1,77 @@
+// Chat templates for the C++ tokenizer (header-only, C++17): the renderings scripts/export_tokenizer_bin.py checked
+// against the model's Jinja template (render_chat there) and stored as tokenizer.bin's chat kind: chatml (SmolLM2,
+// Qwen; with the template's default system prompt), llama2 ([INST], <<SYS>>), llama3 (header ids), zephyr.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "tokenizer_file.h"
+
+namespace llm {
+
+struct Message {
+  std::string role, content;
+};
+
+// tokenizer.py's token_text(): the literal text of a special token (BPE: else the vocab piece); "" if none
+inline std::string token_text(const Tokenizer& t, int id) {
+  for (auto& s : t.specials)
+    if (s.second == id) return s.first;
+  if (t.kind == BPE && id >= 0 && id < t.n_vocab) return t.pieces[id];
+  return "";
+}
+
+// Python's str.strip()
+inline std::string py_strip(const Tokenizer& t, const std::string& s) {
+  std::vector<uint32_t> cps = utf8_to_cps(s);
+  size_t a = 0, b = cps.size();
+  while (a < b && t.pyspace.has(cps[a])) a++;
+  while (b > a && t.pyspace.has(cps[b - 1])) b--;
+  return cps_to_utf8(std::vector<uint32_t>(cps.begin() + a, cps.begin() + b));
+}
+
+inline std::string render_chat(const Tokenizer& t, const std::vector<Message>& messages,
+                               bool add_generation_prompt = true) {
+  std::string out;
+  const std::string bos = token_text(t, t.bos_id), eos = token_text(t, t.eos_id);
+  switch (t.chat_kind) {
+    case CHAT_CHATML:
+      if (t.has_default_system && (messages.empty() || messages[0].role != "system"))
+        out += "<|im_start|>system\n" + t.default_system + "<|im_end|>\n";
+      for (auto& m : messages) out += "<|im_start|>" + m.role + "\n" + m.content + "<|im_end|>\n";
+      if (add_generation_prompt) out += "<|im_start|>assistant\n";
+      break;
+    case CHAT_LLAMA2: {
+      size_t first = 0;
+      const std::string* system = nullptr;
+      if (!messages.empty() && messages[0].role == "system") {
+        system = &messages[0].content;
+        first = 1;
+      }
+      for (size_t i = first; i < messages.size(); i++) {
+        std::string content = messages[i].content;
+        if (i == first && system) content = "<<SYS>>\n" + *system + "\n<</SYS>>\n\n" + content;
+        if (messages[i].role == "user") out += bos + "[INST] " + py_strip(t, content) + " [/INST]";
+        else if (messages[i].role == "assistant") out += " " + py_strip(t, content) + " " + eos;
+      }
+      break;
+    }
+    case CHAT_LLAMA3:
+      for (size_t i = 0; i < messages.size(); i++)
+        out += (i == 0 ? bos : std::string()) + "<|start_header_id|>" + messages[i].role + "<|end_header_id|>\n\n" +
+               py_strip(t, messages[i].content) + "<|eot_id|>";
+      if (add_generation_prompt) out += "<|start_header_id|>assistant<|end_header_id|>\n\n";
+      break;
+    case CHAT_ZEPHYR:
+      for (auto& m : messages) out += "<|" + m.role + "|>\n" + m.content + eos + "\n";
+      if (add_generation_prompt) out += "<|assistant|>\n";
+      break;
+    default:
+      throw Error("this tokenizer has no chat template the runner can render (tokenizer.bin chat kind " +
+                  std::string(chat_kind_name(t.chat_kind)) + "); use generate mode");
+  }
+  return out;
+}
+
+}  // namespace llm

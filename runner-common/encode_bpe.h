@@ -1,0 +1,197 @@
+// Byte-level BPE encoding for the C++ tokenizer (header-only, C++17), as tokenizer.py's BPE encoder: optional digit
+// split, then the GPT-2 / Llama 3 / Qwen2 pre-tokenizer regex written out by hand as its alternatives in order
+// (contractions, letters, numbers, other symbols, whitespace with the \s+(?!\S) look-ahead) over tokenizer.bin's
+// Unicode class tables; each pre-token's bytes start as single-byte tokens and the lowest-rank pair is merged
+// everywhere until none applies (ignore_merges: a pre-token that is itself a token stays whole).
+#pragma once
+
+#include <climits>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "tokenizer_file.h"
+
+namespace llm {
+
+// ------------------------------------------------------------------------------------------------- pre-tokenizer
+inline bool is_other(const Tokenizer& t, uint32_t c) { return !t.S.has(c) && !t.L.has(c) && !t.N.has(c); }
+inline bool is_crlf(uint32_t c) { return c == '\r' || c == '\n'; }
+
+// length (in code points) of a contraction at c[i] == '\'', 0 if none; case-insensitive (Llama 3 / Qwen2) through
+// the CASE table, whose eight lists are s t r e v m l d
+inline size_t contraction(const Tokenizer& t, const std::vector<uint32_t>& c, size_t i, size_t b, bool ci) {
+  if (i + 1 >= b) return 0;
+  auto is = [&](size_t k, char ch, int fold_idx) {
+    if (k >= b) return false;
+    if (!ci) return c[k] == uint32_t(ch);
+    for (uint32_t x : t.casefold[fold_idx])
+      if (x == c[k]) return true;
+    return false;
+  };
+  // 's | 't | 're | 've | 'm | 'll | 'd   ("strevmld" indices: s0 t1 r2 e3 v4 m5 l6 d7)
+  if (is(i + 1, 's', 0) || is(i + 1, 't', 1)) return 2;
+  if (is(i + 1, 'r', 2) && is(i + 2, 'e', 3)) return 3;
+  if (is(i + 1, 'v', 4) && is(i + 2, 'e', 3)) return 3;
+  if (is(i + 1, 'm', 5)) return 2;
+  if (is(i + 1, 'l', 6) && is(i + 2, 'l', 6)) return 3;
+  if (is(i + 1, 'd', 7)) return 2;
+  return 0;
+}
+
+// trailing whitespace alternatives shared by the patterns: \s+(?!\S) | \s+
+inline size_t whitespace_run(const Tokenizer& t, const std::vector<uint32_t>& c, size_t i, size_t b) {
+  size_t k = i;
+  while (k < b && t.S.has(c[k])) k++;
+  if (k == i) return 1;  // not whitespace: cannot happen when called; make progress anyway
+  if (k == b) return k - i;
+  return k - i >= 2 ? k - i - 1 : 1;
+}
+
+// One pre-token starting at c[i] (limit b): its length in code points (at least 1).
+inline size_t pretoken(const Tokenizer& t, const std::vector<uint32_t>& c, size_t i, size_t b) {
+  const uint32_t x = c[i];
+  auto L = [&](uint32_t ch) { return t.L.has(ch); };
+  auto N = [&](uint32_t ch) { return t.N.has(ch); };
+  if (t.pre == PRE_GPT2) {
+    if (x == '\'') {
+      size_t n = contraction(t, c, i, b, false);
+      if (n) return n;
+    }
+    // ' ?\p{L}+' | ' ?\p{N}+' | ' ?[^\s\p{L}\p{N}]+'
+    const bool sp = x == ' ' && i + 1 < b;
+    for (int cls = 0; cls < 3; cls++) {
+      auto in = [&](uint32_t ch) { return cls == 0 ? L(ch) : cls == 1 ? N(ch) : is_other(t, ch); };
+      size_t j = sp && in(c[i + 1]) ? i + 1 : i;
+      if (!in(c[j])) continue;
+      size_t k = j;
+      while (k < b && in(c[k])) k++;
+      return k - i;
+    }
+    return whitespace_run(t, c, i, b);
+  }
+  // Llama 3 / Qwen2
+  if (x == '\'') {
+    size_t n = contraction(t, c, i, b, true);
+    if (n) return n;
+  }
+  if (!is_crlf(x) && !L(x) && !N(x) && i + 1 < b && L(c[i + 1])) {  // [^\r\n\p{L}\p{N}]?\p{L}+
+    size_t k = i + 1;
+    while (k < b && L(c[k])) k++;
+    return k - i;
+  }
+  if (L(x)) {
+    size_t k = i;
+    while (k < b && L(c[k])) k++;
+    return k - i;
+  }
+  if (N(x)) {  // \p{N}{1,3} (Qwen2: \p{N})
+    size_t maxn = t.pre == PRE_QWEN2 ? 1 : 3, k = i;
+    while (k < b && k - i < maxn && N(c[k])) k++;
+    return k - i;
+  }
+  size_t j = (x == ' ' && i + 1 < b && is_other(t, c[i + 1])) ? i + 1 : i;  //  ?[^\s\p{L}\p{N}]+[\r\n]*
+  if (is_other(t, c[j])) {
+    size_t k = j;
+    while (k < b && is_other(t, c[k])) k++;
+    while (k < b && is_crlf(c[k])) k++;
+    return k - i;
+  }
+  // \s*[\r\n]+ : up to the last CR/LF of the whitespace run
+  size_t k = i, last = SIZE_MAX;
+  while (k < b && t.S.has(c[k])) {
+    if (is_crlf(c[k])) last = k;
+    k++;
+  }
+  if (last != SIZE_MAX) return last + 1 - i;
+  return whitespace_run(t, c, i, b);
+}
+
+// ------------------------------------------------------------------------------------------------- merges
+// One pre-token's bytes -> ids appended to out (memoized).
+inline void bpe_word(const Tokenizer& t, const std::string& word, std::vector<int>& out) {
+  auto hit = t.bpe_cache.find(word);
+  if (hit != t.bpe_cache.end()) {
+    out.insert(out.end(), hit->second.begin(), hit->second.end());
+    return;
+  }
+  std::vector<int> parts;
+  bool whole = false;
+  if (t.flags & F_IGNORE_MERGES) {
+    auto it = t.piece_to_id.find(word);
+    if (it != t.piece_to_id.end()) parts = {it->second}, whole = true;
+  }
+  if (!whole) {
+    for (unsigned char c : word) parts.push_back(t.byte_ids[c] >= 0 ? t.byte_ids[c] : -1000 - int(c));
+    while (parts.size() > 1) {  // merge the lowest-rank adjacent pair everywhere, until no pair has a merge
+      int best = INT_MAX, l = 0, r = 0, res = 0;
+      for (size_t j = 0; j + 1 < parts.size(); j++) {
+        if (parts[j] < 0 || parts[j + 1] < 0) continue;
+        auto it = t.merges.find(merge_key(parts[j], parts[j + 1]));
+        if (it != t.merges.end() && it->second.first < best)
+          best = it->second.first, l = parts[j], r = parts[j + 1], res = it->second.second;
+      }
+      if (best == INT_MAX) break;
+      std::vector<int> merged;
+      merged.reserve(parts.size());
+      for (size_t j = 0; j < parts.size();) {
+        if (parts[j] == l && j + 1 < parts.size() && parts[j + 1] == r) {
+          merged.push_back(res);
+          j += 2;
+        } else {
+          merged.push_back(parts[j++]);
+        }
+      }
+      parts.swap(merged);
+    }
+  }
+  std::vector<int> ids;
+  for (int id : parts) {
+    if (id >= 0) ids.push_back(id);
+    else if (t.unk_id >= 0) ids.push_back(t.unk_id);  // a byte missing from the vocab: <unk>, or dropped
+  }
+  if (t.bpe_cache.size() > 100000) t.bpe_cache.clear();
+  t.bpe_cache[word] = ids;
+  out.insert(out.end(), ids.begin(), ids.end());
+}
+
+// Ordinary text (no special tokens in it) -> ids appended to out.
+inline void encode_bpe(const Tokenizer& t, const std::string& input, std::vector<int>& out) {
+  std::string text = input;
+  if ((t.flags & F_ADD_PREFIX_SPACE) && (text.empty() || text[0] != ' ')) text = " " + text;
+  // code points with their byte offsets (an invalid byte counts as one "other" character)
+  std::vector<uint32_t> cps;
+  std::vector<size_t> offs;
+  const unsigned char* p = reinterpret_cast<const unsigned char*>(text.data());
+  for (size_t i = 0; i < text.size();) {
+    uint32_t cp;
+    int len = utf8_decode_strict(p + i, text.size() - i, &cp);
+    if (!len) cp = 0xFFFD, len = 1;
+    cps.push_back(cp);
+    offs.push_back(i);
+    i += len;
+  }
+  offs.push_back(text.size());
+  auto words = [&](size_t a, size_t b) {
+    for (size_t i = a; i < b;) {
+      size_t n = pretoken(t, cps, i, b);
+      bpe_word(t, text.substr(offs[i], offs[i + n] - offs[i]), out);
+      i += n;
+    }
+  };
+  if (t.flags & F_DIGITS_SPLIT) {  // every \p{N} character is its own chunk
+    size_t start = 0;
+    for (size_t i = 0; i < cps.size(); i++) {
+      if (t.N.has(cps[i])) {
+        if (i > start) words(start, i);
+        words(i, i + 1);
+        start = i + 1;
+      }
+    }
+    if (start < cps.size()) words(start, cps.size());
+  } else {
+    words(0, cps.size());
+  }
+}
+
+}  // namespace llm

@@ -1,0 +1,119 @@
+// The runners' llama2.c-style command line (header-only, C++17): Options, usage(), parse_args(). Every flag value
+// is parsed and range-checked here, before any file is opened; a bad one is an llm::Error ("bad value for -n: -5
+// (...)"), which run_main prints as one "error: ..." line.
+#pragma once
+
+#include <cctype>
+#include <cerrno>
+#include <climits>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <ctime>
+#include <fstream>
+#include <string>
+
+#include "tokenizer_file.h"
+
+namespace llm {
+
+struct Options {
+  std::string model_path, tokenizer_path, prompt, system_prompt, mode = "generate";
+  bool has_prompt = false, encode_only = false, quiet = false, ignore_stop = false;
+  float temperature = 1.0f, top_p = 0.9f;
+  int top_k = 0, steps = 256;
+  unsigned long long seed = 0;
+};
+
+inline void usage(const char* name) {
+  std::fprintf(stderr,
+               "Usage:   %s <model> [options]\n"
+               "Example: %s model.pt2 -z tokenizer.bin -i \"Once upon a time\" -n 256 -t 0.8 -p 0.9 -s 42\n"
+               "Options:\n"
+               "  -t <float>  temperature in [0,inf), default 1.0 (0 = greedy, the same tokens as generate.py)\n"
+               "  -p <float>  top-p (nucleus) in (0,1], default 0.9 (1 = off)\n"
+               "  -k <int>    top-k >= 0, default 0 (off)\n"
+               "  -s <int>    random seed >= 0, default (and 0): time(NULL)\n"
+               "  -n <int>    new tokens to generate (per chat turn), default 256; 0 = up to the context length\n"
+               "  -i <string> prompt (generate mode) / first user message (chat mode)\n"
+               "  -z <string> tokenizer.bin, default: tokenizer.bin beside the model, else ./tokenizer.bin\n"
+               "  -m <string> mode: generate|chat, default: generate\n"
+               "  -y <string> system prompt (chat mode)\n"
+               "  -e          encode only: print the prompt's token ids and exit (no model is loaded)\n"
+               "  -q          quiet: no timings on stderr\n"
+               "  -x          ignore stop tokens: always generate -n tokens (benchmarks)\n",
+               name, name);
+}
+
+// The numeric flags -t -p -k -s -n: the whole value must be a number in the flag's range.
+inline void set_number(Options& o, char flag, const std::string& v) {
+  auto bad = [&](const char* want) {
+    return Error("bad value for -" + std::string(1, flag) + ": " + v + " (" + want + ")");
+  };
+  char* end = nullptr;
+  errno = 0;
+  if (flag == 't' || flag == 'p') {
+    double x = NAN;
+    if (!v.empty() && !std::isspace((unsigned char)v[0])) {
+      x = std::strtod(v.c_str(), &end);
+      if (*end) x = NAN;  // "0.8x" is not a number either
+    }
+    if (!std::isfinite(x) || !std::isfinite(float(x))) throw bad("want a finite number");
+    if (flag == 't' && x < 0) throw bad("temperature must be >= 0");
+    if (flag == 'p' && !(x > 0 && x <= 1)) throw bad("top-p must be in (0, 1]");
+    (flag == 't' ? o.temperature : o.top_p) = float(x);
+    return;
+  }
+  if (v.empty() || v.find_first_not_of("0123456789") != std::string::npos) throw bad("want a whole number >= 0");
+  const unsigned long long x = std::strtoull(v.c_str(), &end, 10);
+  if (errno == ERANGE) throw bad("too large");
+  if (flag == 's') {
+    o.seed = x;
+    return;
+  }
+  if (x > (unsigned long long)INT_MAX) throw bad("too large");
+  (flag == 'k' ? o.top_k : o.steps) = int(x);
+}
+
+inline Options parse_args(int argc, char** argv) {
+  Options o;
+  if (argc < 2 || argv[1][0] == '-') {
+    if (argc >= 2 && (std::string(argv[1]) == "-h" || std::string(argv[1]) == "--help")) {
+      usage(argv[0]);
+      std::exit(0);
+    }
+    usage(argv[0]);
+    std::exit(1);
+  }
+  o.model_path = argv[1];
+  for (int i = 2; i < argc; i++) {
+    std::string a = argv[i];
+    if (a.size() != 2 || a[0] != '-') throw Error("unknown argument " + a + " (see -h)");
+    char f = a[1];
+    if (f == 'e') { o.encode_only = true; continue; }
+    if (f == 'q') { o.quiet = true; continue; }
+    if (f == 'x') { o.ignore_stop = true; continue; }
+    if (f == 'h') { usage(argv[0]); std::exit(0); }
+    if (std::string("tpksnizmy").find(f) == std::string::npos) throw Error("unknown option " + a + " (see -h)");
+    if (i + 1 >= argc) throw Error("option " + a + " needs a value");
+    std::string v = argv[++i];
+    switch (f) {
+      case 'i': o.prompt = v, o.has_prompt = true; break;
+      case 'z': o.tokenizer_path = v; break;
+      case 'm': o.mode = v; break;
+      case 'y': o.system_prompt = v; break;
+      default: set_number(o, f, v);
+    }
+  }
+  if (o.mode != "generate" && o.mode != "chat") throw Error("unknown mode " + o.mode + " (generate or chat)");
+  if (o.seed == 0) o.seed = (unsigned long long)std::time(nullptr);
+  if (o.tokenizer_path.empty()) {
+    std::string dir = o.model_path.substr(0, o.model_path.find_last_of('/') + 1);
+    std::string beside = dir + "tokenizer.bin";
+    std::ifstream f(beside);
+    o.tokenizer_path = f.good() ? beside : "tokenizer.bin";
+  }
+  return o;
+}
+
+}  // namespace llm
