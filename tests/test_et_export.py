@@ -34,13 +34,17 @@ def _tiny(seed=0) -> Transformer:
 
 
 def _write_tokenizer(d: Path):
-    """A byte-level BPE tokenizer.json with no merges (bytes are tokens 0..255) and <|endoftext|> = 256."""
+    """A byte-level BPE tokenizer.json with no merges (bytes are tokens 0..255) and <|endoftext|> = 256, written by
+    the tokenizers library itself."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
     from tokenizer import bytes_to_unicode
     b2u = bytes_to_unicode()
-    j = {"version": "1.0", "added_tokens": [{"id": EOS, "content": "<|endoftext|>", "special": True}],
-         "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "use_regex": True},
-         "model": {"type": "BPE", "vocab": {b2u[b]: b for b in range(256)}, "merges": []}}
-    (d / "tokenizer.json").write_text(json.dumps(j))
+    tok = Tokenizer(models.BPE(vocab={b2u[b]: b for b in range(256)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    assert tok.add_special_tokens(["<|endoftext|>"]) == 1 and tok.token_to_id("<|endoftext|>") == EOS
+    tok.save(str(d / "tokenizer.json"))
     (d / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
 
 
@@ -176,7 +180,7 @@ def test_quantize_flag_quantizes_a_float_checkpoint(float_ckpt, tmp_path, monkey
     et_export.main(["--checkpoint_path", str(float_ckpt), "--output_path", str(tmp_path / "x.pte"),
                     "--quantize", "8da4w", "--groupsize", "32"])
     assert any(isinstance(m, quantize.QuantizedLinear) for m in seen["model"].modules())
-    assert seen["kw"]["quantization"]["mode"] == "8da4w"
+    assert seen["model"].quantization["mode"] == "8da4w"
 
 
 def test_truncated_or_corrupt_pte_is_a_one_line_error(float_pte, tmp_path):
