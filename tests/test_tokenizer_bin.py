@@ -1,12 +1,15 @@
 # tokenizer.bin (scripts/export_tokenizer_bin.py) and the C++ tokenizer the runners share (runner-common/tokenizer.h):
-# the C++ encoder gives tokenizer.py's ids and the C++ decoder / stream decoder tokenizer.py's text, for a tiny trained
-# SentencePiece model and tiny byte-level BPE tokenizers of every pre-tokenizer flavour (and the real SmolLM2 one when
-# it is present); the SentencePiece file is byte-identical to llama2.c's export; broken files give clear errors.
+# on varied and randomly mixed text the C++ encoder gives the ids and the C++ decoder the text of the libraries
+# themselves (`tokenizers` on the tokenizer.json, `sentencepiece` on the tokenizer.model), and the C++ stream decoder
+# tokenizer.py's; for a tiny trained SentencePiece model and tiny byte-level BPE tokenizers of every pre-tokenizer
+# flavour (and the real SmolLM2 one when it is present); the SentencePiece file is byte-identical to llama2.c's
+# export; broken files give clear errors.
 # The C++ side is runner-common/tok_tool.cpp, compiled here with one g++ call (seconds, no libtorch).
 import io
 import json
 import os
 import random
+import re
 import shutil
 import struct
 import subprocess
@@ -19,6 +22,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 import export_tokenizer_bin as E  # noqa: E402
+import gguf_tokenizer as G  # noqa: E402
 import tokenizer as T  # noqa: E402
 
 BUILD = REPO / "runner-common" / "build"
@@ -49,7 +53,48 @@ PROMPTS = [
     "decomposed e\u0301", "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n", "x<|im_end|>y<|endoftext|>",
     "<s>[INST] hi [/INST]</s><unk>", "not special: <|im_sta rt|> <im_end>", "!!!??? ... --- *** \"quoted\" (paren)",
     "URL https://example.com/a?b=c&d=1#frag", "\u2581lower one eighth block \u2581\u2581x", "ǅ ǈ ʰ ᾈ", "\ufeffbom",
+    "1234567890123456789 0.000001 1e-10 4294967296 ١٢٣٤٥٦٧٨٩٠ ๑๒๓", "a    b\t\t\tc\n\n\n\nd \u00a0\u00a0 e      \n",
+    "DON'T can't Y'ALL we'RE it’s rock'n'roll 'tis", "for (int i = 0; i < n; ++i) {\n\tsum += a[i] * b[i];\n}\n",
+    "x = {'a': [1, 2], \"b\": None}  # dict\n\n\n    return\r\n", "Ångström Øresund Łódź ﬁ ǆ", "한국어 テスト 🧑🏾‍💻 🏳️‍🌈 ❤️",
+    "<|im_start|>system\nBe brief.<|im_end|><|im_start|>user\n", "a<|im_start|>b<|im_end|>c<|endoftext|>",
 ]
+
+
+def mixed_text(n=150, seed=5):
+    """Random mixes of words, digit runs, whitespace runs, contractions, code, accents/CJK/emoji, special tokens."""
+    rng = random.Random(seed)
+    pool = ["the", "Hello", "wörld", "naïve", "e\u0301", "語", "日本", "한", "🤖", "👍🏽", "👨‍👩‍👧", "1", "42", "2024",
+            "3.14", "١٢", "'s", "'LL", "'t", "don't", " ", "  ", "   ", "\t", "\n", "\n\n", "\r\n", " \n ", "\u00a0",
+            "\u3000", "(", ")", "{", "}", "==", "->", "#", "__init__", "x_1", ".", ",", "!?", "...", "<|im_end|>",
+            "<|im_start|>", "<|endoftext|>", "<s>", "</s>", "\u2581", "\ufeff", "Ⅻ", "ǅ", "ſ"]
+    return ["".join(rng.choice(pool) for _ in range(rng.randint(1, 40))) for _ in range(n)]
+
+
+def reference(d: Path):
+    """(encode(text, bos), decode(ids)) by the libraries themselves on d's files: `tokenizers` for a tokenizer.json,
+    `sentencepiece` for a tokenizer.model (whose control pieces written in the text are split out first, the
+    convention tokenizer.py documents); BOS from tokenizer_config.json, prepended unless the text starts with it."""
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    if (d / "tokenizer.json").is_file():
+        from tokenizers import Tokenizer
+        lib = Tokenizer.from_file(str(d / "tokenizer.json"))
+        bos_id = lib.token_to_id(cfg["bos_token"])
+        lib_encode = lambda t: lib.encode(t, add_special_tokens=False).ids  # noqa: E731
+        decode = lambda ids: lib.decode(ids, skip_special_tokens=False)  # noqa: E731
+    else:
+        import sentencepiece as spm
+        sp = spm.SentencePieceProcessor(model_file=str(d / "tokenizer.model"))
+        ctrl = {sp.id_to_piece(i): i for i in range(sp.vocab_size()) if sp.is_control(i) or sp.is_unknown(i)}
+        rx = re.compile("(" + "|".join(map(re.escape, sorted(ctrl, key=len, reverse=True))) + ")")
+        lib_encode = lambda t: [i for part in rx.split(t) if part  # noqa: E731
+                                for i in ([ctrl[part]] if part in ctrl else sp.encode(part))]
+        decode = lambda ids: sp.decode([i for i in ids if 0 <= i < sp.vocab_size()])  # noqa: E731
+        bos_id = sp.bos_id()
+
+    def encode(text, bos=bool(cfg.get("add_bos_token"))):
+        ids = lib_encode(text)
+        return [bos_id] + ids if bos and ids[:1] != [bos_id] else ids
+    return encode, decode
 
 
 def corpus(n=400, seed=0):
@@ -80,7 +125,7 @@ def make_sp_dir(d: Path, vocab_size=400, chat_template=LLAMA2_TEMPLATE) -> Path:
     return d
 
 
-BPE_PRE = {"smollm": "digits+bytelevel", "gpt2": "bytelevel", "llama3": T.LLAMA3_PATTERN, "qwen2": T.QWEN2_PATTERN}
+BPE_PRE = {"smollm": "digits+bytelevel", "gpt2": "bytelevel", "llama3": G.LLAMA3_PATTERN, "qwen2": G.QWEN2_PATTERN}
 
 
 def make_bpe_dir(d: Path, variant="smollm", vocab_size=500, chat_template=SMOLLM2_TEMPLATE) -> Path:
@@ -220,34 +265,36 @@ def test_sentencepiece_llama2c_bytes(tok_dirs, bins, tmp_path):
 
 
 @pytest.mark.parametrize("kind", ["sp", "smollm", "gpt2", "llama3", "qwen2"])
-def test_encode_matches_tokenizer_py(tool, tok_dirs, bins, kind):
+def test_encode_matches_library(tool, tok_dirs, bins, kind):
+    encode, _ = reference(tok_dirs[kind])
     tok = T.load_tokenizer(tok_dirs[kind])
-    prompts = PROMPTS + corpus(40, seed=7)
-    got = c_encode(tool, bins[kind], prompts)
-    for p, g in zip(prompts, got):
-        assert g == tok.encode(p), f"{kind}: {p!r}"
+    prompts = PROMPTS + corpus(40, seed=7) + mixed_text()
+    for p, g in zip(prompts, c_encode(tool, bins[kind], prompts)):
+        assert g == encode(p) == tok.encode(p), f"{kind}: {p!r}"
     for bos in (0, 1):
         got = c_encode(tool, bins[kind], PROMPTS[:8], bos)
-        assert got == [tok.encode(p, bos=bool(bos)) for p in PROMPTS[:8]]
+        assert got == [encode(p, bos=bool(bos)) for p in PROMPTS[:8]]
 
 
 @pytest.mark.parametrize("kind", ["sp", "smollm"])
-def test_decode_and_stream_match_tokenizer_py(tool, tok_dirs, bins, kind):
+def test_decode_and_stream(tool, tok_dirs, bins, kind):
+    """C++ decode = the library's decode; C++ stream decode = tokenizer.py's StreamDecoder."""
+    encode, decode = reference(tok_dirs[kind])
     tok = T.load_tokenizer(tok_dirs[kind])
     rng = random.Random(1)
-    seqs = [tok.encode(p) for p in PROMPTS]
+    seqs = [encode(p) for p in PROMPTS + mixed_text(50)]
     # random ids: byte tokens that do not form characters, control tokens mid-text, ids past the vocabulary
     seqs += [[rng.randrange(tok.vocab_size + 8) for _ in range(rng.randint(1, 30))] for _ in range(150)]
     seqs += [[rng.randrange(min(tok.vocab_size, 300)) for _ in range(rng.randint(1, 30))] for _ in range(100)]
     for s, (dec, streamed) in zip(seqs, c_decode(tool, bins[kind], seqs)):
-        assert dec == tok.decode(s), s
+        assert dec == decode(s) == tok.decode(s), s
         assert streamed == py_stream(tok, s), s
 
 
 def test_python_utf8_replacement(tool, tok_dirs, bins):
     # every byte on its own and random byte soups through the byte tokens: CPython's "replace" semantics
     tok = T.load_tokenizer(tok_dirs["gpt2"])
-    byte_id = {b: tok.vocab[tok.byte_encoder[b]] for b in range(256)}
+    byte_id = {b: tok.hf.token_to_id(T.bytes_to_unicode()[b]) for b in range(256)}
     rng = random.Random(2)
     soups = [bytes([b]) for b in range(256)]
     soups += [bytes(rng.choice([0x41, 0x80, 0xBF, 0xC2, 0xE0, 0xED, 0xF0, 0xF4, 0xF5, 0xA0, 0x90, 0x8F, 0xE2, 0x82, 0xAC])
@@ -281,13 +328,13 @@ def test_no_chat_template_is_a_clear_error(tool, tmp_path):
 
 def test_plain_llama2c_file(tool, tok_dirs, tmp_path):
     """A tokenizer.bin from llama2.c itself (no extension) still encodes and decodes like the SentencePiece model."""
-    tok = T.load_tokenizer(tok_dirs["sp"])
+    encode, decode = reference(tok_dirs["sp"])
     plain = export_bin(tok_dirs["sp"], tmp_path / "plain.bin", "--llama2c")
     prompts = [p for p in PROMPTS if "<" not in p]  # llama2.c files do not name the special tokens' text
-    assert c_encode(tool, plain, prompts) == [tok.encode(p) for p in prompts]
-    seqs = [tok.encode(p) for p in PROMPTS]
+    assert c_encode(tool, plain, prompts) == [encode(p) for p in prompts]
+    seqs = [encode(p) for p in PROMPTS]
     for s, (dec, _) in zip(seqs, c_decode(tool, plain, seqs)):
-        assert dec == tok.decode(s)
+        assert dec == decode(s)
 
 
 def test_smollm2_tokenizer(tool, tmp_path):
@@ -295,9 +342,12 @@ def test_smollm2_tokenizer(tool, tmp_path):
     if d is None:
         pytest.skip("the default model is not prepared (python scripts/download.py)")
     tok = T.load_tokenizer(d)
+    encode, decode = reference(d)
     b = export_bin(d, tmp_path / "smol.bin")
-    prompts = PROMPTS + corpus(30, seed=3)
-    assert c_encode(tool, b, prompts) == [tok.encode(p) for p in prompts]
+    prompts = PROMPTS + corpus(30, seed=3) + mixed_text(100, seed=6)
+    assert c_encode(tool, b, prompts) == [encode(p) for p in prompts]
+    seqs = [encode(p) for p in prompts]
+    assert [dec for dec, _ in c_decode(tool, b, seqs)] == [decode(s) for s in seqs]
     rc, out, _ = c_chat(tool, b, [{"role": "user", "content": "Hi"}])
     assert rc == 0 and out == tok.apply_chat_template([{"role": "user", "content": "Hi"}])
 
