@@ -19,12 +19,17 @@
 #   3. It runs qaic-exec (--qaic_exec, else $QAIC_EXEC, else /opt/qti-aic/exec/qaic-exec, else qaic-exec on PATH) with
 #      -aic-binary-dir=<cache>/qpc.tmp and renames that to <cache>/qpc only when the compiler succeeded, then writes
 #      qpc_done.json (command + the ONNX export id). A later run with the same command and graph reuses the QPC.
-#      --dry_run stops after printing the command. Without a compiler it prints the command and exits non-zero.
+#      --dry_run stops after printing the command. Without a compiler (and without --dry_run) it stops with one
+#      error line before exporting or writing anything.
 #
 # QpcBackend runs the QPC through the Platform SDK's Python runtime (qaicrt), QEfficient's cloud_infer.py way: one
 # program, one ExecObj; the KV buffers are skipped so the cache stays on the device as retained state; the batch
 # and sequence specialization is picked by the dimensions of the buffers handed in; prompts go in prompt_len chunks.
+#
+# Imports common.py and export_onnx.py (never generate.py, which imports QpcBackend from here lazily as a plugin).
 import argparse
+import functools
+import importlib
 import json
 import os
 import platform
@@ -32,19 +37,20 @@ import shlex
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Optional
 
 import numpy as np
 import torch
 
-REPO = Path(__file__).resolve().parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+import export_onnx
+from common import checkpoint_file, cli, resolve_checkpoint, write_atomic
 
 DEFAULT_QAIC_EXEC = "/opt/qti-aic/exec/qaic-exec"
 COMPILER_HINT = ("Cloud AI 100 compiler qaic-exec not found: install the Qualcomm Cloud AI 100 Apps SDK "
-                 f"(it provides {DEFAULT_QAIC_EXEC}), or pass --qaic_exec PATH / set QAIC_EXEC")
+                 f"(it provides {DEFAULT_QAIC_EXEC}), or pass --qaic_exec PATH / set QAIC_EXEC "
+                 "(--dry_run writes the compiler inputs and prints the command without it)")
 RUNTIME_HINT = ("running a QPC needs the Qualcomm Cloud AI 100 Platform SDK's Python runtime (qaicrt in "
                 "/opt/qti-aic/dev/lib/<arch>, QAicApi_pb2 in /opt/qti-aic/dev/python): install the Cloud AI 100 "
                 "Platform SDK on the host with the card")
@@ -147,18 +153,21 @@ def compiler_command(qaic_exec: str, onnx_path, cache_dir, *, num_cores: int, mx
     return cmd
 
 
-def find_compiler(explicit=None) -> tuple[Optional[str], str]:
-    """(compiler path or None, what to do when it is None): --qaic_exec, $QAIC_EXEC, the SDK path, then PATH."""
+def find_compiler(explicit=None, required: bool = True) -> Optional[str]:
+    """--qaic_exec, $QAIC_EXEC, the SDK path, then PATH. None is found: FileNotFoundError saying what to do, or
+    None when not required (--dry_run)."""
     def ok(p):
         return Path(p).is_file() and os.access(p, os.X_OK)
-    if explicit:
-        return (str(explicit), "") if ok(explicit) else (None, f"--qaic_exec {explicit} is not an executable file")
     env = os.environ.get("QAIC_EXEC")
-    if env:
-        return (env, "") if ok(env) else (None, f"QAIC_EXEC={env} is not an executable file")
-    if ok(DEFAULT_QAIC_EXEC):
-        return DEFAULT_QAIC_EXEC, ""
-    return shutil.which("qaic-exec"), COMPILER_HINT
+    if explicit:
+        exe, why = (str(explicit) if ok(explicit) else None), f"--qaic_exec {explicit} is not an executable file"
+    elif env:
+        exe, why = (env if ok(env) else None), f"QAIC_EXEC={env} is not an executable file"
+    else:
+        exe, why = (DEFAULT_QAIC_EXEC if ok(DEFAULT_QAIC_EXEC) else shutil.which("qaic-exec")), COMPILER_HINT
+    if exe is None and required:
+        raise FileNotFoundError(why)
+    return exe
 
 
 # ------------------------------------------------------------------------------------------------- the ONNX graph
@@ -169,10 +178,10 @@ def _graph_kv_names(onnx_path) -> tuple[list[str], bool]:
     return [n for n in names if n.startswith("past_")], "batch_index" in names
 
 
-def ensure_onnx(checkpoint_path, output_dir: Path, onnx_path, full_batch_size, ctx_len, log=print) -> Path:
+def ensure_onnx(checkpoint_path, output_dir: Path, onnx_path, full_batch_size, ctx_len,
+                log=functools.partial(print, flush=True)) -> Path:
     """The graph to compile: --onnx_path as given, else <output_dir>/model.onnx when it was exported from this
     checkpoint with the same batching kind and a long enough context, else a fresh export there."""
-    import export_onnx
     cb = full_batch_size is not None
     if onnx_path is not None:
         onnx_path = Path(onnx_path)
@@ -184,14 +193,9 @@ def ensure_onnx(checkpoint_path, output_dir: Path, onnx_path, full_batch_size, c
                              f"re-export it {'with' if cb else 'without'} it to match this compile")
         return onnx_path
     onnx_path = output_dir / "model.onnx"
-    if checkpoint_path is None:
-        from generate import resolve_checkpoint
-        ns = argparse.Namespace(checkpoint_path=None, tokenizer_path=None, aoti_package=None, pte=None, onnx=None,
-                                qpc=None)
-        resolve_checkpoint(ns)
-        checkpoint_path = ns.checkpoint_path
-    ck = Path(checkpoint_path)
-    ck = ck / "model.pth" if ck.is_dir() else ck
+    ns = argparse.Namespace(checkpoint_path=checkpoint_path)
+    resolve_checkpoint(ns)  # no --checkpoint_path: the default model
+    ck = checkpoint_file(ns.checkpoint_path)
     if not ck.is_file():
         raise FileNotFoundError(f"checkpoint not found: {ck}")
     reason = "no graph yet"
@@ -209,7 +213,7 @@ def ensure_onnx(checkpoint_path, output_dir: Path, onnx_path, full_batch_size, c
         else:
             log(f"using {onnx_path} (exported from {ck})")
             return onnx_path
-    log(f"exporting {ck} to {onnx_path} ({reason})")
+    log(f"{onnx_path} needs an export ({reason})")
     export_onnx.export(ck, output_dir, ctx_len=ctx_len, full_batch_size=full_batch_size, atol=1e-3, log=log)
     return onnx_path
 
@@ -219,9 +223,10 @@ def compile_qpc(onnx_path, output_dir, *, num_cores: int = 16, batch_size: int =
                 ctx_len: int = 128, mxfp6: bool = False, mxint8: bool = False, mos: int = -1,
                 aic_enable_depth_first: bool = False, device_group=(0,), full_batch_size: Optional[int] = None,
                 qaic_exec: Optional[str] = None, dry_run: bool = False, aic_hw_version: str = "2.0",
-                log=print) -> Path:
-    """Write the compiler inputs into the cache directory and compile (or reuse) <cache>/qpc. Returns the cache dir."""
-    import export_onnx
+                log=functools.partial(print, flush=True)) -> Path:
+    """Write the compiler inputs into the cache directory and compile (or reuse) <cache>/qpc. Returns the cache dir.
+    Without a compiler (unless dry_run) it raises before writing anything."""
+    exe = find_compiler(qaic_exec, required=not dry_run)
     onnx_path = Path(onnx_path).resolve()
     devices = parse_device_group(device_group)
     if min(num_cores, batch_size, prompt_len, ctx_len) < 1:
@@ -248,14 +253,13 @@ def compile_qpc(onnx_path, output_dir, *, num_cores: int = 16, batch_size: int =
                                                       mxfp6, mxint8, full_batch_size)
     cache.mkdir(parents=True, exist_ok=True)
     specs = make_specializations(batch_size, prompt_len, ctx_len, full_batch_size)
-    (cache / "specializations.json").write_text(json.dumps(specs, indent=4) + "\n")
-    (cache / "custom_io.yaml").write_text(make_custom_io(kv, "mxint8" if mxint8 else "float16"))
+    write_atomic(cache / "specializations.json", json.dumps(specs, indent=4) + "\n")
+    write_atomic(cache / "custom_io.yaml", make_custom_io(kv, "mxint8" if mxint8 else "float16"))
     if len(devices) > 1:
-        (cache / "mdp.json").write_text(json.dumps(make_mdp_config(len(devices), num_cores), indent=4) + "\n")
+        write_atomic(cache / "mdp.json", json.dumps(make_mdp_config(len(devices), num_cores), indent=4) + "\n")
     else:
         (cache / "mdp.json").unlink(missing_ok=True)
 
-    exe, missing = find_compiler(qaic_exec)
     cmd = compiler_command(exe or DEFAULT_QAIC_EXEC, onnx_path, cache, num_cores=num_cores, mxfp6=mxfp6,
                            mxint8=mxint8, mos=mos, aic_enable_depth_first=aic_enable_depth_first,
                            n_devices=len(devices), aic_hw_version=aic_hw_version)
@@ -276,28 +280,28 @@ def compile_qpc(onnx_path, output_dir, *, num_cores: int = 16, batch_size: int =
     if dry_run:
         log(f"dry run: compiler inputs written to {cache}; the compiler was not run")
         return cache
-    if exe is None:
-        raise FileNotFoundError(missing)
     tmp = cache / "qpc.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    log(f"compiling {onnx_path.name} for Cloud AI 100 (this takes minutes for a real model) ...")
-    try:
-        r = subprocess.run(cmd, stdout=None, stderr=subprocess.PIPE, text=True)
-    except OSError as e:
+    t0 = time.perf_counter()
+    log(f"compiling {onnx_path.name} with qaic-exec for Cloud AI 100 (minutes for a real model) ...")
+    try:  # qpc.tmp goes whatever happens (failure, Ctrl-C, SIGTERM under cli()): only a finished QPC is kept
+        try:
+            r = subprocess.run(cmd, stdout=None, stderr=subprocess.PIPE, text=True)
+        except OSError as e:
+            raise RuntimeError(f"could not run {exe}: {e}") from None
+        if r.stderr:
+            sys.stderr.write(r.stderr if r.stderr.endswith("\n") else r.stderr + "\n")
+        if r.returncode != 0 or not (tmp / "programqpc.bin").is_file():
+            why = f"exited with code {r.returncode}" if r.returncode else "wrote no programqpc.bin"
+            last = next((ln.strip() for ln in reversed((r.stderr or "").splitlines()) if ln.strip()), "")
+            raise RuntimeError(f"qaic-exec {why}; no QPC was written{': ' + last if last else ''}")
+        done.unlink(missing_ok=True)
+        shutil.rmtree(qpc, ignore_errors=True)
+        os.replace(tmp, qpc)
+    finally:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise RuntimeError(f"could not run {exe}: {e}") from None
-    if r.stderr:
-        sys.stderr.write(r.stderr if r.stderr.endswith("\n") else r.stderr + "\n")
-    if r.returncode != 0 or not (tmp / "programqpc.bin").is_file():
-        shutil.rmtree(tmp, ignore_errors=True)
-        why = f"exited with code {r.returncode}" if r.returncode else "wrote no programqpc.bin"
-        last = next((ln.strip() for ln in reversed((r.stderr or "").splitlines()) if ln.strip()), "")
-        raise RuntimeError(f"qaic-exec {why}; no QPC was written{': ' + last if last else ''}")
-    done.unlink(missing_ok=True)
-    shutil.rmtree(qpc, ignore_errors=True)
-    os.replace(tmp, qpc)
-    done.write_text(json.dumps(record, indent=2) + "\n")
-    log(f"QPC written to {qpc}")
+    write_atomic(done, json.dumps(record, indent=2) + "\n")
+    log(f"QPC written to {qpc} in {time.perf_counter() - t0:.1f} s")
     return cache
 
 
@@ -308,24 +312,19 @@ def _abs_tokenizer_dir(meta: dict, onnx_path: Path) -> Optional[str]:
 
 # ------------------------------------------------------------------------------------------------- runtime
 def _import_runtime():
-    """qaicrt and QAicApi_pb2 from the Platform SDK (imported only when a QPC is run)."""
-    try:
-        import qaicrt  # noqa: F401
-    except ImportError:
-        sys.path.append(f"/opt/qti-aic/dev/lib/{platform.machine()}")
+    """qaicrt and QAicApi_pb2 from the Platform SDK (imported only when a QPC is run), from sys.path or the SDK."""
+    modules = []
+    for name, sdk_dir in (("qaicrt", f"/opt/qti-aic/dev/lib/{platform.machine()}"),
+                          ("QAicApi_pb2", "/opt/qti-aic/dev/python")):
         try:
-            import qaicrt  # noqa: F401
+            modules.append(importlib.import_module(name))
         except ImportError:
-            raise ImportError(RUNTIME_HINT) from None
-    try:
-        import QAicApi_pb2  # noqa: F401
-    except ImportError:
-        sys.path.append("/opt/qti-aic/dev/python")
-        try:
-            import QAicApi_pb2  # noqa: F401
-        except ImportError:
-            raise ImportError(RUNTIME_HINT) from None
-    return qaicrt, QAicApi_pb2
+            sys.path.append(sdk_dir)
+            try:
+                modules.append(importlib.import_module(name))
+            except ImportError:
+                raise ImportError(RUNTIME_HINT) from None
+    return modules
 
 
 class QaicSession:
@@ -523,6 +522,7 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     devices = parse_device_group(args.device_group)
+    find_compiler(args.qaic_exec, required=not args.dry_run)  # before minutes of export: one line without the SDK
     args.output_dir.mkdir(parents=True, exist_ok=True)
     onnx_path = ensure_onnx(args.checkpoint_path, args.output_dir, args.onnx_path, args.full_batch_size, args.ctx_len)
     cache = compile_qpc(onnx_path, args.output_dir, num_cores=args.num_cores, batch_size=args.batch_size,
@@ -537,5 +537,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    from generate import cli
     cli(main)

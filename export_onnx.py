@@ -14,7 +14,8 @@
 #            past_key.N / past_value.N [B or full_batch_size, n_kv_heads, C, head_dim] float32, N = 0..n_layer-1
 #   outputs  logits [B, 1, vocab] float32 (each row's last valid position, i.e. argmax(position_ids)),
 #            past_key.N_RetainedState / past_value.N_RetainedState (the inputs with this call's K/V scattered in)
-# The network is model.py's, unchanged. Two of its submodules are swapped for the export:
+# The network is model.py's, unchanged. Two of its submodules are swapped for the export only (retained_state()
+# puts them back afterwards, so the one loaded model is then the self-check's eager reference):
 #   * every Attention.kv_cache (model.KVCache, buffers mutated in place) -> RetainedStateKVCache, whose update() writes
 #     the new K/V into the past tensors handed in as graph inputs with one index_put (ONNX ScatterND) at
 #     (slot, head, position) and records the result, which becomes the *_RetainedState output;
@@ -33,13 +34,17 @@
 # FP16ClipTransform) so that the compiler's -convert-to-fp16 does not overflow; weights go to model.onnx.data
 # (external data, always). Metadata (vocab, ctx_len, bos/eos, n_layers, KV shape, tokenizer, ...) is stored in the
 # graph's metadata_props (one JSON value per key) and in model.meta.json beside it; the tokenizer files are copied
-# next to the graph. Files are written to a temporary directory, checked on ONNX Runtime against PyTorch (prefill of a
-# padded batch + decode steps: greedy tokens equal, logits close) and only then moved into place.
+# next to the graph. Files are written to a temporary directory, checked on ONNX Runtime against model.py's eager
+# forward (prefill of a padded batch + decode steps: greedy tokens equal, logits close) and only then moved into place.
+#
+# Imports model.py, common.py and tokenizer.py only; generate.py imports OnnxBackend from here lazily (a plugin).
 import argparse
+import contextlib
+import functools
 import json
 import os
 import shutil
-import sys
+import tempfile
 import time
 import uuid
 import warnings
@@ -52,15 +57,10 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-REPO = Path(__file__).resolve().parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from model import Transformer, load_model, precompute_rope  # noqa: E402
+from common import checkpoint_file, cli, copy_tokenizer_files, has_tokenizer, resolve_checkpoint
+from model import Transformer, load_model, precompute_rope
 
 FP16_MAX = float(np.finfo(np.float16).max)  # 65504
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
-                   "generation_config.json", "chat_template.jinja", "chat_template.json")
 
 
 # ------------------------------------------------------------------------------------------ the swapped submodules
@@ -107,20 +107,11 @@ class LastPositionHead(nn.Module):
 
 class RetainedStateWrapper(nn.Module):
     """forward(input_ids, position_ids, [batch_index,] past_key.0, past_value.0, ...) ->
-    (logits [B, 1, V], past_key.0_RetainedState, past_value.0_RetainedState, ...)."""
+    (logits [B, 1, V], past_key.0_RetainedState, past_value.0_RetainedState, ...). Made by retained_state()."""
 
-    def __init__(self, model: Transformer, continuous_batching: bool, rope_len: int):
+    def __init__(self, model: Transformer, continuous_batching: bool, caches: list[RetainedStateKVCache]):
         super().__init__()
-        self.model = model
-        self.cb = continuous_batching
-        self.caches = []
-        for layer in model.layers:
-            layer.attention.kv_cache = RetainedStateKVCache()
-            self.caches.append(layer.attention.kv_cache)
-        model.output = LastPositionHead(model.output)
-        # the rotary table covers every position the graph may be run at (ctx_len <= rope_len)
-        model.register_buffer("rope", precompute_rope(model.config, rope_len, torch.float32), persistent=False)
-        model.max_batch_size = -1
+        self.model, self.cb, self.caches = model, continuous_batching, caches
 
     def forward(self, input_ids: Tensor, position_ids: Tensor, *rest: Tensor):
         batch_index = rest[0] if self.cb else None
@@ -134,6 +125,32 @@ class RetainedStateWrapper(nn.Module):
         for cache in self.caches:
             out += [cache.new_k, cache.new_v]
         return tuple(out)
+
+
+@contextlib.contextmanager
+def retained_state(model: Transformer, continuous_batching: bool, rope_len: int):
+    """Yield the export wrapper around `model` with its swap points taken over (every layer.attention.kv_cache ->
+    RetainedStateKVCache, the LM head -> LastPositionHead, a rotary table covering every position the graph may run
+    at, ctx_len <= rope_len), and put the model's own modules back on exit: nothing is copied (the wrapper uses the
+    model's weight tensors) and afterwards the model runs eagerly as before."""
+    saved = ([layer.attention.kv_cache for layer in model.layers], model.output, getattr(model, "rope", None),
+             model.max_batch_size, model.max_seq_length)
+    caches = [RetainedStateKVCache() for _ in model.layers]
+    for layer, cache in zip(model.layers, caches):
+        layer.attention.kv_cache = cache
+    model.output = LastPositionHead(model.output)
+    model.register_buffer("rope", precompute_rope(model.config, rope_len, torch.float32), persistent=False)
+    model.max_batch_size = -1
+    try:
+        yield RetainedStateWrapper(model, continuous_batching, caches).eval()
+    finally:
+        for layer, cache in zip(model.layers, saved[0]):
+            layer.attention.kv_cache = cache
+        model.output = saved[1]
+        del model.rope
+        if saved[2] is not None:
+            model.register_buffer("rope", saved[2], persistent=False)
+        model.max_batch_size, model.max_seq_length = saved[3], saved[4]
 
 
 # ------------------------------------------------------------------------------------------------- names and shapes
@@ -187,26 +204,31 @@ def clip_to_fp16_range(model_proto) -> int:
 
 
 # ------------------------------------------------------------------------------------------------- metadata
+def _json_values(pairs) -> dict:
+    """metadata_props (key, value) pairs -> dict; values are JSON (strings that are not stay strings)."""
+    meta = {}
+    for k, v in pairs:
+        try:
+            meta[k] = json.loads(v)
+        except json.JSONDecodeError:
+            meta[k] = v
+    return meta
+
+
 def read_metadata(onnx_path) -> dict:
     """The export metadata of a graph written by this script (from its metadata_props)."""
     import onnx
     m = onnx.load(str(onnx_path), load_external_data=False)
-    meta = {}
-    for p in m.metadata_props:
-        try:
-            meta[p.key] = json.loads(p.value)
-        except json.JSONDecodeError:
-            meta[p.key] = p.value
-    return meta
+    return _json_values((p.key, p.value) for p in m.metadata_props)
 
 
-def _tokenizer_info(ck_dir: Path) -> dict:
+def _load_tokenizer(ck_dir: Path):
+    """The tokenizer beside the checkpoint, or None (tests, bare weights): metadata and self-check go without it."""
     try:
         from tokenizer import load_tokenizer
-        tok = load_tokenizer(ck_dir)
-    except Exception:  # no tokenizer next to the checkpoint (tests, bare weights): metadata without it
-        return dict(bos_id=None, eos_id=None, stop_ids=[], tokenizer_dir=None)
-    return dict(bos_id=tok.bos_id, eos_id=tok.eos_id, stop_ids=sorted(tok.stop_ids), tokenizer_dir=str(ck_dir))
+        return load_tokenizer(ck_dir)
+    except Exception:
+        return None
 
 
 # ------------------------------------------------------------------------------------------------- export
@@ -274,32 +296,30 @@ def _torch_export(wrapper, example, path: Path, n_layer: int, cb: bool, opset: i
 
 def export(checkpoint_path, output_dir, *, ctx_len: Optional[int] = None, max_ctx_len: Optional[int] = None,
            full_batch_size: Optional[int] = None, opset: int = 17, dynamo: bool = False, check: bool = True,
-           atol: float = 1e-4, check_steps: int = 4, log=print) -> dict:
+           atol: float = 1e-4, check_steps: int = 4, log=functools.partial(print, flush=True)) -> dict:
     """Export, clip, check on ONNX Runtime, then move model.onnx (+ .data, .meta.json, tokenizer files) into
-    output_dir. Returns the metadata, with the self-check result under "check"."""
+    output_dir. Returns the metadata, with the self-check result under "check". The checkpoint is loaded once: the
+    export borrows the model's swap points (retained_state) and gives them back before the self-check runs it."""
     t0 = time.perf_counter()
-    checkpoint_path = Path(checkpoint_path)
-    ck_file = checkpoint_path / "model.pth" if checkpoint_path.is_dir() else checkpoint_path
-    output_dir = Path(output_dir)
+    ck_file, output_dir = checkpoint_file(checkpoint_path), Path(output_dir)
+    if full_batch_size is not None and full_batch_size < 1:
+        raise ValueError(f"--full_batch_size must be >= 1, got {full_batch_size}")
+    cb = full_batch_size is not None
     model = load_model(ck_file, dtype=torch.float32)
     cfg = model.config
     max_ctx = min(max_ctx_len or cfg.block_size, cfg.block_size)
     ctx = min(ctx_len or min(1024, max_ctx), max_ctx)
-    if full_batch_size is not None and full_batch_size < 1:
-        raise ValueError(f"--full_batch_size must be >= 1, got {full_batch_size}")
-    cb = full_batch_size is not None
-    wrapper = RetainedStateWrapper(model, cb, max_ctx).eval()
+    tok = _load_tokenizer(ck_file.parent)
 
     output_dir.mkdir(parents=True, exist_ok=True)
-    tmp = output_dir / f".export-tmp-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-    tmp.mkdir()
+    tmp = Path(tempfile.mkdtemp(prefix=".export-tmp-", dir=output_dir))
     try:
         raw = tmp / "raw"
         raw.mkdir()
-        with torch.no_grad():
+        log(f"exporting {ck_file} to ONNX ({'dynamo' if dynamo else 'TorchScript'} exporter) ...")
+        with torch.no_grad(), retained_state(model, cb, max_ctx) as wrapper:
             used_opset = _torch_export(wrapper, _example_inputs(cfg, cb), raw / "model.onnx", cfg.n_layer, cb,
                                        opset, dynamo)
-        t_export = time.perf_counter() - t0
         import onnx
         proto = onnx.load(str(raw / "model.onnx"))  # with its weights, wherever the exporter put them
         clipped = clip_to_fp16_range(proto)
@@ -307,15 +327,11 @@ def export(checkpoint_path, output_dir, *, ctx_len: Optional[int] = None, max_ct
             if o.name == "logits":
                 dims = o.type.tensor_type.shape.dim
                 dims[0].dim_param, dims[1].dim_value = "batch_size", 1
-        has_tok = False
-        for name in TOKENIZER_FILES:  # the tokenizer travels with the graph: --tokenizer_path <output_dir> works
-            src = ck_file.parent / name
-            if src.is_file():
-                shutil.copy2(src, tmp / name)
-                has_tok = True
-        tok_info = _tokenizer_info(ck_file.parent)
-        if has_tok:
-            tok_info["tokenizer_dir"] = "."  # relative to the graph's directory
+        # the tokenizer travels with the graph: --tokenizer_path <output_dir> works
+        has_tok = bool(copy_tokenizer_files(ck_file.parent, tmp))
+        tok_info = dict(bos_id=None, eos_id=None, stop_ids=[]) if tok is None else dict(
+            bos_id=tok.bos_id, eos_id=tok.eos_id, stop_ids=sorted(tok.stop_ids))
+        tok_info["tokenizer_dir"] = "." if has_tok else (str(ck_file.parent) if tok is not None else None)
         meta = dict(
             format="export_onnx/1", export_id=uuid.uuid4().hex, exporter="dynamo" if dynamo else "torchscript",
             opset=used_opset, checkpoint=str(ck_file.resolve()), checkpoint_size=ck_file.stat().st_size,
@@ -335,13 +351,13 @@ def export(checkpoint_path, output_dir, *, ctx_len: Optional[int] = None, max_ct
         os.chmod(tmp / "model.onnx.data", 0o644)
         log(f"exported {ck_file} -> {output_dir / 'model.onnx'} ({meta['exporter']} exporter, opset {used_opset}, "
             f"{cfg.n_layer} layers, ctx_len {ctx} (dynamic, <= {max_ctx}){', full_batch_size %d' % full_batch_size if cb else ''}; "
-            f"{clipped} float values clipped to the fp16 range) in {t_export:.1f} s")
+            f"{clipped} float values clipped to the fp16 range) in {time.perf_counter() - t0:.1f} s")
         if check:
-            reference = load_model(ck_file, dtype=torch.float32)
-            res = self_check(tmp / "model.onnx", reference, steps=check_steps, atol=atol,
-                             tokenizer_dir=ck_file.parent if has_tok else None)
+            t1 = time.perf_counter()
+            log("checking the graph on ONNX Runtime against model.py ...")
+            res = self_check(tmp / "model.onnx", model, steps=check_steps, atol=atol, tokenizer=tok)
             meta["check"] = res
-            log(res["summary"])
+            log(f"{res['summary']} ({time.perf_counter() - t1:.1f} s)")
             if not res["passed"]:
                 raise RuntimeError(f"ONNX Runtime self-check failed: {res['summary']}")
         (tmp / "model.meta.json").write_text(json.dumps(meta, indent=2) + "\n")
@@ -355,31 +371,30 @@ def export(checkpoint_path, output_dir, *, ctx_len: Optional[int] = None, max_ct
 
 
 # ------------------------------------------------------------------------------------------------- self-check
-def self_check(onnx_path, model: Transformer, steps: int = 4, atol: float = 1e-4, tokenizer_dir=None) -> dict:
+def self_check(onnx_path, model: Transformer, steps: int = 4, atol: float = 1e-4, tokenizer=None) -> dict:
     """Prefill a padded batch of two prompts of different lengths and decode `steps` greedy tokens on ONNX Runtime
-    and in eager PyTorch (model.py with its own KVCache); both are fed PyTorch's tokens, so every step compares.
-    With a continuous-batching graph the rows go to swapped cache slots through batch_index."""
-    from generate import TorchBackend
+    and in eager PyTorch (model.py's forward with its own KVCache, set up here); both are fed PyTorch's tokens, so
+    every step compares. With a continuous-batching graph the rows go to swapped cache slots through batch_index."""
     V = model.config.vocab_size
-    prompts = None
-    if tokenizer_dir is not None:
-        try:
-            from tokenizer import load_tokenizer
-            tok = load_tokenizer(tokenizer_dir)
-            prompts = [tok.encode("The capital of France is Paris, and the capital of Italy is"),
-                       tok.encode("Hello, my name is")]
-            prompts = [p for p in prompts if p] if all(max(p) < V for p in prompts if p) else None
-        except Exception:
-            prompts = None
     ort_b = OnnxBackend(onnx_path, max_batch_size=2)
     room = max(3, ort_b.max_seq_length - steps - 1)  # prompt + decode steps fit the context
-    if prompts and len(prompts) == 2:
-        prompts = [prompts[0][:room], prompts[1][:room - 1]]
-    if not prompts or len(prompts) < 2 or min(map(len, prompts)) == 0 or len(prompts[0]) == len(prompts[1]):
+    prompts = None
+    if tokenizer is not None:
+        try:
+            prompts = [tokenizer.encode("The capital of France is Paris, and the capital of Italy is")[:room],
+                       tokenizer.encode("Hello, my name is")[:room - 1]]
+        except Exception:
+            prompts = None
+    if not prompts or min(map(len, prompts)) == 0 or max(map(max, prompts)) >= V or len(prompts[0]) == len(prompts[1]):
         g = torch.Generator().manual_seed(0)
         prompts = [torch.randint(0, V, (min(7, room),), generator=g).tolist(),
                    torch.randint(0, V, (min(4, room - 1),), generator=g).tolist()]
-    pt_b = TorchBackend(model, 2, ort_b.max_seq_length)
+    model.setup_caches(2, ort_b.max_seq_length)
+
+    def eager(tokens, pos):
+        with torch.inference_mode():
+            return model(tokens, pos)
+
     B, T = 2, max(len(p) for p in prompts)
     tokens = torch.zeros(B, T, dtype=torch.long)
     pos = torch.full((B, T), -1, dtype=torch.long)
@@ -388,7 +403,7 @@ def self_check(onnx_path, model: Transformer, steps: int = 4, atol: float = 1e-4
         pos[b, :len(p)] = torch.arange(len(p))
     slots = torch.tensor([[1], [0]]) if ort_b.continuous_batching else None
     last = torch.tensor([len(p) - 1 for p in prompts])
-    lp = pt_b.forward(tokens, pos)[torch.arange(B), last]
+    lp = eager(tokens, pos)[torch.arange(B), last]
     lo = ort_b.forward(tokens, pos, batch_index=slots)[:, 0]
     diffs, equal, total = [(lo - lp).abs().max().item()], 0, 0
     for step in range(steps + 1):
@@ -398,7 +413,7 @@ def self_check(onnx_path, model: Transformer, steps: int = 4, atol: float = 1e-4
         if step == steps or int(last.max()) + 1 >= ort_b.max_seq_length:
             break
         last = last + 1
-        lp = pt_b.forward(nxt_p.view(B, 1), last.view(B, 1))[:, -1]
+        lp = eager(nxt_p.view(B, 1), last.view(B, 1))[:, -1]
         lo = ort_b.forward(nxt_p.view(B, 1), last.view(B, 1), batch_index=slots)[:, 0]
         diffs.append((lo - lp).abs().max().item())
     max_diff = max(diffs)
@@ -435,13 +450,7 @@ class OnnxBackend:
         if threads:
             so.intra_op_num_threads = threads
         self.session = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
-        raw = self.session.get_modelmeta().custom_metadata_map
-        self.meta = {}
-        for k, v in raw.items():
-            try:
-                self.meta[k] = json.loads(v)
-            except json.JSONDecodeError:
-                self.meta[k] = v
+        self.meta = _json_values(self.session.get_modelmeta().custom_metadata_map.items())
         inputs = {i.name: i for i in self.session.get_inputs()}
         self.kv_names = [n for n in inputs if n.startswith("past_")]
         if not self.kv_names or "input_ids" not in inputs or "position_ids" not in inputs:
@@ -480,10 +489,7 @@ class OnnxBackend:
         feed = {"input_ids": tokens, "position_ids": pos}
         if self.continuous_batching:  # the graph scatters into the slots itself: hand it every slot
             feed["batch_index"] = (np.arange(B, dtype=np.int64) if slots is None else slots).reshape(B, 1)
-            feed.update(zip(self.kv_names, self.past))
-            out = self.session.run(self.output_names, feed)
-            self.past = out[1:]
-        elif slots is None and B == self.max_batch_size:
+        if self.continuous_batching or (slots is None and B == self.max_batch_size):
             feed.update(zip(self.kv_names, self.past))
             out = self.session.run(self.output_names, feed)
             self.past = out[1:]
@@ -519,21 +525,14 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    if args.checkpoint_path is None:
-        from generate import resolve_checkpoint
-        ns = argparse.Namespace(checkpoint_path=None, tokenizer_path=None, aoti_package=None, pte=None, onnx=None,
-                                qpc=None)
-        resolve_checkpoint(ns)
-        args.checkpoint_path = ns.checkpoint_path
+    resolve_checkpoint(args)  # no --checkpoint_path: the default model
     export(args.checkpoint_path, args.output_dir, ctx_len=args.ctx_len, max_ctx_len=args.max_ctx_len,
            full_batch_size=args.full_batch_size, opset=args.opset, dynamo=args.dynamo, check=not args.skip_check,
            atol=args.atol)
-    tok = args.output_dir if (args.output_dir / "tokenizer.json").is_file() or \
-        (args.output_dir / "tokenizer.model").is_file() else "<tokenizer dir>"
+    tok = args.output_dir if has_tokenizer(args.output_dir) else "<tokenizer dir>"
     print(f"run it: python generate.py --onnx {args.output_dir / 'model.onnx'} --tokenizer_path {tok} "
           f"--prompt \"Hello|How are you\"")
 
 
 if __name__ == "__main__":
-    from generate import cli
     cli(main)

@@ -227,13 +227,21 @@ def _cli(args, env_extra=None):
 
 
 @pytest.mark.skipif(Path(compile_qaic.DEFAULT_QAIC_EXEC).exists(), reason="a real qaic-exec is installed")
-def test_no_compiler_is_one_clear_line(graphs, tmp_path):
+def test_no_compiler_is_one_clear_line(graphs, ckpt, tmp_path):
+    """Without the SDK the run stops at once with one line: before exporting the checkpoint or writing any compiler
+    input (issue 19). --dry_run, which the line points to, still writes the inputs and prints the command."""
     out = tmp_path / "out"
-    r = _cli(["--onnx_path", graphs[0], "--output_dir", out, "--num_cores", 4, "--prompt_len", 8, "--ctx_len", 32])
-    assert r.returncode != 0
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and "Apps SDK" in lines[0] and "qaic-exec" in lines[0]
-    assert "-aic-binary-dir=" in r.stdout  # the command is still shown
+    for source in (["--checkpoint_path", ckpt], ["--onnx_path", graphs[0]]):
+        r = _cli([*source, "--output_dir", out, "--num_cores", 4, "--prompt_len", 8, "--ctx_len", 32])
+        assert r.returncode != 0
+        lines = r.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: ") and "Apps SDK" in lines[0] and "qaic-exec" in lines[0]
+        assert "--dry_run" in lines[0] and r.stdout == ""
+        assert not out.exists()  # no graph exported, no compiler inputs
+    r = _cli(["--onnx_path", graphs[0], "--output_dir", out, "--num_cores", 4, "--prompt_len", 8, "--ctx_len", 32,
+              "--dry_run"])
+    assert r.returncode == 0, r.stderr
+    assert f"{compile_qaic.DEFAULT_QAIC_EXEC} -aic-hw" in r.stdout and "-aic-binary-dir=" in r.stdout
     cache = out / "qpc_4cores_1bs_8pl_32cl_-1mos_1devices_fp16"
     assert (cache / "specializations.json").is_file() and (cache / "custom_io.yaml").is_file()
     assert not (cache / "qpc").exists()
