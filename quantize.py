@@ -1,58 +1,51 @@
+# Over 500 lines on purpose: each quantized module's kernels (eager, packed bfloat16 CPU, compiled decode, export
+# forms) sit beside the storage layout they read; splitting them would scatter one scheme over files.
 # Weight quantization for model.py's Transformer, gpt-fast style: one scheme per mode, applied by swapping nn.Linear /
-# nn.Embedding modules for quantized ones that hold plain integer tensors.
+# nn.Embedding modules for quantized ones that hold plain integer tensors. GPTQ lives in gptq.py.
 #
 #     python quantize.py --checkpoint_path checkpoints/SmolLM2-135M-Instruct/model.pth --mode int8
-#     python quantize.py --checkpoint_path ... --mode int4 --groupsize 32
-#     python quantize.py --checkpoint_path ... --mode 8da4w --groupsize 32
-#     python quantize.py --checkpoint_path ... --mode int4-gptq --groupsize 128 --calibration_file some.txt
+#     python quantize.py --checkpoint_path ... --mode int4 --groupsize 32     (or --mode 8da4w --groupsize 32)
+#     python quantize.py --checkpoint_path ... --mode int4-gptq --groupsize 64 --calibration_file some.txt
 #
 # Modes (weights of every nn.Linear; activations stay float unless said otherwise):
 #   int8       weight-only, symmetric, one scale per output channel          w = q * s,            q in [-127, 127]
 #   int4       weight-only, asymmetric, groups of G along in_features        w = q * s + z,        q in [0, 15]
-#   8da4w      int4 groupwise weights (as int4, scales on the bfloat16 grid) x int8 dynamic per-token asymmetric
-#              activations, for ExecuTorch/XNNPACK. x @ w.T = xq @ ((q - 8) s).T + group_sums(x) @ (z + 8 s).T:
-#              XNNPACK's qb4w GEMM (zero point 8 only) on the int8 activations xq, plus a small float GEMM (K/G
-#              inputs: 18 for dim 576) of the float activations' group sums. Symmetric weights (z = 0, ExecuTorch's
-#              own 8da4w; still loaded) measured +21% perplexity on SmolLM2-135M, whose weights come from an
-#              asymmetric 4-bit GGUF; these +1.7%.
-#   int4-gptq  int4 (same storage and kernels as int4), weights chosen by GPTQ on calibration text
-#              (8da4w with --calibration_file also chooses its int4 weights by GPTQ)
+#   8da4w      int4 groupwise weights (scales on the bfloat16 grid) x int8 dynamic per-token asymmetric activations, for
+#              ExecuTorch/XNNPACK: x @ w.T = xq @ ((q - 8) s).T + group_sums(x) @ (z + 8 s).T, i.e. XNNPACK's qb4w GEMM
+#              (zero point 8 only) on the int8 activations xq plus a small float GEMM of the float activations' group
+#              sums (K/G inputs). Symmetric weights (z = 0, ExecuTorch's own 8da4w; still loaded) measured +21%
+#              perplexity on SmolLM2-135M, whose weights come from an asymmetric 4-bit GGUF; these +1.7%.
+#   int4-gptq  int4 storage and kernels, weights chosen by GPTQ on calibration text (8da4w with --calibration_file too)
 #
-# Embeddings (--embedding int8 | int4 | none): by default the token embedding is quantized to int8 (one scale per row)
-# in every mode. When the model ties its output projection to the embedding (SmolLM2, Llama 3.2, Qwen) the output
-# projection reads the very same quantized table (one copy in memory and in the file), i.e. it is quantized with the
-# embedding's scheme; in 8da4w mode it also quantizes its activations (int8 table: XNNPACK's qd8-f32-qc8w GEMM, int4:
-# qb4w), so the delegate takes it. int8 is the default because that table is the most sensitive matrix of a small
-# model: on SmolLM2-135M an int4 g32 table alone costs ~6% perplexity, int8 ~0.05%, for ~10 MB. --embedding int4
-# (groups of --groupsize, symmetric in 8da4w mode) gives the smallest file. A tied table is always rounded to nearest
-# (GPTQ would tune it for the output projection alone); an untied output projection gets GPTQ like the other linears.
+# Embeddings (--embedding int8 | int4 | none, default int8, one scale per row): a tied output projection (SmolLM2,
+# Llama 3.2, Qwen) reads the very same quantized table (one copy in memory and in the file); in 8da4w mode it also
+# quantizes its activations, so the XNNPACK delegate takes it. int8 by default because that table is the most
+# sensitive matrix of a small model: on SmolLM2-135M int4 g32 alone costs ~6% perplexity, int8 ~0.05%, for ~10 MB.
+# --embedding int4 (groups of --groupsize, symmetric in 8da4w mode) gives the smallest file. A tied table is always
+# rounded to nearest; an untied output projection gets GPTQ like the other linears.
 #
-# Storage: every tensor in the file is plain (int8 / uint8 / float), loadable with torch.load(weights_only=True).
-# int4 values are packed two per byte: within each group of G, byte j holds element j (high nibble) and element
-# j + G/2 (low nibble). Scales and zero points are in the model's float dtype. The file stores its recipe, and
-# model.load_model() calls apply_recipe() on a meta-device model before assigning the weights.
+# Storage: plain int8 / uint8 / float tensors (torch.load(weights_only=True)). int4 is packed two per byte: in each
+# group of G, byte j holds element j (high nibble) and j + G/2 (low). Scales and zeros are in the model's float dtype.
+# The file stores its recipe; model.load_model() calls apply_recipe() on a meta-device model, then assigns the weights.
 #
-# Kernels. Eager: dequantize, then F.linear. Under torch.compile, for a single token (decode), the matmul is written as
-# a reduction that reads the integer weights directly (int4 nibbles are unpacked inside the generated kernel); with
-# Inductor's freezing, a plain `F.linear(x, w_int8.to(x.dtype)) * s` would be constant-folded back into a float32
-# weight. The packed ATen kernels (_weight_int8pack_mm, _weight_int4pack_mm_for_cpu) were measured slower than both
-# for float32 activations on this CPU. Under torch.export the modules emit plain dequantize + linear (int8/int4) or
-# the torchao quantize/dequantize_affine pattern that ExecuTorch's XNNPACK partitioner turns into its
-# int8-activation x int4-weight GEMM (8da4w).
+# Kernels. Eager: dequantize (a block of rows at a time), then F.linear; bfloat16 on CPU: ATen's packed kernels.
+# torch.compile, one token (decode): one reduction reading the integer weights directly (nibbles unpacked inside the
+# generated kernel); with Inductor's freezing, a plain `F.linear(x, w_int8.to(x.dtype)) * s` would be constant-folded
+# back into a float32 weight. torch.export: plain dequantize + linear (int8/int4), or for 8da4w the torchao
+# quantize/dequantize_affine pattern that ExecuTorch's XNNPACK partitioner turns into its int8 x int4 GEMM.
 import argparse
-import contextlib
-import json
 import logging
-import math
 import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
+
+from common import check_device, checkpoint_file, cli, default_checkpoint
 
 MODES = ("int8", "int4", "8da4w", "int4-gptq")
 GROUPSIZES = (32, 64, 128, 256)
@@ -124,14 +117,14 @@ SHRINKS = (1.0, 0.97, 0.94, 0.91, 0.88, 0.85, 0.82, 0.79)
 SYM_EXTRA = (7.5 / 7,)  # symmetric: amax / 7, so that a positive extreme is not clipped to 7 s
 
 
-def int4_group_params(w: Tensor, groupsize: int, symmetric: bool, search: bool = True):
-    """Per-group scale [N, K/G] and zero offset [N, K/G] (None when symmetric) for w [N, K]. With search, each group's
-    range is scaled by the factor in SHRINKS (+ SYM_EXTRA if symmetric) that gives the least squared error (1.0 wins
-    ties, so a source that is already on an int4 grid, like SmolLM2's Q4_1 GGUF, is reproduced exactly)."""
+def group_params(w: Tensor, scheme: dict):
+    """Per-group scale [N, K/G] and zero offset [N, K/G] (None when symmetric) of a 4-bit scheme for w [N, K]: each
+    group's range is scaled by the factor in SHRINKS (+ SYM_EXTRA if symmetric) that gives the least squared error
+    (1.0 wins ties, so a source already on an int4 grid, like SmolLM2's Q4_1 GGUF, is reproduced exactly). An xnnpack
+    scheme's scales go on the bfloat16 grid (XNNPACK stores them so)."""
+    groupsize, symmetric = scheme["groupsize"], scheme["symmetric"]
     N, K = w.shape
     wg = w.float().reshape(N, K // groupsize, groupsize)
-    if not search:
-        return _int4_group_params(wg, 1.0, symmetric)
     best = torch.ones(wg.shape[:-1], device=w.device)
     for r in range(0, N, 4096):  # bounded temporaries for big embedding tables
         sub = wg[r:r + 4096]
@@ -145,16 +138,11 @@ def int4_group_params(w: Tensor, groupsize: int, symmetric: bool, search: bool =
                 better = err < best_err
                 best[r:r + 4096][better] = f
                 best_err = torch.where(better, err, best_err)
-    return _int4_group_params(wg, best, symmetric)
-
-
-def group_params(w: Tensor, scheme: dict, search: bool = True):
-    """int4_group_params for a scheme; an xnnpack scheme's scales go on the bfloat16 grid (XNNPACK stores them so)."""
-    s, z = int4_group_params(w, scheme["groupsize"], scheme["symmetric"], search)
+    s, z = _int4_group_params(wg, best, symmetric)
     return (s.to(torch.bfloat16).float() if scheme.get("xnnpack") else s), z
 
 
-def quantize_tensor(w: Tensor, scheme: dict, search: bool = True) -> dict:
+def quantize_tensor(w: Tensor, scheme: dict) -> dict:
     """Round-to-nearest quantization of w [N, K]: {"q": integer values (int8: [-127, 127], int4: [0, 15]) [N, K],
     "scales": ..., "zeros": ... or None}."""
     w = w.detach().float()
@@ -162,17 +150,20 @@ def quantize_tensor(w: Tensor, scheme: dict, search: bool = True) -> dict:
         s = (w.abs().amax(-1) / 127).clamp(min=_EPS)
         return {"q": torch.clamp(torch.round(w / s[:, None]), -127, 127), "scales": s, "zeros": None}
     G = scheme["groupsize"]
-    s, z = group_params(w, scheme, search)
+    s, z = group_params(w, scheme)
     N, K = w.shape
     q = _int4_round(w.reshape(N, K // G, G), s, z).reshape(N, K)
     return {"q": q, "scales": s, "zeros": z}
 
 
-def fake_quant_per_token_int8(x: Tensor) -> Tensor:
+def fake_quant_per_token_int8(x: Tensor, row_range: Optional[Callable] = None) -> Tensor:
     """Dynamic asymmetric int8 quantization of each row of x (last dim), then dequantization: the same arithmetic as
-    torchao's choose_qparams_affine / quantize_affine / dequantize_affine (ASYMMETRIC, int8, zero kept exact)."""
+    torchao's choose_qparams_affine / quantize_affine / dequantize_affine (ASYMMETRIC, int8, zero kept exact).
+    row_range(lo, hi) -> (lo, hi): the range of the whole row when x is a slice of it (tp.py's row-parallel shards)."""
     lo = torch.clamp(x.amin(-1, keepdim=True), max=0)
     hi = torch.clamp(x.amax(-1, keepdim=True), min=0)
+    if row_range is not None:
+        lo, hi = row_range(lo, hi)
     scale = torch.clamp((hi - lo) / 255.0, min=torch.finfo(x.dtype).smallest_normal)
     zp = torch.clamp(-128 - torch.round(lo / scale), -128, 127)
     q = torch.clamp(torch.round(x * (1.0 / scale)) + zp, -128, 127)
@@ -242,13 +233,9 @@ class QuantizedWeight(nn.Module):
                 if self.xnnpack:
                     self.register_buffer("zero_term", torch.empty(N, K // G, dtype=dtype, **kw), persistent=False)
 
-    @property
-    def scheme(self) -> dict:
-        return _scheme(self.bits, self.groupsize, self.symmetric, self.xnnpack)
-
     @classmethod
-    def from_float(cls, w: Tensor, scheme: dict, search: bool = True) -> "QuantizedWeight":
-        return cls.from_quantized(quantize_tensor(w, scheme, search), scheme, w.dtype)
+    def from_float(cls, w: Tensor, scheme: dict) -> "QuantizedWeight":
+        return cls.from_quantized(quantize_tensor(w, scheme), scheme, w.dtype)
 
     @classmethod
     def from_quantized(cls, qt: dict, scheme: dict, dtype) -> "QuantizedWeight":
@@ -493,23 +480,27 @@ def _note(notes: list, msg: str, log=True):
         print(f"note: {msg}", file=sys.stderr)
 
 
-def make_recipe(model: nn.Module, mode: str, groupsize: Optional[int] = 32, embedding: Optional[str] = None,
-                log: bool = True) -> dict:
-    """Validate the arguments against the model and decide what gets quantized how (no weights touched)."""
+def check_args(mode: str, groupsize: Optional[int], embedding: Optional[str] = None, calibrated: bool = False):
+    """The checks of quantize_model's arguments that need no model (the CLI runs them before loading anything)."""
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
-    four_bit = mode != "int8"
-    if four_bit and groupsize not in GROUPSIZES:
+    if mode != "int8" and groupsize not in GROUPSIZES:
         raise ValueError(f"--groupsize must be one of {', '.join(map(str, GROUPSIZES))} for {mode}, got {groupsize}")
+    if embedding is not None and embedding not in EMBEDDINGS:
+        raise ValueError(f"--embedding must be one of {', '.join(EMBEDDINGS)}, got {embedding!r}")
+    if mode == "int4-gptq" and not calibrated:
+        raise ValueError("--mode int4-gptq needs --calibration_file (quantize_model: calibration_ids), a text to "
+                         "calibrate GPTQ on")
+
+
+def make_recipe(model: nn.Module, mode: str, groupsize: Optional[int] = 32, embedding: Optional[str] = None,
+                log: bool = True) -> dict:
+    """Decide what gets quantized how, for arguments that passed check_args (no weights touched)."""
+    four_bit = mode != "int8"
     G = groupsize if four_bit else None
     linear = _scheme(8) if mode == "int8" else _scheme(4, G, xnnpack=(mode == "8da4w"))
     act = "int8" if mode == "8da4w" else None
-    if embedding in (None, "auto", "default"):
-        embedding = "int8"  # see the header: the table is also the output projection of tied models
-    if embedding is False:
-        embedding = "none"
-    if embedding not in EMBEDDINGS:
-        raise ValueError(f"--embedding must be one of {', '.join(EMBEDDINGS)}, got {embedding!r}")
+    embedding = embedding or "int8"  # see the header: the table is also the output projection of tied models
     notes, skip = [], []
     emb = getattr(model, "tok_embeddings", None)
     emb_scheme = None
@@ -564,16 +555,6 @@ def apply_recipe(model: nn.Module, recipe: dict) -> nn.Module:
     return model
 
 
-def _calibration_batches(calibration_ids, seq_len: int) -> Tensor:
-    ids = torch.as_tensor(calibration_ids, dtype=torch.long)
-    if ids.dim() == 2:
-        return ids
-    if ids.dim() != 1 or ids.numel() < 2:
-        raise ValueError("calibration_ids must be a list of token ids (at least 2) or a [n, seq_len] tensor")
-    n = ids.numel() // seq_len
-    return ids[: n * seq_len].view(n, seq_len) if n else ids.view(1, -1)
-
-
 @torch.no_grad()
 def quantize_model(model: nn.Module, mode: str, groupsize: int = 32, calibration_ids=None, embedding=None, *,
                    act_order: bool = False, damp: float = 0.1, calibration_seq_length: int = 512,
@@ -582,11 +563,10 @@ def quantize_model(model: nn.Module, mode: str, groupsize: int = 32, calibration
 
     mode: int8 | int4 | 8da4w | int4-gptq (needs calibration_ids: token ids, 1-D or [n, seq_len]).
     embedding: None (the mode's default), "int8", "int4" or "none"."""
-    recipe = make_recipe(model, mode, groupsize, embedding, log=log)
+    check_args(mode, groupsize, embedding, calibration_ids is not None)
     if any(isinstance(m, (QuantizedLinear, QuantizedEmbedding)) for m in model.modules()):
-        raise ValueError("model is already quantized")
-    if mode == "int4-gptq" and calibration_ids is None:
-        raise ValueError("int4-gptq needs calibration data (calibration_ids / --calibration_file)")
+        raise ValueError("the model is already quantized; start from a float checkpoint")
+    recipe = make_recipe(model, mode, groupsize, embedding, log=log)
     gptq = mode == "int4-gptq" or (mode == "8da4w" and calibration_ids is not None)
     emb_qw = None
     if recipe["embedding"]:  # first: GPTQ calibrates the layers on the embedding the model will really use
@@ -597,8 +577,9 @@ def quantize_model(model: nn.Module, mode: str, groupsize: int = 32, calibration
             model.output = QuantizedLinear(emb_qw, None, recipe["output_act"])
     targets = _targets(model, recipe)
     if gptq:
-        calib = _calibration_batches(calibration_ids, min(calibration_seq_length, model.config.block_size))
-        _gptq_model(model, recipe, targets, calib, act_order=act_order, damp=damp, log=log)
+        import gptq as GPTQ  # lazy: only GPTQ modes need it (it imports this module)
+        calib = GPTQ.calibration_batches(calibration_ids, min(calibration_seq_length, model.config.block_size))
+        GPTQ.gptq_model(model, recipe, targets, calib, act_order=act_order, damp=damp, log=log)
     for name in targets:
         lin = model.get_submodule(name)
         if isinstance(lin, nn.Linear):
@@ -607,145 +588,6 @@ def quantize_model(model: nn.Module, mode: str, groupsize: int = 32, calibration
     if gptq:
         recipe["gptq"] = {"act_order": act_order, "damp": damp, "calibration_tokens": int(calib.numel())}
     return recipe
-
-
-# ----------------------------------------------------------------------------------------------------------- GPTQ
-def gptq_quantize(W: Tensor, H: Tensor, scheme: dict, act_order: bool = False, damp: float = 0.1,
-                  blocksize: int = 128) -> dict:
-    """GPTQ (Frantar et al. 2022) for one [N, K] weight given the Hessian H = 2 X^T X / n of its inputs [n, K]:
-    columns are rounded one at a time and each rounding error is spread over the not-yet-rounded columns by the
-    inverse Hessian. Groupwise int4 with the same storage as round-to-nearest (groups of contiguous input columns);
-    with act_order, columns go in decreasing Hessian-diagonal order and each group's scale/zero comes from the
-    unmodified weights ("static groups"), so the stored layout stays the same."""
-    G, sym = scheme["groupsize"], scheme["symmetric"]
-    W = W.detach().float().clone()
-    H = H.float().clone()
-    N, K = W.shape
-    dead = torch.diag(H) == 0
-    H[dead, dead] = 1
-    W[:, dead] = 0
-    scales = torch.zeros(N, K // G, device=W.device)
-    zeros = None if sym else torch.zeros(N, K // G, device=W.device)
-    perm = None
-    if act_order:
-        s0, z0 = group_params(W, scheme)
-        scales.copy_(s0)
-        if zeros is not None:
-            zeros.copy_(z0)
-        perm = torch.argsort(torch.diag(H), descending=True)
-        W, H = W[:, perm], H[perm][:, perm]
-    H += damp * torch.mean(torch.diag(H)) * torch.eye(K, device=H.device)
-    Hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
-    Q = torch.zeros_like(W)
-    bs = max(blocksize // G, 1) * G
-    for i1 in range(0, K, bs):
-        i2 = min(i1 + bs, K)
-        W1, Hinv1 = W[:, i1:i2].clone(), Hinv[i1:i2, i1:i2]
-        Err1 = torch.zeros_like(W1)
-        for i in range(i2 - i1):
-            col = i1 + i
-            if act_order:
-                g = int(perm[col]) // G
-            else:
-                g = col // G
-                if col % G == 0:  # group parameters from the weights as updated so far
-                    s, z = group_params(W1[:, i:i + G], scheme)
-                    scales[:, g] = s[:, 0]
-                    if zeros is not None:
-                        zeros[:, g] = z[:, 0]
-            s = scales[:, g]
-            z = None if zeros is None else zeros[:, g]
-            w = W1[:, i]
-            q = _int4_round(w[:, None], s, z)[:, 0]
-            Q[:, col] = q
-            err = (w - _int4_values(q[:, None], s, z)[:, 0]) / Hinv1[i, i]
-            W1[:, i:] -= err[:, None] * Hinv1[i, i:][None, :]
-            Err1[:, i] = err
-        W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]
-    if act_order:
-        Q = Q[:, torch.argsort(perm)]
-    return {"q": Q, "scales": scales, "zeros": zeros}
-
-
-class _Stop(Exception):
-    pass
-
-
-class _HessianHook:
-    def __init__(self, K: int, device):
-        self.H = torch.zeros(K, K, device=device)
-        self.n = 0
-
-    def __call__(self, module, inputs, output):
-        x = inputs[0].detach().reshape(-1, inputs[0].shape[-1]).float()
-        m = x.shape[0]
-        self.H *= self.n / (self.n + m)
-        self.n += m
-        x = x * math.sqrt(2 / self.n)
-        self.H += x.T @ x
-
-
-def _gptq_model(model, recipe, targets, calib: Tensor, act_order=False, damp=0.1, batch=4, log=True):
-    """Layer by layer: collect each linear's input Hessian on the calibration tokens (inputs computed with the
-    layers before it already quantized), GPTQ all the linears of the layer, then run the quantized layer to get the
-    next layer's inputs. An untied output projection is done last, on the final norm's output."""
-    device = model.norm.weight.device
-    calib = calib.to(device)
-    n, L = calib.shape
-    prev = (model.max_batch_size, model.max_seq_length)
-    model.setup_caches(min(batch, n), L)
-    pos = torch.arange(L, device=device)
-    inputs = []
-
-    def grab(mod, args, kwargs):
-        inputs.append((args, kwargs))
-        raise _Stop
-
-    h = model.layers[0].register_forward_pre_hook(grab, with_kwargs=True)
-    try:
-        for i in range(0, n, batch):
-            try:
-                model(calib[i:i + batch], pos)
-            except _Stop:
-                pass
-    finally:
-        h.remove()
-    t0 = time.perf_counter()
-    wanted = set(targets)
-
-    def run(mod, inputs):
-        return [mod(*a, **k) for a, k in inputs]
-
-    def gptq_modules(root, prefix, inputs, call):
-        lins = {n: m for n, m in root.named_modules() if isinstance(m, nn.Linear) and f"{prefix}{n}" in wanted}
-        hooks = {n: _HessianHook(m.in_features, device) for n, m in lins.items()}
-        handles = [lins[n].register_forward_hook(hk) for n, hk in hooks.items()]
-        try:
-            call(inputs)
-        finally:
-            for hd in handles:
-                hd.remove()
-        for n, m in lins.items():
-            qt = gptq_quantize(m.weight, hooks[n].H, recipe["linear"], act_order=act_order, damp=damp)
-            qw = QuantizedWeight.from_quantized(qt, recipe["linear"], m.weight.dtype)
-            _set_module(root, n, QuantizedLinear(qw, m.bias, recipe["act"]))
-
-    for li, layer in enumerate(model.layers):
-        gptq_modules(layer, f"layers.{li}.", inputs, lambda inp: run(layer, inp))
-        outs = run(layer, inputs)
-        inputs = [((o,) + tuple(a[1:]), k) for o, (a, k) in zip(outs, inputs)]
-        if log:
-            print(f"\rGPTQ: layer {li + 1}/{len(model.layers)} ({time.perf_counter() - t0:.0f} s)", end="",
-                  file=sys.stderr, flush=True)
-    if "output" in wanted and isinstance(model.output, nn.Linear):
-        gptq_modules(model, "", [((model.norm(a[0]),), {}) for a, _ in inputs], lambda inp: run(model.output, inp))
-    if log:
-        print(file=sys.stderr)
-    for layer in model.layers:
-        layer.attention.kv_cache = None
-    model.max_batch_size, model.max_seq_length = -1, -1
-    if prev[1] > 0:
-        model.setup_caches(*prev)
 
 
 # ----------------------------------------------------------------------------------------------------------- CLI
@@ -780,37 +622,23 @@ def parse_args(argv=None):
     p.add_argument("--tokenizer_path", type=Path, default=None, help="GPTQ: default the checkpoint's directory")
     p.add_argument("--output", type=Path, default=None, help="default: beside the input, model_<mode>[.g<G>].pth")
     p.add_argument("--device", default="cpu", help="where to run GPTQ (cpu, cuda)")
-    return p.parse_args(argv)
-
-
-def main(argv=None):
-    args = parse_args(argv)
-    if args.mode not in MODES:
-        raise ValueError(f"unknown mode {args.mode!r}; choose one of {', '.join(MODES)}")
-    if args.mode != "int8" and args.groupsize not in GROUPSIZES:
-        raise ValueError(f"--groupsize must be one of {', '.join(map(str, GROUPSIZES))}, got {args.groupsize}")
-    if args.embedding is not None and args.embedding not in EMBEDDINGS:
-        raise ValueError(f"--embedding must be one of {', '.join(EMBEDDINGS)}, got {args.embedding!r}")
-    if args.mode == "int4-gptq" and args.calibration_file is None:
-        raise ValueError("--mode int4-gptq needs --calibration_file (a text file to calibrate on)")
+    args = p.parse_args(argv)
+    check_args(args.mode, args.groupsize, args.embedding, args.calibration_file is not None)
     if args.calibration_file is not None:
         if args.mode not in ("int4-gptq", "8da4w"):
             raise ValueError(f"--calibration_file is for --mode int4-gptq or 8da4w (GPTQ), not {args.mode}")
         if not args.calibration_file.is_file():
             raise FileNotFoundError(f"calibration file not found: {args.calibration_file}")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda but no CUDA device is available")
+    check_device(args.device)
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
     from model import load_model, checkpoint_state, save_checkpoint
-    if args.checkpoint_path is None:
-        from generate import DEFAULT_CHECKPOINT
-        args.checkpoint_path = DEFAULT_CHECKPOINT
-    ck = args.checkpoint_path / "model.pth" if args.checkpoint_path.is_dir() else args.checkpoint_path
-    if not ck.is_file():
-        raise FileNotFoundError(f"checkpoint not found: {ck}")
+    ck = checkpoint_file(args.checkpoint_path or default_checkpoint())
     t0 = time.perf_counter()
     model = load_model(ck, device=args.device)
-    if any(isinstance(m, (QuantizedLinear, QuantizedEmbedding)) for m in model.modules()):
-        raise ValueError(f"{ck} is already quantized; start from a float checkpoint")
     before = _file_bytes(model)
     calib = None
     if args.calibration_file is not None:
@@ -832,5 +660,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    from generate import cli
-    cli(main)
+    import quantize  # run the module's copy: model.load_model and gptq.py use its classes, not this __main__'s
+    cli(quantize.main)

@@ -33,6 +33,7 @@
 # and torch.compile(fullgraph=True) both trace it. NCCL on CUDA, Gloo on CPU.
 import contextlib
 import dataclasses
+import functools
 import os
 import sys
 from typing import Optional
@@ -41,6 +42,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch import Tensor
+
+from common import check_device
 
 __all__ = ["maybe_init_dist", "apply_tp", "load_model_tp", "is_rank0", "rank0_print", "rank0_only_output",
            "rank0_first", "get_rank", "get_world_size", "tp_launched"]
@@ -73,8 +76,7 @@ def maybe_init_dist(device=None) -> Optional[int]:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(device)
     if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError("--device cuda but no CUDA device is available")
+        check_device("cuda")
         n = torch.cuda.device_count()
         if local_rank >= n:
             raise ValueError(f"local rank {local_rank} has no GPU: this node has {n}; "
@@ -160,11 +162,12 @@ def rank0_first():
 
 
 # ----------------------------------------------------------------------------------------------------------- sharding
-def _linear_parts(m: nn.Module):
-    """(kind, module) for nn.Linear or quantize.py's QuantizedLinear; raises for anything else."""
+def _linear_parts(m: nn.Module) -> str:
+    """"float" for nn.Linear, "quant" for quantize.py's QuantizedLinear; raises for anything else."""
     if isinstance(m, nn.Linear):
         return "float"
-    if type(m).__name__ == "QuantizedLinear" and hasattr(m, "qweight"):
+    from quantize import QuantizedLinear  # lazy: generate.py imports tp.py, and float models never need quantize.py
+    if isinstance(m, QuantizedLinear):
         return "quant"
     raise ValueError(f"tensor parallelism cannot shard a {type(m).__name__} (only nn.Linear and quantize.py's "
                      f"QuantizedLinear)")
@@ -228,20 +231,15 @@ def _all_reduce_hook(group):
 
 def _global_act_quant(group):
     """The activation quantizer of a row-parallel QuantizedLinear with dynamic per-token int8 activations (8da4w, its
-    act_quant): quantize the rank's slice with the range of the WHOLE token row (min/max all-reduced), as one device
-    would. The arithmetic is quantize.fake_quant_per_token_int8's with lo/hi taken globally."""
+    act_quant): quantize.fake_quant_per_token_int8 on the rank's slice with the range of the WHOLE token row (min/max
+    all-reduced), as one device would."""
     from torch.distributed import _functional_collectives as funcol
+    from quantize import fake_quant_per_token_int8
 
-    def quant(x):
-        lo = torch.clamp(x.amin(-1, keepdim=True), max=0)
-        hi = torch.clamp(x.amax(-1, keepdim=True), min=0)
+    def row_range(lo, hi):
         m = funcol.all_reduce(torch.cat((hi, -lo), dim=-1), "max", group)
-        hi, lo = m[..., :1], -m[..., 1:]
-        scale = torch.clamp((hi - lo) / 255.0, min=torch.finfo(x.dtype).smallest_normal)
-        zp = torch.clamp(-128 - torch.round(lo / scale), -128, 127)
-        q = torch.clamp(torch.round(x * (1.0 / scale)) + zp, -128, 127)
-        return (q - zp) * scale
-    return quant
+        return -m[..., 1:], m[..., :1]
+    return functools.partial(fake_quant_per_token_int8, row_range=row_range)
 
 
 def _check_quant_cols(m: nn.Module, name: str, per_rank: int, world: int):
