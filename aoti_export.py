@@ -17,9 +17,7 @@ Float checkpoints and quantize.py checkpoints export the same way: model.load_mo
 import argparse
 import json
 import os
-import shutil
 import sys
-import tempfile
 import time
 import zipfile
 from pathlib import Path
@@ -27,7 +25,8 @@ from typing import Optional
 
 import torch
 
-REPO = Path(__file__).resolve().parent
+from common import atomic_path, check_device, checkpoint_file, cli, first_line, write_atomic
+
 METADATA_VERSION = "1"
 
 
@@ -60,25 +59,13 @@ def package_metadata(model, tok, device: str, dtype: torch.dtype, checkpoint_pat
     return meta
 
 
-def _quantization_recipe(checkpoint_path) -> Optional[str]:
-    """The "_quantization" entry of a quantize.py checkpoint (metadata only; load_model applies it)."""
-    path = Path(checkpoint_path)
-    path = path / "model.pth" if path.is_dir() else path
-    try:
-        sd = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
-        return sd.get("_quantization") if isinstance(sd, dict) else None
-    except Exception:
-        return None
-
-
 def export(checkpoint_path, output_path, max_seq_length: int = 1024, dtype: Optional[str] = None, device: str = "cpu",
            tokenizer_path=None, so: bool = False, log=print) -> Path:
-    """Export and write the package atomically (temp file in the target directory, then rename). Returns its path."""
+    """Export and write the package atomically (common.atomic_path). Returns its path."""
     from model import load_model
     from torch.export import Dim
 
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda but no CUDA device is available")
+    check_device(device)
     if max_seq_length < 2:
         raise ValueError(f"--max_seq_length must be at least 2 (got {max_seq_length})")
     output_path = Path(output_path)
@@ -97,8 +84,7 @@ def export(checkpoint_path, output_path, max_seq_length: int = 1024, dtype: Opti
     run_dtype = model.norm.weight.dtype
 
     tok = None
-    ck = Path(checkpoint_path)
-    tok_path = Path(tokenizer_path) if tokenizer_path else (ck if ck.is_dir() else ck.parent)
+    tok_path = Path(tokenizer_path) if tokenizer_path else checkpoint_file(checkpoint_path).parent
     try:
         from tokenizer import load_tokenizer
         tok = load_tokenizer(tok_path)
@@ -108,9 +94,8 @@ def export(checkpoint_path, output_path, max_seq_length: int = 1024, dtype: Opti
         raise ValueError(f"tokenizer has {tok.vocab_size} tokens but the model only {model.config.vocab_size}")
 
     meta = package_metadata(model, tok, device, run_dtype, checkpoint_path)
-    recipe = _quantization_recipe(checkpoint_path)
-    if recipe:
-        meta["quantization"] = recipe
+    if model.quantization:
+        meta["quantization"] = json.dumps(model.quantization)
 
     seq = Dim("seq", min=1, max=S)
     example = (torch.zeros(1, 2, dtype=torch.long, device=device), torch.arange(2, device=device))
@@ -126,28 +111,20 @@ def export(checkpoint_path, output_path, max_seq_length: int = 1024, dtype: Opti
     configs = {"aot_inductor.metadata": meta}
     if device == "cpu":
         configs["freezing"] = True  # weights become constants: folded and pre-packed for the CPU GEMM kernels
-    # temp file in a private directory beside the target (same file system, so the rename is atomic); it already has
-    # the final name because the package's archive folder is named after the file
-    tmpdir = Path(tempfile.mkdtemp(prefix=f".{output_path.name}.", suffix=".tmp", dir=output_path.parent))
-    tmp = tmpdir / output_path.name
+    # atomic_path's temporary path already has the final name (the package's archive folder is named after the file)
     t0 = time.perf_counter()
-    try:
+    with atomic_path(output_path) as tmp:
         if so:
             # a plain shared library with the weights inside; AOT Inductor keeps no metadata in it, so the facts go
             # to a JSON file beside it (<output>.json), written first so that a .so never lacks one
             configs.update({"aot_inductor.output_path": str(tmp), "aot_inductor.package_constants_in_so": True})
             with torch.no_grad():
                 path = torch._inductor.aot_compile(ep.module(), example, options=configs)
-            sidecar = so_metadata_path(output_path)
-            (tmpdir / sidecar.name).write_text(json.dumps(meta, indent=1))
-            os.replace(tmpdir / sidecar.name, sidecar)
-            os.replace(path, output_path)
+            write_atomic(so_metadata_path(output_path), json.dumps(meta, indent=1))
+            os.replace(path, tmp)
         else:
             with torch.no_grad():
                 torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp), inductor_configs=configs)
-            os.replace(tmp, output_path)
-    finally:
-        shutil.rmtree(tmpdir, ignore_errors=True)
     log(f"compiled in {time.perf_counter() - t0:.1f} s -> {output_path} ({output_path.stat().st_size / 1e6:.1f} MB)")
     return output_path
 
@@ -196,8 +173,7 @@ class AOTIBackend:
             self.runner = torch._inductor.aoti_load_package(str(path))
             meta = self.runner.get_metadata()
         except Exception as e:
-            msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise ValueError(f"{path}: cannot load AOT Inductor package ({msg[:300]})") from None
+            raise ValueError(f"{path}: cannot load AOT Inductor package ({first_line(e)})") from None
         self._set_metadata(path, meta, device)
 
     def _load_so(self, path: Path, device):
@@ -211,8 +187,7 @@ class AOTIBackend:
         try:
             self.runner = _SoRunner(path, meta)
         except Exception as e:
-            msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise ValueError(f"{path}: cannot load AOT Inductor library ({msg[:300]})") from None
+            raise ValueError(f"{path}: cannot load AOT Inductor library ({first_line(e)})") from None
         self._set_metadata(path, meta, device)
 
     def _set_metadata(self, path, meta, device):
@@ -254,6 +229,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(REPO))
-    from generate import cli
     cli(main)
