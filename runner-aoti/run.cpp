@@ -68,7 +68,9 @@ std::unordered_map<std::string, std::string> read_flat_json(const std::string& p
         if (e == 'n') s += '\n';
         else if (e == 't') s += '\t';
         else if (e == 'u' && i + 4 < d.size()) {  // \uXXXX (BMP only; the values are ASCII in practice)
-          llm::append_utf8(s, uint32_t(std::stoul(d.substr(i + 1, 4), nullptr, 16)));
+          const std::string hex = d.substr(i + 1, 4);
+          if (hex.find_first_not_of("0123456789abcdefABCDEF") != std::string::npos) throw bad();
+          llm::append_utf8(s, uint32_t(std::stoul(hex, nullptr, 16)));
           i += 4;
         } else s += e;
       } else {
@@ -169,7 +171,7 @@ class AotiModel : public llm::Model {
       std::stringstream ss(meta["eos_ids"]);
       std::string item;
       while (std::getline(ss, item, ','))
-        if (!item.empty()) info_.eos_ids.push_back(std::stoi(item));
+        if (!item.empty()) info_.eos_ids.push_back(meta_int({{"eos_ids", item}}, "eos_ids", -1));
     }
     std::string dev = meta.count("device") ? meta["device"] : "cpu";
     if (dev == "cuda") device_ = c10::Device(c10::DeviceType::CUDA, 0);
@@ -203,7 +205,11 @@ class AotiModel : public llm::Model {
       throw llm::Error("forward failed: " + first_line(e.what()));
     }
     // logits [1, T, V]: keep the last position, as float32 on the CPU
-    last_ = out.at(0).select(0, 0).select(0, n - 1).to(c10::Device(c10::DeviceType::CPU), at::kFloat).contiguous();
+    if (out.empty() || out[0].dim() != 3 || out[0].size(0) != 1 || out[0].size(1) < 1 ||
+        out[0].size(2) != info_.vocab_size)
+      throw llm::Error("forward returned logits of an unexpected shape (want [1, T, vocab_size of the metadata])");
+    last_ = out[0].select(0, 0).select(0, out[0].size(1) - 1).to(c10::Device(c10::DeviceType::CPU), at::kFloat)
+                .contiguous();
     return last_.data_ptr<float>();
   }
 

@@ -1,8 +1,8 @@
-// SentencePiece encoding for the C++ tokenizer (header-only, C++17): sentencepiece's BPE algorithm over the pieces of
-// tokenizer.bin, as tokenizer.py's SentencePiece encoder gives them (llama2.c's encoder, made exact): '▁' in the input
-// is a space; optional whitespace cleanup; dummy prefix; characters (user-defined pieces atomic); repeatedly merge the
-// adjacent pair whose merged piece scores highest (leftmost on ties); a character without a piece becomes byte
-// pieces (byte fallback) or one <unk> per run of them.
+// SentencePiece encoding for the C++ tokenizer (header-only, C++17): sentencepiece's BPE algorithm over the pieces
+// of tokenizer.bin, as tokenizer.py's SentencePiece encoder gives them (llama2.c's encoder, made exact): '▁' in the
+// input is a space; optional whitespace cleanup; dummy prefix; characters (user-defined pieces atomic); repeatedly
+// merge the adjacent pair whose merged piece scores highest (leftmost on ties); a character without a piece becomes
+// byte pieces (byte fallback) or one <unk> per run of them.
 #pragma once
 
 #include <queue>

@@ -71,7 +71,7 @@ inline std::vector<int> generate(Model& model, const Tokenizer& tok, Sampler& sa
   if (len >= mi.max_seq_len)
     throw Error("prompt of " + std::to_string(len) + " tokens does not fit the context of " +
                 std::to_string(mi.max_seq_len) + " tokens");
-  if (max_new <= 0 || len + max_new > mi.max_seq_len) max_new = mi.max_seq_len - len;
+  if (max_new <= 0 || max_new > mi.max_seq_len - len) max_new = mi.max_seq_len - len;
   std::vector<int64_t> ids(prompt.begin(), prompt.end());
   std::vector<int> out;
   bool done = false;
@@ -192,6 +192,7 @@ inline int run_main_inner(int argc, char** argv, const char* name, const ModelLo
   const double t0 = now_s();
   std::unique_ptr<Model> model = load(o.model_path);
   const ModelInfo& mi = model->info();
+  check_pairing(tok, mi);
   if (!o.quiet)
     std::fprintf(stderr, "%s: loaded %s in %.2f s (%s); tokenizer: %s\n", name, o.model_path.c_str(), now_s() - t0,
                  mi.description.c_str(), describe(tok).c_str());
@@ -199,7 +200,6 @@ inline int run_main_inner(int argc, char** argv, const char* name, const ModelLo
     if (mi.bos_id >= 0) tok.bos_id = mi.bos_id;
     if (!mi.eos_ids.empty()) tok.stop_ids = mi.eos_ids, tok.eos_id = mi.eos_ids[0];
   }
-  check_pairing(tok, mi);
   if (o.ignore_stop) tok.stop_ids.clear();
   Sampler sampler(o.temperature, o.top_p, o.top_k, o.seed);
   if (o.mode == "chat") return chat_loop(*model, tok, sampler, o);

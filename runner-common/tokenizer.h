@@ -24,6 +24,7 @@ namespace llm {
 
 // The longest special token written at text[i]: its length (0 if none) and id.
 inline size_t match_special(const Tokenizer& t, const std::string& text, size_t i, int* id) {
+  if (t.specials.empty()) return 0;
   for (int k : t.specials_by_byte[uint8_t(text[i])]) {
     const std::string& s = t.specials[k].first;
     if (text.compare(i, s.size(), s) == 0) {

@@ -9,6 +9,7 @@
 #   TOK_FUZZ_LONG=1 python -m pytest -q tests/test_tokenizer_fuzz.py, or
 #   python tests/test_tokenizer_fuzz.py --long [--seed N] [--runs N]   # longer local campaign
 # Skips (with the reason) without g++ or where g++ cannot build and run a sanitized program.
+# Also here: the runners' numeric flags are range-checked before anything loads (runner-common/options.h).
 import argparse
 import os
 import random
@@ -214,7 +215,8 @@ def mutate(rng, base: bytes, n_vocab: int):
             elif kind == "score":
                 d[p:p + 4] = struct.pack("<f", rng.choice([float("nan"), float("inf"), -float("inf"), 1e38, -0.0]))
             else:
-                d[p:p + 4] = struct.pack("<I", interesting(rng, kind, struct.unpack_from("<I", d, p)[0], n_vocab, len(d)))
+                orig = struct.unpack_from("<I", d, p)[0]
+                d[p:p + 4] = struct.pack("<I", interesting(rng, kind, orig, n_vocab, len(d)))
             what.append(f"{kind}@{p}")
         elif op == "truncate":
             cuts = [p + k for k in range(-2, 6) for ps in f.values() for p in ps[:50]] + [rng.randrange(len(d) + 1)]
@@ -387,6 +389,26 @@ def test_tokenizer_fuzz(tmp_path):
     assert not failures, f"{len(failures)} failing runs; first ones:\n" + "\n\n".join(failures[:5])
 
 
+def test_runner_flags_are_checked_before_loading(tmp_path):
+    """runner-common/options.h: a bad numeric flag is one error line before the model or tokenizer is opened (the
+    paths given do not exist). Uses the runners test_aoti.py / test_runner_et.py build; skips when neither is built."""
+    import pytest
+    runners = [p for p in (REPO / "runner-aoti" / "build" / "run", REPO / "runner-et" / "build" / "run") if p.exists()]
+    if not runners:
+        pytest.skip("no runner is built (tests/test_aoti.py and tests/test_runner_et.py build them)")
+    bad = [("-n", "-5"), ("-t", "-1"), ("-p", "2"), ("-p", "0"), ("-k", "-1"), ("-s", "-1"), ("-t", "nan"),
+           ("-t", "inf"), ("-n", "1.5"), ("-n", "99999999999"), ("-k", "3x"), ("-t", "")]
+    for runner in runners:
+        for flag, value in bad:
+            r = subprocess.run([str(runner), str(tmp_path / "missing.pte"), "-z", str(tmp_path / "missing.bin"), flag,
+                                value, "-i", "hi"], capture_output=True, text=True)
+            assert r.returncode == 1 and r.stdout == "", (runner, flag, value, r.stderr)
+            assert r.stderr.startswith(f"error: bad value for {flag}: ") and r.stderr.count("\n") == 1, r.stderr
+        r = subprocess.run([str(runner), str(tmp_path / "missing.pte"), "-z", str(tmp_path / "missing.bin"), "-n", "0",
+                            "-t", "0", "-p", "1", "-k", "0", "-s", "0"], capture_output=True, text=True)
+        assert r.returncode == 1 and "cannot open tokenizer" in r.stderr  # valid values: on to loading
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description="fuzz the C++ tokenizer (see the top of this file)")
     ap.add_argument("--long", action="store_true", help=f"{LONG_RUNS} runs instead of {RUNS}")
@@ -405,5 +427,6 @@ if __name__ == "__main__":
     runs = a.runs or (LONG_RUNS if a.long else RUNS)
     failures = campaign(tool, bins, runs, a.seed, a.keep)
     print("\n\n".join(failures[:20]))
-    print(f"{runs} mutated runs (seed {a.seed}): {len(failures)} failures" + (f"; cases in {a.keep}" if failures else ""))
+    print(f"{runs} mutated runs (seed {a.seed}): {len(failures)} failures"
+          + (f"; cases in {a.keep}" if failures else ""))
     sys.exit(1 if failures else 0)
