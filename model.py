@@ -19,7 +19,6 @@
 import json
 import math
 from dataclasses import asdict, dataclass, fields
-from pathlib import Path
 from typing import Optional
 
 import torch
@@ -235,8 +234,8 @@ class Attention(nn.Module):
         self.rope = Rotary()
         self.kv_cache: Optional[KVCache] = None  # set by setup_caches()
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, input_pos: Tensor,
-                batch_index: Optional[Tensor] = None) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, input_pos: Tensor, batch_index: Optional[Tensor] = None,
+                mask: Optional[Tensor] = None) -> Tensor:
         B, T, _ = x.shape
         q_size, kv_size = self.n_head * self.head_dim, self.n_kv * self.head_dim
         q, k, v = self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
@@ -272,7 +271,7 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
 
     def forward(self, x, cos, sin, input_pos, batch_index=None, mask=None):
-        h = x + self.attention(self.attention_norm(x), cos, sin, mask, input_pos, batch_index)
+        h = x + self.attention(self.attention_norm(x), cos, sin, input_pos, batch_index=batch_index, mask=mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
