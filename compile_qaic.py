@@ -1,7 +1,6 @@
-# Compile an export_onnx.py graph for Qualcomm Cloud AI 100 with qaic-exec, and run the QPC (QpcBackend).
-#
 # Over 500 lines: the compiler inputs (specializations, custom IO, partition config), the exact qaic-exec command,
 # the QPC cache and QpcBackend (the qaicrt session) are one stage; each part is short.
+# Compile an export_onnx.py graph for Qualcomm Cloud AI 100 with qaic-exec, and run the QPC (QpcBackend).
 #
 #     python compile_qaic.py --checkpoint_path checkpoints/SmolLM2-135M-Instruct/model.pth --output_dir out/ \
 #         --num_cores 14 --batch_size 1 --prompt_len 32 --ctx_len 128 --mxfp6 [--mxint8] [--mos 1] \

@@ -1,8 +1,7 @@
-# Export model.py's Transformer to ONE ONNX graph shared by prefill and decode (the graph contract Qualcomm's
-# QEfficient uses for Cloud AI 100), check it on ONNX Runtime, and run it there (OnnxBackend).
-#
 # Over 500 lines: export, fp16 clipping, the ONNX Runtime self-check and OnnxBackend belong together (one graph
 # contract); splitting them would spread that contract over several files.
+# Export model.py's Transformer to ONE ONNX graph shared by prefill and decode (the graph contract Qualcomm's
+# QEfficient uses for Cloud AI 100), check it on ONNX Runtime, and run it there (OnnxBackend).
 #
 #     python export_onnx.py --checkpoint_path checkpoints/SmolLM2-135M-Instruct/model.pth --output_dir out/
 #     python export_onnx.py ... --full_batch_size 4          # continuous batching: adds a batch_index input

@@ -136,7 +136,7 @@ def casefold_table() -> list:
 
 # ----------------------------------------------------------------------------------------------------------- chat
 def render_chat(kind: int, messages, add_generation_prompt=True, default_system=None, bos="", eos=""):
-    """The renderings the C++ runner implements (runner-common/tokenizer.h). Used to check a template's kind."""
+    """The renderings the C++ runner implements (runner-common/chat.h). Used to check a template's kind."""
     out = ""
     if kind == CHAT_CHATML:
         if default_system is not None and (not messages or messages[0]["role"] != "system"):

@@ -157,7 +157,7 @@ def build_tok_tool() -> Path:
     """Compile runner-common/tok_tool.cpp once (rebuilt when a source is newer than the binary)."""
     if shutil.which("g++") is None:
         pytest.skip("g++ is not installed: cannot build the C++ tokenizer")
-    srcs = [REPO / "runner-common" / "tok_tool.cpp", REPO / "runner-common" / "tokenizer.h"]
+    srcs = [REPO / "runner-common" / "tok_tool.cpp", *sorted((REPO / "runner-common").glob("*.h"))]
     if TOOL.exists() and TOOL.stat().st_mtime > max(s.stat().st_mtime for s in srcs):
         return TOOL
     BUILD.mkdir(parents=True, exist_ok=True)
