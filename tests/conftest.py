@@ -131,3 +131,12 @@ def assert_clean_error(r, pattern: str = ""):
     errors = [l for l in r.stderr.splitlines() if l.startswith("error: ")]
     assert len(errors) == 1, r.stderr
     assert re.search(pattern, errors[0], re.I), errors[0]
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models: one thread is several times faster than two on a shared machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -9,13 +9,7 @@ import generate as G
 import speculative as SP
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models: one thread is several times faster than two on a shared machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: see conftest.one_thread
 
 
 @pytest.fixture(scope="module")
