@@ -6,14 +6,20 @@
 #   python bench.py                                  # default rows on the default model
 #   python bench.py --rows "compile fp32,compile int4 g32" --runs 5 --max_new_tokens 128 --json bench.json
 #   python bench.py --rows all --threads 1           # everything; 1 thread gives stable figures on a shared machine
+#   python bench.py --rows peer --threads 2 --rounds 5 --runs 1   # against llama.cpp, rows interleaved round by round
 #
 # A row runs generate.py (any backend, any mode) or one of the C++ runners with greedy decoding, so every row of a
 # prompt produces the same tokens. Artifacts a row needs (quantized checkpoints, .pte / .pt2 / ONNX files,
 # tokenizer.bin, runner binaries) are built first with the stage's own script when missing, in <checkpoint_dir>/bench/.
 # "vs" is the row a row is compared with (the issue targets: quantized vs float32, runner-et 8da4w vs float32,
 # a decoding mode vs plain decoding); the ratio is shown when both rows ran. The figures of a generate.py row are
-# generate.Emitter's (one definition of TTFT, prefill and decode tok/s for every backend and mode).
+# generate.Emitter's (one definition of TTFT, prefill and decode tok/s for every backend and mode). "llama.cpp" rows
+# time llama-cpp-python on the same weights written as GGUF (scripts/llamacpp_peer.py; skipped with one line when the
+# package is absent); each of our rows shows its ratio to the llama.cpp row of its precision when that row ran.
+# --rounds N runs the whole row list N times, interleaved, and reports the median over rounds (a shared machine's
+# slow spells then hit every row alike).
 import argparse
+import importlib.util
 import json
 import os
 import re
@@ -25,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from common import DEFAULT_CHECKPOINT, REPO, cli, write_atomic
+from common import DEFAULT_CHECKPOINT, REPO, cli, peak_memory_mb, write_atomic
 
 CK = DEFAULT_CHECKPOINT.parent
 PY = sys.executable
@@ -65,55 +71,72 @@ BUILD = {
     "{art}/onnx/model.onnx": [PY, "export_onnx.py", "--checkpoint_path", "{ck}/model.pth", "--output_dir",
                               "{art}/onnx"],
     "{art}/tokenizer.bin": [PY, "scripts/export_tokenizer_bin.py", "{ck}", "-o", "{art}/tokenizer.bin"],
+    **{f"{{art}}/{t}.gguf": [PY, "scripts/llamacpp_peer.py", "write", "--checkpoint_path", "{ck}/model.pth",
+                              "--type", t, "--output", f"{{art}}/{t}.gguf"] for t in ("f32", "f16", "q8_0", "q4_0")},
     "runner-et/build/run": ["sh", "-c", "cmake -S runner-et -B runner-et/build && cmake --build runner-et/build -j2"],
     "runner-aoti/build/run": ["sh", "-c",
                               "cmake -S runner-aoti -B runner-aoti/build && cmake --build runner-aoti/build -j2"],
 }
 
 
-def gen(*args, weights="{ck}/model.pth", prompt="story", vs=None, needs=()):
+def gen(*args, weights="{ck}/model.pth", prompt="story", vs=None, needs=(), peer=None):
     """A generate.py row. weights: the checkpoint whose bytes one decode step reads (for GB/s)."""
     args = list(args)
     if "--checkpoint_path" in args:
         weights = args[args.index("--checkpoint_path") + 1]
     ck = [a for a in args if a.startswith("{ck}/model")]  # a quantized target or draft is built if missing
-    return dict(kind="gen", args=args, weights=weights, prompt=prompt, vs=vs, needs=[*ck, *needs])
+    return dict(kind="gen", args=args, weights=weights, prompt=prompt, vs=vs, needs=[*ck, *needs], peer=peer)
 
 
-def runner(binary, artifact, weights, vs=None):
-    """A C++ runner row: ./binary artifact -z tokenizer.bin -i prompt -n N -t 0 -x."""
+def runner(binary, artifact, weights, vs=None, peer=None):
+    """A C++ runner row: ./binary artifact -z tokenizer.bin -i prompt -n N -t 0 -x -j threads."""
     return dict(kind="runner", binary=binary, artifact=artifact, weights=weights, prompt="story", vs=vs,
-                needs=[artifact, "{art}/tokenizer.bin", binary])
+                needs=[artifact, "{art}/tokenizer.bin", binary], peer=peer)
 
 
-def artifact_row(flag, artifact, weights, vs=None):
-    return gen(flag, artifact, "--tokenizer_path", "{ck}", weights=weights, vs=vs, needs=[artifact])
+def artifact_row(flag, artifact, weights, vs=None, peer=None):
+    return gen(flag, artifact, "--tokenizer_path", "{ck}", weights=weights, vs=vs, needs=[artifact], peer=peer)
+
+
+def llamacpp(kind):
+    """llama.cpp (llama-cpp-python) decoding the same weights as a GGUF of this kind, same prompt and threads."""
+    gguf = f"{{art}}/{kind}.gguf"
+    return dict(kind="peer", gguf=gguf, weights=gguf, prompt="story", vs=None, needs=[gguf], peer=None)
 
 
 ROWS = {
-    "eager fp32": gen(),
-    "compile fp32": gen("--compile", vs="eager fp32"),
+    "llama.cpp F32": llamacpp("f32"),
+    "llama.cpp F16": llamacpp("f16"),
+    "llama.cpp Q8_0": llamacpp("q8_0"),
+    "llama.cpp Q4_0": llamacpp("q4_0"),
+    "eager fp32": gen(peer="llama.cpp F32"),
+    "compile fp32": gen("--compile", vs="eager fp32", peer="llama.cpp F32"),
     "eager bf16": gen("--dtype", "bfloat16", vs="eager fp32"),
-    "compile bf16": gen("--compile", "--dtype", "bfloat16", vs="compile fp32"),
+    "compile bf16": gen("--compile", "--dtype", "bfloat16", vs="compile fp32", peer="llama.cpp F16"),
     "eager int8": gen("--checkpoint_path", "{ck}/model_int8.pth", vs="eager fp32"),
-    "compile int8": gen("--compile", "--checkpoint_path", "{ck}/model_int8.pth", vs="compile fp32"),
-    "compile int4 g32": gen("--compile", "--checkpoint_path", "{ck}/model_int4.g32.pth", vs="compile fp32"),
+    "compile int8": gen("--compile", "--checkpoint_path", "{ck}/model_int8.pth", vs="compile fp32",
+                        peer="llama.cpp Q8_0"),
+    "compile int4 g32": gen("--compile", "--checkpoint_path", "{ck}/model_int4.g32.pth", vs="compile fp32",
+                            peer="llama.cpp Q4_0"),
     "compile 8da4w g32": gen("--compile", "--checkpoint_path", "{ck}/model_8da4w.g32.pth", vs="compile fp32"),
     "compile bf16 int8": gen("--compile", "--dtype", "bfloat16", "--checkpoint_path", "{ck}/model_int8.pth",
                              vs="compile fp32"),
     "compile bf16 int4 g32": gen("--compile", "--dtype", "bfloat16", "--checkpoint_path", "{ck}/model_int4.g32.pth",
                                  vs="compile fp32"),
     # exported programs, through generate.py (Python runtimes) and through the C++ runners
-    "aoti fp32": artifact_row("--aoti_package", "{art}/fp32.s256.pt2", "{ck}/model.pth", vs="compile fp32"),
+    "aoti fp32": artifact_row("--aoti_package", "{art}/fp32.s256.pt2", "{ck}/model.pth", vs="compile fp32",
+                              peer="llama.cpp F32"),
     "aoti int8": artifact_row("--aoti_package", "{art}/int8.s256.pt2", "{ck}/model_int8.pth", vs="aoti fp32"),
-    "runner-aoti fp32": runner("runner-aoti/build/run", "{art}/fp32.s256.pt2", "{ck}/model.pth", vs="aoti fp32"),
+    "runner-aoti fp32": runner("runner-aoti/build/run", "{art}/fp32.s256.pt2", "{ck}/model.pth", vs="compile fp32",
+                               peer="llama.cpp F32"),
     "runner-aoti int8": runner("runner-aoti/build/run", "{art}/int8.s256.pt2", "{ck}/model_int8.pth",
                                vs="runner-aoti fp32"),
     "pte fp32": artifact_row("--pte", "{art}/fp32.s256.pte", "{ck}/model.pth", vs="eager fp32"),
     "pte 8da4w g32": artifact_row("--pte", "{art}/8da4w.g32.s256.pte", "{ck}/model_8da4w.g32.pth", vs="pte fp32"),
-    "runner-et fp32": runner("runner-et/build/run", "{art}/fp32.s256.pte", "{ck}/model.pth", vs="pte fp32"),
+    "runner-et fp32": runner("runner-et/build/run", "{art}/fp32.s256.pte", "{ck}/model.pth", vs="pte fp32",
+                             peer="llama.cpp F32"),
     "runner-et 8da4w g32": runner("runner-et/build/run", "{art}/8da4w.g32.s256.pte", "{ck}/model_8da4w.g32.pth",
-                                  vs="runner-et fp32"),
+                                  vs="runner-et fp32", peer="llama.cpp Q4_0"),
     "runner-et fp32 ctx1024": runner("runner-et/build/run", "{art}/fp32.pte", "{ck}/model.pth", vs="runner-et fp32"),
     "runner-et 8da4w g32 ctx1024": runner("runner-et/build/run", "{art}/8da4w.g32.pte", "{ck}/model_8da4w.g32.pth",
                                           vs="runner-et fp32 ctx1024"),
@@ -142,6 +165,9 @@ GROUPS = {  # --rows shorthands
               "eager lookahead code", "compile fp32 code", "eager fp32", "eager fp32 cb4",
               "compile fp32 cb4"],
 }
+GROUPS["peer"] = ["llama.cpp F32", "compile fp32", "aoti fp32", "runner-aoti fp32", "runner-et fp32",
+                  "llama.cpp F16", "compile bf16", "llama.cpp Q8_0", "compile int8", "llama.cpp Q4_0",
+                  "compile int4 g32", "runner-et 8da4w g32"]
 GROUPS["all"] = list(ROWS)
 
 
@@ -164,7 +190,7 @@ def child(args):
     runs = G.main([*args.gen_args, "--temperature", "0", "--max_new_tokens", str(args.max_new_tokens),
                    "--num_samples", str(args.runs + 1), "--quiet"])[1:]
     med = {k: statistics.median(r[k] for r in runs) for k in ("decode_tok_s", "prefill_tok_s", "ttft_s")}
-    med.update(peak_rss_mb=G.peak_memory_mb(torch.device(G.parse_args(args.gen_args).device)),
+    med.update(peak_rss_mb=peak_memory_mb(torch.device(G.parse_args(args.gen_args).device)),
                prompt_tokens=runs[0]["prompt_tokens"], new_tokens=runs[0]["new_tokens"],
                decode_runs=[r["decode_tok_s"] for r in runs])
     for k in ("acceptance_rate", "mean_accepted", "tokens_per_step"):
@@ -173,10 +199,22 @@ def child(args):
     print(json.dumps(med))
 
 
+def run_peer(row, args, fill):
+    """llama.cpp through scripts/llamacpp_peer.py: same prompt, token count, threads and number of runs."""
+    cmd = [PY, "scripts/llamacpp_peer.py", "time", "--gguf", fill(row["gguf"]), "--tokenizer_path", fill("{ck}"),
+           "--threads", str(args.threads or torch.get_num_threads()), "--prompt", PROMPTS["story"],
+           "--max_new_tokens", str(args.max_new_tokens), "--runs", str(args.runs), "--n_ctx", "512", "--quiet"]
+    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError((r.stderr.strip().splitlines() or ["?"])[-1])
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
 def run_runner(row, args, fill):
     """The C++ runner, runs + 1 times (the first warms the page cache); medians of what it prints on stderr."""
     cmd = [str(REPO / fill(row["binary"])), fill(row["artifact"]), "-z", fill("{art}/tokenizer.bin"), "-i",
-           PROMPTS["story"], "-n", str(args.max_new_tokens), "-t", "0", "-x"]
+           PROMPTS["story"], "-n", str(args.max_new_tokens), "-t", "0", "-x",
+           "-j", str(args.threads or torch.get_num_threads())]
     runs, rss = [], 0.0
     for _ in range(args.runs + 1):
         p = subprocess.run(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -214,10 +252,17 @@ def run_row(name, args, bw, nproc=1):
     row = ROWS[name]
     art = Path(args.checkpoint_dir) / "bench"
     fill = lambda a: a.format(ck=args.checkpoint_dir, art=art)
+    if row["kind"] == "peer" and importlib.util.find_spec("llama_cpp") is None:
+        print(f"[{name}] skipped: llama-cpp-python is not installed "
+              f"(CMAKE_ARGS=\"-DGGML_NATIVE=ON\" pip install llama-cpp-python==0.3.36)", file=sys.stderr)
+        return dict(name=name, error="skipped: llama-cpp-python is not installed")
     try:
         for need in row["needs"]:
             build(need, fill)
-        if row["kind"] == "runner":
+        if row["kind"] == "peer":
+            res = run_peer(row, args, fill)
+            size_of = fill(row["gguf"])
+        elif row["kind"] == "runner":
             res = run_runner(row, args, fill)
             size_of = fill(row["artifact"])
         else:
@@ -243,17 +288,33 @@ def run_row(name, args, bw, nproc=1):
                             if a in ("--pte", "--aoti_package", "--onnx", "--checkpoint_path")), None)
     except (RuntimeError, OSError, subprocess.SubprocessError) as e:
         print(f"[{name}] failed: {e}", file=sys.stderr)
-        return dict(name=name, error=str(e))
+        return dict(name=name, error=f"failed: {e}")
     res["name"] = name if nproc == 1 else f"{name} tp{nproc}"
-    res["world_size"], res["vs"] = nproc, row["vs"]
+    res["world_size"], res["vs"], res["peer"] = nproc, row["vs"], row["peer"]
     res["file_mb"] = _file_mb(Path(size_of)) if size_of else None
-    res["weight_bytes"] = _weight_bytes(fill(row["weights"]))
+    # a GGUF holds exactly the tensors one step reads (tied embedding once): its size is the weight bytes
+    res["weight_bytes"] = (Path(size_of).stat().st_size if row["kind"] == "peer"
+                           else _weight_bytes(fill(row["weights"])))
     if row["prompt"] != "cb":  # a continuous-batching row reads the weights once per step for several sequences
         res["gb_s"] = res["weight_bytes"] * res["decode_tok_s"] / 1e9
         res["pct_of_ceiling"] = 100 * res["gb_s"] / bw
         res["ceiling_tok_s"] = bw * 1e9 / res["weight_bytes"]
     print(f"[{res['name']}] decode {res['decode_tok_s']:.2f} tok/s", file=sys.stderr)
     return res
+
+
+def merge_rounds(rs: tuple) -> dict:
+    """One row's results from several interleaved rounds: medians over the rounds, every run's decode tok/s kept."""
+    ok = [r for r in rs if "error" not in r]
+    if len(ok) < len(rs):
+        return next(r for r in rs if "error" in r)
+    out = dict(ok[0])
+    for k in ("decode_tok_s", "prefill_tok_s", "ttft_s", "gb_s", "pct_of_ceiling"):
+        if k in out:
+            out[k] = statistics.median(r[k] for r in ok)
+    out["peak_rss_mb"] = max(r["peak_rss_mb"] for r in ok)
+    out["decode_runs"] = [x for r in ok for x in r["decode_runs"]]
+    return out
 
 
 def _file_mb(p: Path) -> float:
@@ -276,15 +337,18 @@ def table(results, bw):
     by_name = {r["name"]: r for r in results if "error" not in r}
     lines = [f"memory bandwidth (measured, read): {bw:.1f} GB/s",
              "",
-             "| row | decode tok/s | vs | ratio | prefill tok/s | TTFT ms | file MB | weights MB | GB/s | "
-             "% of ceiling | ceiling tok/s | peak RSS MB |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| row | decode tok/s | vs | ratio | vs llama.cpp (decode / prefill) | prefill tok/s | TTFT ms | file MB | "
+             "weights MB | GB/s | % of ceiling | ceiling tok/s | peak RSS MB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         if "error" in r:
-            lines.append(f"| {r['name']} | failed: {r['error']} |||||||||||")
+            lines.append(f"| {r['name']} | {r['error']} ||||||||||||")
             continue
         base = by_name.get(r["vs"])
         ratio = f"{r['decode_tok_s'] / base['decode_tok_s']:.2f}x" if base and base["decode_tok_s"] else "-"
+        peer = by_name.get(r.get("peer"))
+        ratio += (f" | {r['peer']}: {r['decode_tok_s'] / peer['decode_tok_s']:.2f}x / "
+                  f"{r['prefill_tok_s'] / peer['prefill_tok_s']:.2f}x" if peer and peer["decode_tok_s"] else " | -")
         extra = f" ({r['tokens_per_step']:.2f} tok/step)" if "tokens_per_step" in r else ""
         ceil = (f"{r['gb_s']:.1f} | {r['pct_of_ceiling']:.0f}% | {r['ceiling_tok_s']:.1f}" if "gb_s" in r
                 else "- | - | -")
@@ -312,10 +376,15 @@ def main():
     p.add_argument("--json", default="bench.json")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads per row (default: torch's); 1 gives stable per-core figures on a shared machine")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the whole row list this many times, interleaved; report medians over rounds")
     p.add_argument("--nproc", default="1", help="tensor-parallel world sizes (torchrun), e.g. 1,2,4")
     p.add_argument("--_child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("gen_args", nargs="*", help=argparse.SUPPRESS)
     args = p.parse_args()
+    for flag in ("runs", "rounds", "max_new_tokens", "threads"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            raise ValueError(f"--{flag} must be >= 1")
     if args._child:
         return child(args)
     if args.threads:  # rows inherit it through the environment
@@ -333,12 +402,18 @@ def main():
         download.prepare_default(Path(args.checkpoint_dir))
     bw = measure_bandwidth()
     print(f"measured read bandwidth: {bw:.1f} GB/s ({torch.get_num_threads()} threads)", file=sys.stderr)
-    results = [run_row(n, args, bw, int(k)) for n in names for k in args.nproc.split(",")]
+    rounds = []
+    for i in range(args.rounds):
+        if args.rounds > 1:
+            print(f"round {i + 1} of {args.rounds}", file=sys.stderr)
+        rounds.append([run_row(n, args, bw, int(k)) for n in names for k in args.nproc.split(",")])
+    results = [merge_rounds(rs) for rs in zip(*rounds)]
     md = table(results, bw)
     print(md)
     out = dict(machine=dict(cpu_count=os.cpu_count(), threads=torch.get_num_threads(), bandwidth_gb_s=bw,
                             torch=torch.__version__, device=args.device),
-               settings=dict(runs=args.runs, max_new_tokens=args.max_new_tokens, prompts=PROMPTS), rows=results)
+               settings=dict(runs=args.runs, rounds=args.rounds, max_new_tokens=args.max_new_tokens, prompts=PROMPTS),
+               rows=results)
     write_atomic(args.json, json.dumps(out, indent=1))
 
 

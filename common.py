@@ -3,6 +3,7 @@
 # `error: ...` line. Imports nothing from this repo except, lazily, scripts/download.py to prepare the default model.
 import contextlib
 import os
+import resource
 import shutil
 import signal
 import sys
@@ -110,6 +111,18 @@ def check_device(device: str) -> None:
         raise ValueError("--device cuda but no CUDA device is available")
     if device == "mps" and not torch.backends.mps.is_available():
         raise ValueError("--device mps but MPS is not available")
+
+
+def peak_memory_mb(device) -> float:
+    """Peak memory of this process: CUDA's allocator high-water mark, else VmHWM."""
+    import torch
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated() / 2**20
+    try:  # this process's own high-water mark (ru_maxrss would also count what a parent had before exec)
+        status = Path("/proc/self/status").read_text()
+        return int(status.split("VmHWM:")[1].split()[0]) / 1024
+    except (OSError, IndexError, ValueError):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB, macOS bytes
 
 
 def _on_sigterm(signum, frame):

@@ -13,7 +13,6 @@
 # Deliberate lazy plugin imports (the only ones back to importers of this file): load_backend() imports the backend
 # classes of aoti_export / et_export / export_onnx / compile_qaic, make_decode_mode() imports speculative.py.
 import argparse
-import resource
 import sys
 import time
 from pathlib import Path
@@ -22,7 +21,7 @@ from typing import Callable, Optional
 import torch
 
 import tp  # tensor parallelism under torchrun
-from common import DEFAULT_CHECKPOINT, REPO, check_device, cli, resolve_checkpoint
+from common import DEFAULT_CHECKPOINT, REPO, check_device, cli, peak_memory_mb, resolve_checkpoint
 from model import load_model
 
 
@@ -283,16 +282,6 @@ def weight_bytes(model) -> int:
     return total
 
 
-def peak_memory_mb(device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated() / 2**20
-    try:  # this process's own high-water mark (ru_maxrss would also count what a parent had before exec)
-        status = Path("/proc/self/status").read_text()
-        return int(status.split("VmHWM:")[1].split()[0]) / 1024
-    except (OSError, IndexError, ValueError):
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB, macOS bytes
-
-
 # ----------------------------------------------------------------------------------------------------------- CLI
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="Generate text with a LLaMA-family model on any backend.")
@@ -312,6 +301,7 @@ def parse_args(argv=None):
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step")
     p.add_argument("--compile_prefill", action="store_true", help="also compile prefill (dynamic length)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "mps"])
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's, all cores)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--max_seq_length", type=int, default=None, help="KV cache length (default: prompt + new tokens)")
     p.add_argument("--prefill_chunk", type=int, default=None, help="process prompts in fixed chunks of N tokens")
@@ -382,6 +372,9 @@ def main(argv=None) -> list[dict]:
     """Runs generate.py; returns each timed run's stats (bench.py reads them)."""
     args = parse_args(argv)
     check_device(args.device)
+    if args.threads is not None and args.threads < 1:
+        raise ValueError("--threads must be >= 1")
+    torch.set_num_threads(args.threads or torch.get_num_threads())  # OpenMP threads spinning on busy cores: slow
     prompts = None if args.chat else read_prompts(args)
     decode_mode = None if args.chat else make_decode_mode(args, len(prompts))  # checks its flags before loading
     device = torch.device(args.device)

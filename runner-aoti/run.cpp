@@ -2,6 +2,7 @@
 //   ./runner-aoti/build/run smollm2.pt2 -z tokenizer.bin -i "Once upon a time" -n 256 -t 0.8 -p 0.9 -s 42
 // This file only adapts torch::inductor::AOTIModelPackageLoader to llm::Model; the tokenizer, sampler and the
 // generate / chat loops live in runner-common/ and are shared with runner-et.
+#include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <c10/core/InferenceMode.h>
 #include <torch/csrc/inductor/aoti_package/model_package_loader.h>
@@ -226,5 +227,8 @@ class AotiModel : public llm::Model {
 
 int main(int argc, char** argv) {
   return llm::run_main(argc, argv, "runner-aoti",
-                       [](const std::string& path) { return std::make_unique<AotiModel>(path); });
+                       [](const std::string& path, int threads) {
+                         if (threads > 0) at::set_num_threads(threads);  // libtorch's OpenMP pool (Inductor's kernels)
+                         return std::make_unique<AotiModel>(path);
+                       });
 }

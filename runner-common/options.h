@@ -21,7 +21,7 @@ struct Options {
   std::string model_path, tokenizer_path, prompt, system_prompt, mode = "generate";
   bool has_prompt = false, encode_only = false, quiet = false, ignore_stop = false;
   float temperature = 1.0f, top_p = 0.9f;
-  int top_k = 0, steps = 256;
+  int top_k = 0, steps = 256, threads = 0;  // threads 0: OMP_NUM_THREADS, else the libraries' default
   unsigned long long seed = 0;
 };
 
@@ -41,11 +41,12 @@ inline void usage(const char* name) {
                "  -y <string> system prompt (chat mode)\n"
                "  -e          encode only: print the prompt's token ids and exit (no model is loaded)\n"
                "  -q          quiet: no timings on stderr\n"
-               "  -x          ignore stop tokens: always generate -n tokens (benchmarks)\n",
+               "  -x          ignore stop tokens: always generate -n tokens (benchmarks)\n"
+               "  -j <int>    CPU threads >= 1 (default: $OMP_NUM_THREADS, else all cores; state it with any timing)\n",
                name, name);
 }
 
-// The numeric flags -t -p -k -s -n: the whole value must be a number in the flag's range.
+// The numeric flags -t -p -k -s -n -j: the whole value must be a number in the flag's range.
 inline void set_number(Options& o, char flag, const std::string& v) {
   auto bad = [&](const char* want) {
     return Error("bad value for -" + std::string(1, flag) + ": " + v + " (" + want + ")");
@@ -72,7 +73,8 @@ inline void set_number(Options& o, char flag, const std::string& v) {
     return;
   }
   if (x > (unsigned long long)INT_MAX) throw bad("too large");
-  (flag == 'k' ? o.top_k : o.steps) = int(x);
+  if (flag == 'j' && x < 1) throw bad("want at least 1 thread");
+  (flag == 'k' ? o.top_k : flag == 'j' ? o.threads : o.steps) = int(x);
 }
 
 inline Options parse_args(int argc, char** argv) {
@@ -94,7 +96,7 @@ inline Options parse_args(int argc, char** argv) {
     if (f == 'q') { o.quiet = true; continue; }
     if (f == 'x') { o.ignore_stop = true; continue; }
     if (f == 'h') { usage(argv[0]); std::exit(0); }
-    if (std::string("tpksnizmy").find(f) == std::string::npos) throw Error("unknown option " + a + " (see -h)");
+    if (std::string("tpksnjizmy").find(f) == std::string::npos) throw Error("unknown option " + a + " (see -h)");
     if (i + 1 >= argc) throw Error("option " + a + " needs a value");
     std::string v = argv[++i];
     switch (f) {

@@ -41,7 +41,8 @@ class Model {
   virtual const float* forward(const int64_t* tokens, int n, int64_t pos) = 0;
 };
 
-using ModelLoader = std::function<std::unique_ptr<Model>(const std::string& path)>;
+// threads: -j (0 = not given: the runner keeps $OMP_NUM_THREADS or its library's default)
+using ModelLoader = std::function<std::unique_ptr<Model>(const std::string& path, int threads)>;
 
 inline double now_s() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
@@ -190,7 +191,7 @@ inline int run_main_inner(int argc, char** argv, const char* name, const ModelLo
     return 0;
   }
   const double t0 = now_s();
-  std::unique_ptr<Model> model = load(o.model_path);
+  std::unique_ptr<Model> model = load(o.model_path, o.threads);
   const ModelInfo& mi = model->info();
   check_pairing(tok, mi);
   if (!o.quiet)

@@ -141,11 +141,12 @@ void log_message(et_timestamp_t, et_pal_log_level_t level, const char* file, con
 int main(int argc, char** argv) {
   executorch::runtime::register_pal(executorch::runtime::PalImpl::create(log_message, __FILE__));
   executorch::runtime::runtime_init();
-  // OMP_NUM_THREADS sizes XNNPACK's thread pool, as it sizes libtorch's OpenMP pool in runner-aoti
-  if (const char* env = std::getenv("OMP_NUM_THREADS")) {
-    int n = std::atoi(env);
+  return llm::run_main(argc, argv, "runner-et", [](const std::string& path, int threads) {
+    // -j, else OMP_NUM_THREADS, sizes XNNPACK's thread pool (as both size libtorch's OpenMP pool in runner-aoti)
+    const char* env = std::getenv("OMP_NUM_THREADS");
+    int n = threads > 0 ? threads : env ? std::atoi(env) : 0;
     auto* pool = executorch::extension::threadpool::get_threadpool();
     if (n > 0 && pool) pool->_unsafe_reset_threadpool(uint32_t(n));
-  }
-  return llm::run_main(argc, argv, "runner-et", [](const std::string& path) { return std::make_unique<EtModel>(path); });
+    return std::make_unique<EtModel>(path);
+  });
 }
