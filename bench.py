@@ -241,6 +241,9 @@ def build(path_tpl, fill):
         target = REPO / target
     if target.exists():
         return
+    for dep in BUILD[path_tpl]:  # an artifact made from another one (the 8da4w .pte from its checkpoint)
+        if dep in BUILD:
+            build(dep, fill)
     print(f"building {target} ...", file=sys.stderr)
     target.parent.mkdir(parents=True, exist_ok=True)
     r = subprocess.run([fill(a) for a in BUILD[path_tpl]], cwd=REPO, capture_output=True, text=True)

@@ -62,6 +62,12 @@ try:
         _add_dont_fold(getattr(getattr(torch.ops.aten, _name), _overload))
 except (ImportError, AttributeError):  # pragma: no cover - older/newer torch without this hook: still correct
     pass
+# An Inductor prim that materializes its input (a copy when the strides differ, else the buffer as is): see fused_linear.
+try:
+    import torch._inductor.inductor_prims  # noqa: F401  (registers torch.ops.prims.inductor_force_stride_order)
+    _FORCE_STRIDE = torch.ops.prims.inductor_force_stride_order
+except (ImportError, AttributeError):  # pragma: no cover - still correct without it, slower
+    _FORCE_STRIDE = None
 
 
 # ----------------------------------------------------------------------------------------------------------- schemes
@@ -281,16 +287,30 @@ class QuantizedWeight(nn.Module):
     _int4_cpu = None
 
     _int8_words = None
+    _int4_words = None
 
     def _rebuild_native(self):
         self._int4_cpu = None
         self._int8_words = None
+        self._int4_words = None
         if self.bits == 8 and self.qdata.device.type == "cpu" and self.in_features % 4 == 0:
             # compiled decode reads int8 weights as int32 words (see fused_linear): byte j of word i holds
             # q[:, j*K/4 + i] + 128. A plain attribute (not saved), rebuilt whenever the module moves.
             N, K = self.qdata.shape
             u = (self.qdata.to(torch.int32) + 128).view(N, 4, K // 4)
             self._int8_words = (u[:, 0] | (u[:, 1] << 8) | (u[:, 2] << 16) | (u[:, 3] << 24)).contiguous()
+        if self.bits == 4 and self.qdata.device.type == "cpu" and self.groupsize % 8 == 0:
+            # compiled decode reads int4 weights as int32 words, transposed (see fused_linear): [K/G, G/8, N], nibble j
+            # (bits 4j..4j+3) of word [g, i, n] holds q[n, g*G + j*G/8 + i], so each word's 8 nibbles lie in one group;
+            # scales and zeros transposed too ([K/G, 1, N]). Plain attributes (not saved), rebuilt whenever the module
+            # moves: as many bytes as qdata, plus one float32 per group for each of scales and zeros.
+            N, K, G = self.out_features, self.in_features, self.groupsize
+            q = unpack_int4(self.qdata, G).to(torch.int32).view(N, K // G, 8, G // 8)
+            w = q[:, :, 0]
+            for j in range(1, 8):
+                w = w | (q[:, :, j] << (4 * j))
+            self._int4_words = (w.permute(1, 2, 0).contiguous(), self.scales.t().unsqueeze(1).float().contiguous(),
+                                None if self.zeros is None else self.zeros.t().unsqueeze(1).float().contiguous())
         if (self.bits == 4 and self.qdata.device.type == "cpu" and self.scales.dtype == torch.bfloat16
                 and hasattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu")):
             s = self.scales
@@ -374,6 +394,22 @@ class QuantizedWeight(nn.Module):
             t = sum(xq[..., j, :] * (((w >> (8 * j)) & 255) - 128) for j in range(4))
             return t.sum(-1) * self.scales
         N, K, G = self.out_features, self.in_features, self.groupsize
+        if self._int4_words is not None and x.numel() == K:
+            # Vectorized along the output channels (an outer reduction over the K/8 word rows): full-width loads of
+            # the int32 words and of the transposed scales / zeros, x broadcast from scalars. Reading nibbles per byte
+            # instead, Inductor loads 8 uint8 lanes of a 32-lane AVX2 vector through a stack buffer (~5x slower).
+            # Two reductions of 4 nibbles each (one fused loop): 8 terms in one expression exceed Inductor's limits on
+            # inlined reads, and it would write the [K/8, N] products to memory first.
+            w, st, zt = self._int4_words
+            x32 = x.reshape(K).float()  # float32 throughout (scales too): bfloat16 loads of 8 lanes are partial
+            if _FORCE_STRIDE is not None:  # x in a buffer of its own: else its producer (an RMSNorm) is recomputed
+                x32 = _FORCE_STRIDE(x32, (1,))  # in the kernel for every vector of outputs (no gain at native ISA)
+            xj = x32.view(K // G, 8, G // 8, 1).transpose(0, 1)              # [8, K/G, G/8, 1]: x of nibble j
+            y = sum((sum(xj[j] * ((w >> (4 * j)) & 15) for j in range(h, h + 4)) * st).sum((0, 1)) for h in (0, 4))
+            xs = group_sums(x32, G).unsqueeze(-1)                            # [K/G, 1]
+            if zt is None or not offset:  # w = (q - 8) s; -8 on x's side (on the scales it would be folded anew)
+                xs, zt = -8 * xs, st
+            return (y + (xs * zt[:, 0]).sum(0)).reshape(*x.shape[:-1], N)           # + zero term
         xg = x.reshape(*x.shape[:-1], 1, K // G, 2, G // 2)        # [..., 1, K/G, 2, G/2]
         p = self.qdata.view(N, K // G, G // 2)                    # [N, K/G, G/2]
         x_hi, x_lo = xg[..., 0, :], xg[..., 1, :]
