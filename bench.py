@@ -202,7 +202,7 @@ def child(args):
 def run_peer(row, args, fill):
     """llama.cpp through scripts/llamacpp_peer.py: same prompt, token count, threads and number of runs."""
     cmd = [PY, "scripts/llamacpp_peer.py", "time", "--gguf", fill(row["gguf"]), "--tokenizer_path", fill("{ck}"),
-           "--threads", str(args.threads or torch.get_num_threads()), "--prompt", PROMPTS["story"],
+           "--threads", str(torch.get_num_threads()), "--prompt", PROMPTS["story"],
            "--max_new_tokens", str(args.max_new_tokens), "--runs", str(args.runs), "--n_ctx", "512", "--quiet"]
     r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     if r.returncode != 0:
@@ -214,7 +214,7 @@ def run_runner(row, args, fill):
     """The C++ runner, runs + 1 times (the first warms the page cache); medians of what it prints on stderr."""
     cmd = [str(REPO / fill(row["binary"])), fill(row["artifact"]), "-z", fill("{art}/tokenizer.bin"), "-i",
            PROMPTS["story"], "-n", str(args.max_new_tokens), "-t", "0", "-x",
-           "-j", str(args.threads or torch.get_num_threads())]
+           "-j", str(torch.get_num_threads())]  # main() applied --threads
     runs, rss = [], 0.0
     for _ in range(args.runs + 1):
         p = subprocess.run(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

@@ -374,7 +374,8 @@ def main(argv=None) -> list[dict]:
     check_device(args.device)
     if args.threads is not None and args.threads < 1:
         raise ValueError("--threads must be >= 1")
-    torch.set_num_threads(args.threads or torch.get_num_threads())  # OpenMP threads spinning on busy cores: slow
+    if args.threads:  # OpenMP threads spinning on busy cores make every step slow: state the count with a timing
+        torch.set_num_threads(args.threads)
     prompts = None if args.chat else read_prompts(args)
     decode_mode = None if args.chat else make_decode_mode(args, len(prompts))  # checks its flags before loading
     device = torch.device(args.device)

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import atomic_path, cli, peak_memory_mb  # noqa: E402
+from common import atomic_path, checkpoint_file, cli, peak_memory_mb  # noqa: E402
 
 TYPES = {"f32": "F32", "f16": "F16", "q8_0": "Q8_0", "q4_0": "Q4_0"}
 
@@ -40,8 +40,6 @@ def write(args):
     m = load_model(args.checkpoint_path, dtype=torch.float32)
     if m.quantization:
         raise ValueError("write a float checkpoint: the GGUF quantization is done here")
-    c = m.config
-    from common import checkpoint_file
     ck = checkpoint_file(args.checkpoint_path)
     out = Path(args.output or ck.with_name(f"{ck.stem}-{args.type}.gguf"))
     qt = getattr(gguf.GGMLQuantizationType, TYPES[args.type])
@@ -136,7 +134,7 @@ def time_decode(args):
     ids = tok.encode(args.prompt)
     llm = llama_cpp.Llama(str(args.gguf), n_ctx=args.n_ctx, n_threads=args.threads, n_threads_batch=args.threads,
                           n_batch=512, verbose=False)
-    V = llama_cpp.llama_n_vocab(llama_cpp.llama_model_get_vocab(llm.model)) if hasattr(llama_cpp, "llama_model_get_vocab") else llm.n_vocab()
+    V = llm.n_vocab()
 
     def last_argmax():  # llm.scores is not filled without logits_all: read the last row's logits directly
         return int(np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(V,)).argmax())
