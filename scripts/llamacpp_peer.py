@@ -129,6 +129,8 @@ def time_decode(args):
     except ImportError:
         raise ImportError("llama-cpp-python is not installed (CMAKE_ARGS=\"-DGGML_NATIVE=ON\" pip install "
                           "llama-cpp-python==0.3.36)") from None
+    if not Path(args.gguf).is_file():
+        raise FileNotFoundError(f"GGUF not found: {args.gguf}")
     from tokenizer import load_tokenizer
     tok = load_tokenizer(args.tokenizer_path or Path(args.gguf).parent)
     ids = tok.encode(args.prompt)
