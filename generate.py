@@ -10,11 +10,16 @@
 # an ExecuTorch .pte, ONNX Runtime and a Cloud AI 100 QPC.
 #
 # This is the generation loop (bench.py, eval.py, speculative.py import it; exporters do not); plumbing is common.py's.
+# Over ~500 lines because it holds both loops: the fixed batch (generate) and the continuous-batching Engine that
+# generate_continuous and server.py share.
 # Deliberate lazy plugin imports (the only ones back to importers of this file): load_backend() imports the backend
 # classes of aoti_export / et_export / export_onnx / compile_qaic, make_decode_mode() imports speculative.py.
 import argparse
 import sys
 import time
+from collections import deque
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -221,53 +226,104 @@ def generate(backend, prompts: list[list[int]], max_new_tokens: int, device, *, 
     return emit.out, emit.stats(sum(lens) - B * start_pos, steps)
 
 
+@dataclass(eq=False)
+class Request:
+    """One sequence for the Engine: prompt ids; keep(tokens) -> bool keeps new tokens and says whether it goes on (an
+    Emitter's put; server.py adds stop strings); its sampling; on_end("stop" | "length" | "cancelled") at its end."""
+    ids: list
+    keep: Callable[[list], bool]
+    temperature: float = 0.0
+    top_k: Optional[int] = None
+    top_p: Optional[float] = None
+    generator: Optional[torch.Generator] = None
+    on_end: Optional[Callable[[str], None]] = None
+
+
+class Engine:
+    """Continuous batching: `slots` cache slots of a backend and a FIFO queue of Requests. step() refills every free
+    slot with the next queued request (prefilled alone, batch 1, into that slot; its first token kept at once), then
+    advances every slot by one token in one forward (empty slots ride along at position -1), each row sampled with
+    its own request's parameters (greedy rows are a plain argmax). A request that ends frees its slot at once.
+    add() and cancel() go between steps: one thread owns the engine (server.py feeds it from its HTTP side).
+    With more than one slot the backend's forward must accept batch_index [B, 1] (rows -> cache slots)."""
+
+    def __init__(self, backend, device, slots: int, prefill_chunk: Optional[int] = None):
+        if slots > backend.max_batch_size:
+            raise ValueError(f"full_batch_size {slots} exceeds the backend's {backend.max_batch_size} slots")
+        self.backend, self.device, self.chunk = backend, device, prefill_chunk or backend.prefill_chunk
+        self.queue, self.steps = deque(), 0                  # waiting Requests; decode forwards so far
+        self.req: list[Optional[Request]] = [None] * slots  # the request each slot holds
+        self.pos, self.tok = [-1] * slots, [0] * slots       # position and token each slot feeds next
+
+    def add(self, r: Request):
+        if len(r.ids) >= self.backend.max_seq_length:
+            raise ValueError(f"prompt of {len(r.ids)} tokens does not fit the context of "
+                             f"{self.backend.max_seq_length} tokens")
+        self.queue.append(r)
+
+    def busy(self) -> bool:
+        return bool(self.queue) or any(r is not None for r in self.req)
+
+    def cancel(self, r: Request):
+        if r in self.queue:
+            self.queue.remove(r)
+            r.on_end and r.on_end("cancelled")
+        elif r in self.req:
+            self._end(self.req.index(r), "cancelled")
+
+    def _end(self, slot, reason):
+        r, self.req[slot], self.pos[slot] = self.req[slot], None, -1
+        r.on_end and r.on_end(reason)
+
+    def _accept(self, slot, t):  # keep a sampled token; free the slot when its sequence ends or reaches the context end
+        if not self.req[slot].keep([t]):
+            self._end(slot, "stop")
+        elif self.pos[slot] + 1 >= self.backend.max_seq_length:
+            self._end(slot, "length")
+        else:
+            self.tok[slot] = t
+
+    def _sample(self, logits, reqs) -> list[int]:
+        greedy = logits.argmax(-1).tolist()
+        return [g if r is None or r.temperature <= 0 else
+                int(sample(logits[b:b + 1], r.temperature, r.top_k, r.top_p, r.generator)[0])
+                for b, (g, r) in enumerate(zip(greedy, reqs))]
+
+    def step(self):
+        n = len(self.req)
+        index = (lambda s: torch.tensor(s, device=self.device).view(-1, 1)) if n > 1 else (lambda s: None)
+        for slot in range(n):
+            if self.req[slot] is None and self.queue:
+                r = self.req[slot] = self.queue.popleft()
+                self.pos[slot] = len(r.ids)
+                logits = prefill(self.backend, [r.ids], self.device, chunk=self.chunk, batch_index=index([slot]))
+                self._accept(slot, self._sample(logits, [r])[0])
+        if all(r is None for r in self.req):
+            return
+        extra = {} if n == 1 else {"batch_index": index(list(range(n)))}
+        logits = self.backend.forward(torch.tensor(self.tok, device=self.device).view(-1, 1),
+                                      torch.tensor([[p] for p in self.pos], device=self.device), **extra)
+        nxt = self._sample(logits[:, -1], self.req)
+        self.steps += 1
+        for slot in range(n):
+            if self.req[slot] is not None:
+                self.pos[slot] += 1
+                self._accept(slot, nxt[slot])
+
+
 def generate_continuous(backend, prompts: list[list[int]], max_new_tokens: int, device, full_batch_size: int, *,
                         temperature=0.0, top_k=None, top_p=None, stop_ids=(), generator=None,
                         on_token: Optional[Callable[[int, int], None]] = None, prefill_chunk: Optional[int] = None):
-    """Continuous batching: full_batch_size cache slots, more prompts than slots. Each decode step advances every
-    slot by one token (empty slots ride along at position -1); a slot whose sequence ends is refilled at once with
-    the next prompt (prefilled alone, batch 1, into that slot). Returns (new token ids per prompt, Emitter.stats():
-    the first token comes after the first prompt's prefill; the later prefills fall in decode_s).
-    The backend's forward must accept batch_index [B, 1] (rows -> cache slots)."""
-    if full_batch_size > backend.max_batch_size:
-        raise ValueError(f"full_batch_size {full_batch_size} exceeds the backend's {backend.max_batch_size} slots")
-    S = backend.max_seq_length
-    for p in prompts:
-        if len(p) >= S:
-            raise ValueError(f"prompt of {len(p)} tokens does not fit the context of {S} tokens")
-    queue = list(range(len(prompts)))
-    seq = [None] * full_batch_size          # which prompt each slot holds
-    pos = [-1] * full_batch_size            # position of the token each slot feeds next
-    tok = [0] * full_batch_size
-    chunk = prefill_chunk or backend.prefill_chunk
+    """Continuous batching of a fixed list of prompts on an Engine with full_batch_size slots. Returns (new token ids
+    per prompt, Emitter.stats(): the first token comes after the first prompt's prefill; later prefills fall in
+    decode_s)."""
+    engine = Engine(backend, device, full_batch_size, prefill_chunk)
     emit = Emitter(len(prompts), max_new_tokens, stop_ids, on_token, device)
-    steps = 0
-
-    def accept(slot, t):  # keep a sampled token; free the slot when its sequence ends or reaches the context end
-        if emit.put(seq[slot], [t]) and pos[slot] + 1 < S:
-            tok[slot] = t
-        else:
-            seq[slot], pos[slot] = None, -1
-
-    while queue or any(s is not None for s in seq):
-        for slot in range(full_batch_size):
-            if seq[slot] is None and queue:
-                i = queue.pop(0)
-                seq[slot], pos[slot] = i, len(prompts[i])
-                logits = prefill(backend, [prompts[i]], device, chunk=chunk, batch_index=torch.tensor([[slot]]))
-                accept(slot, int(sample(logits, temperature, top_k, top_p, generator)[0]))
-        if all(s is None for s in seq):
-            continue
-        ip = torch.tensor([[p] for p in pos], device=device)
-        logits = backend.forward(torch.tensor(tok, device=device).view(-1, 1), ip,
-                                 batch_index=torch.arange(full_batch_size, device=device).view(-1, 1))
-        nxt = sample(logits[:, -1], temperature, top_k, top_p, generator).tolist()
-        steps += 1
-        for slot in range(full_batch_size):
-            if seq[slot] is not None:
-                pos[slot] += 1
-                accept(slot, nxt[slot])
-    return emit.out, emit.stats(sum(map(len, prompts)), steps, prefill_tokens=len(prompts[0]) if prompts else 0)
+    for i, p in enumerate(prompts):
+        engine.add(Request(p, partial(emit.put, i), temperature, top_k, top_p, generator))
+    while engine.busy():
+        engine.step()
+    return emit.out, emit.stats(sum(map(len, prompts)), engine.steps, prefill_tokens=len(prompts[0]) if prompts else 0)
 
 
 def weight_bytes(model) -> int:
@@ -283,11 +339,31 @@ def weight_bytes(model) -> int:
 
 
 # ----------------------------------------------------------------------------------------------------------- CLI
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description="Generate text with a LLaMA-family model on any backend.")
+def add_backend_args(p: argparse.ArgumentParser):
+    """The flags that pick and size a backend (load_backend); server.py takes the same."""
     p.add_argument("--checkpoint_path", type=Path, default=None,
                    help=f"model.pth from scripts/convert_checkpoint.py or quantize.py (default: {DEFAULT_CHECKPOINT.relative_to(REPO)}, prepared on first use)")
     p.add_argument("--tokenizer_path", type=Path, default=None, help="default: the checkpoint's directory")
+    p.add_argument("--compile", action="store_true", help="torch.compile the decode step")
+    p.add_argument("--compile_prefill", action="store_true", help="also compile prefill (dynamic length)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "mps"])
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's, all cores)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--max_seq_length", type=int, default=None,
+                   help="KV cache length (default: prompt + new tokens; server.py: 2048)")
+    p.add_argument("--prefill_chunk", type=int, default=None, help="process prompts in fixed chunks of N tokens")
+    p.add_argument("--full_batch_size", type=int, default=None,
+                   help="continuous batching with N cache slots (more prompts/requests than slots: slots are refilled)")
+    p.add_argument("--aoti_package", type=Path, help="run an AOT Inductor .pt2 from aoti_export.py")
+    p.add_argument("--pte", type=Path, help="run an ExecuTorch .pte from et_export.py")
+    p.add_argument("--onnx", type=Path, help="run an ONNX graph from export_onnx.py on ONNX Runtime")
+    p.add_argument("--qpc", type=Path, help="run a Cloud AI 100 QPC from compile_qaic.py")
+    p.add_argument("--device_group", default="0", help="Cloud AI 100 device ids for --qpc, e.g. 0,1")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description="Generate text with a LLaMA-family model on any backend.")
+    add_backend_args(p)
     p.add_argument("--prompt", default="Hello, my name is", help="several prompts separated by '|' run as one batch")
     p.add_argument("--prompts_file", type=Path, help="one prompt per line, run as one batch")
     p.add_argument("--chat", action="store_true", help="multi-turn chat with the model's chat template")
@@ -298,24 +374,10 @@ def parse_args(argv=None):
     p.add_argument("--top_k", type=int, default=200)
     p.add_argument("--top_p", type=float, default=None)
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--compile", action="store_true", help="torch.compile the decode step")
-    p.add_argument("--compile_prefill", action="store_true", help="also compile prefill (dynamic length)")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "mps"])
-    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's, all cores)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--max_seq_length", type=int, default=None, help="KV cache length (default: prompt + new tokens)")
-    p.add_argument("--prefill_chunk", type=int, default=None, help="process prompts in fixed chunks of N tokens")
     p.add_argument("--draft_checkpoint_path", type=Path, default=None,
                    help="speculative decoding with this draft model (e.g. a quantize.py version of the target)")
     p.add_argument("--speculate_k", type=int, default=5, help="draft tokens per speculative step")
     p.add_argument("--lookahead", default=None, metavar="NGRAM,WINDOW,GCAP", help="lookahead decoding (greedy)")
-    p.add_argument("--full_batch_size", type=int, default=None,
-                   help="continuous batching with N cache slots (more prompts than slots: each slot is refilled)")
-    p.add_argument("--aoti_package", type=Path, help="run an AOT Inductor .pt2 from aoti_export.py")
-    p.add_argument("--pte", type=Path, help="run an ExecuTorch .pte from et_export.py")
-    p.add_argument("--onnx", type=Path, help="run an ONNX graph from export_onnx.py on ONNX Runtime")
-    p.add_argument("--qpc", type=Path, help="run a Cloud AI 100 QPC from compile_qaic.py")
-    p.add_argument("--device_group", default="0", help="Cloud AI 100 device ids for --qpc, e.g. 0,1")
     p.add_argument("--quiet", action="store_true", help="print only the generated text")
     p.add_argument("--ignore_eos", action="store_true", help="never stop at EOS: always --max_new_tokens (benchmarks)")
     return p.parse_args(argv)
