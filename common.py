@@ -1,7 +1,10 @@
 # Plumbing every stage shares, below all of them: repo paths and the default checkpoint, where a checkpoint and its
-# tokenizer live, one atomic writer, one device check, and the CLI wrapper that turns expected failures into one
+# tokenizer live, one atomic writer, one device check, the command-line parser every script uses (flag values
+# checked against one table of rules before anything loads) and the CLI wrapper that turns expected failures into one
 # `error: ...` line. Imports nothing from this repo except, lazily, scripts/download.py to prepare the default model.
+import argparse
 import contextlib
+import math
 import os
 import resource
 import shutil
@@ -9,7 +12,7 @@ import signal
 import sys
 import tempfile
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 REPO = Path(__file__).resolve().parent
 DEFAULT_CHECKPOINT = REPO / "checkpoints" / "SmolLM2-135M-Instruct" / "model.pth"
@@ -49,9 +52,16 @@ def has_tokenizer(d: Path) -> bool:
 def resolve_checkpoint(args) -> None:
     """Fill in args.checkpoint_path / args.tokenizer_path. An exported artifact (args.aoti_package / pte / onnx / qpc)
     uses the tokenizer files beside it (the exporters copy them there) unless --tokenizer_path or --checkpoint_path
-    says otherwise; without a checkpoint the default model is used."""
+    says otherwise; without a checkpoint the default model is used. A --checkpoint_path that is not there is reported
+    as a missing checkpoint."""
     exported = next((getattr(args, a, None) for a in ("aoti_package", "pte", "onnx", "qpc") if getattr(args, a, None)),
                     None)
+    if args.checkpoint_path is not None:  # named as what it is, before any tokenizer lookup
+        ck = Path(args.checkpoint_path)
+        if exported and not ck.exists():  # beside an artifact it only locates the tokenizer
+            raise FileNotFoundError(f"checkpoint not found: {ck}")
+        if not exported and not checkpoint_file(ck).is_file():
+            raise FileNotFoundError(f"checkpoint not found: {checkpoint_file(ck)}")
     if getattr(args, "tokenizer_path", None) is None and args.checkpoint_path is None and exported:
         for d in (Path(exported).parent, Path(exported), Path(exported).parent.parent):
             if has_tokenizer(d):
@@ -125,6 +135,131 @@ def peak_memory_mb(device) -> float:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB, macOS bytes
 
 
+# ----------------------------------------------------------------------------------------------- command lines
+GROUPSIZES = (32, 64, 128, 256)  # int4 group sizes (quantize.py, et_export.py --groupsize)
+
+
+def _at_least(lo):
+    return f">= {lo}", lambda v: v >= lo
+
+
+def _within(lo, hi):
+    return f"in [{lo}, {hi}]", lambda v: lo <= v <= hi
+
+
+# Every numeric flag of every script, by argparse dest: (what the value must be, its test). A flag that a parser does
+# not define is not looked at; None (an unset optional flag) is not checked; a NaN or infinite float never passes.
+# Cross-flag checks (--prompt_len <= --ctx_len, eval's window >= 2, a group size that the mode uses) stay with their
+# scripts.
+NUMBER_RULES = {
+    # decoding: generate.py (speculative, lookahead, continuous batching), bench.py, scripts/llamacpp_peer.py
+    "max_new_tokens": _at_least(1), "num_samples": _at_least(1), "temperature": _at_least(0),
+    "top_k": _at_least(1), "top_p": ("in (0, 1]", lambda v: 0 < v <= 1), "seed": _at_least(0),
+    "speculate_k": _at_least(1), "prefill_chunk": _at_least(1), "full_batch_size": _at_least(1),
+    "max_seq_length": _at_least(1), "threads": _at_least(1), "runs": _at_least(1), "rounds": _at_least(1),
+    "n_ctx": _at_least(1), "port": _within(0, 65535),
+    # eval.py (perplexity needs two tokens)
+    "stride": _at_least(1), "max_tokens": _at_least(2),
+    # exports: export_onnx.py, compile_qaic.py (Cloud AI 100: 16 AI cores per device), et_export.py
+    "ctx_len": _at_least(1), "max_ctx_len": _at_least(1), "prompt_len": _at_least(1), "batch_size": _at_least(1),
+    "num_cores": _within(1, 16), "mos": (">= -1 (-1 = not set)", lambda v: v >= -1), "opset": _within(7, 23),
+    "atol": ("> 0", lambda v: v > 0), "bos_id": _at_least(0), "eos_ids": _at_least(0),
+    # quantize.py
+    "groupsize": (f"one of {', '.join(map(str, GROUPSIZES))}", lambda v: v in GROUPSIZES),
+    "calibration_tokens": _at_least(1), "calibration_seq_length": _at_least(1), "damp": _at_least(0),
+}
+# flags naming something to read: it must be there ("<what> not found: <path>")
+INPUT_PATHS = {
+    "checkpoint_path": "checkpoint", "draft_checkpoint_path": "draft checkpoint", "tokenizer_path": "tokenizer path",
+    "prompts_file": "prompts file", "text_file": "text file", "calibration_file": "calibration file",
+    "pte": ".pte", "aoti_package": "AOT Inductor package", "onnx": "ONNX graph", "onnx_path": "ONNX graph",
+    "qpc": "QPC", "gguf": "GGUF",
+}
+ONNX_PATHS = ("onnx", "onnx_path")  # also parsed (without external weights): a file that is no ONNX graph is refused
+OUTPUT_FILES = ("output_path", "output", "json")  # a file to write: its folder must exist, it must not be a folder
+OUTPUT_DIRS = ("output_dir", "checkpoint_dir")  # a folder to create or fill: not a file, nor under one
+
+
+def _show(v) -> str:
+    return format(v, "g") if isinstance(v, float) else repr(v) if isinstance(v, str) else str(v)
+
+
+def _check_onnx(path: Path) -> Optional[str]:
+    path = path / "model.onnx" if path.is_dir() else path
+    if not path.is_file():
+        return f"ONNX graph not found: {path}"
+    import onnx
+    try:
+        m = onnx.load(str(path), load_external_data=False)
+    except Exception as e:  # protobuf's DecodeError and friends: whatever the bytes were, they are no graph
+        return f"{path} is not an ONNX graph ({first_line(e, 200)})"
+    if not (m.ir_version and m.graph.input):  # protobuf reads an empty file (and some junk) as an empty message
+        return f"{path} is not an ONNX graph (no IR version or no graph inputs)"
+    return None
+
+
+def check_flag(flag: str, dest: str, value) -> Optional[str]:
+    """What is wrong with one parsed flag value, as the text of an `error:` line, or None. The rules are the tables
+    above, looked up by argparse dest; flag is the option as the user wrote it (for the message)."""
+    for v in value if isinstance(value, list) else [value]:
+        if dest in NUMBER_RULES and isinstance(v, (int, float)):
+            what, ok = NUMBER_RULES[dest]
+            if not (math.isfinite(v) and ok(v)):
+                return f"{flag} must be {what}, got {_show(v)}"
+        if dest in INPUT_PATHS:
+            p = Path(v)
+            if not p.exists():
+                return f"{INPUT_PATHS[dest]} not found: {p}"
+            if dest in ONNX_PATHS:
+                problem = _check_onnx(p)
+                if problem:
+                    return problem
+        if dest in OUTPUT_FILES:
+            p = Path(v)
+            if p.is_dir():
+                return f"{flag} {p} is a folder; name the file to write"
+            folder = p.parent
+            if not folder.is_dir():
+                return f"{flag} {p}: folder {folder} does not exist"
+            if not os.access(folder, os.W_OK):
+                return f"{flag} {p}: folder {folder} is not writable"
+        if dest in OUTPUT_DIRS:
+            p = Path(v)
+            existing = next((a for a in (p, *p.parents) if a.exists()), Path("."))
+            if not existing.is_dir():
+                return f"{flag} {p}: {existing} is a file, not a folder"
+            if not os.access(existing, os.W_OK):
+                return f"{flag} {p}: folder {existing} is not writable"
+    return None
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse.ArgumentParser for every script: a bad command line is one `error: ...` line and exit code 1 (as every
+    other failure under cli(), no usage dump), and parsing checks each flag the parser defines with check_flag() —
+    before the script loads anything. A script opts in by building its parser with common.ArgumentParser; its
+    subcommands' parsers are of this class too."""
+
+    def error(self, message):
+        fail(message)
+
+    def parse_known_args(self, args=None, namespace=None):
+        ns, extras = super().parse_known_args(args, namespace)
+        for action in self._actions:
+            value = getattr(ns, action.dest, None) if action.dest != argparse.SUPPRESS else None
+            if value is not None and not isinstance(value, bool):
+                flag = max(action.option_strings, key=len) if action.option_strings else action.dest
+                problem = check_flag(flag, action.dest, value)
+                if problem:
+                    fail(problem)
+        return ns, extras
+
+
+def fail(message: str) -> None:
+    """The one way a script reports an expected failure: `error: <one line>` on stderr, exit code 1."""
+    print(f"error: {' '.join(str(message).split())}", file=sys.stderr)
+    sys.exit(1)
+
+
 def _on_sigterm(signum, frame):
     raise SystemExit(128 + signum)  # unwinds like Ctrl-C, so every atomic_path cleans up its temporary files
 
@@ -137,5 +272,4 @@ def cli(entry: Callable) -> None:
     except KeyboardInterrupt:
         sys.exit(130)
     except (FileNotFoundError, ValueError, NotImplementedError, ImportError, RuntimeError, OSError) as e:
-        print(f"error: {first_line(e, 1000)}", file=sys.stderr)
-        sys.exit(1)
+        fail(first_line(e, 1000))

@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 import export_onnx
-from common import checkpoint_file, cli, resolve_checkpoint, write_atomic
+from common import ArgumentParser, checkpoint_file, cli, first_line, resolve_checkpoint, write_atomic
 
 DEFAULT_QAIC_EXEC = "/opt/qti-aic/exec/qaic-exec"
 COMPILER_HINT = ("Cloud AI 100 compiler qaic-exec not found: install the Qualcomm Cloud AI 100 Apps SDK "
@@ -76,6 +76,17 @@ def qpc_dir_name(num_cores: int, batch_size: int, prompt_len: int, ctx_len: int,
     name = (f"qpc_{num_cores}cores_{batch_size}bs_{prompt_len}pl_{ctx_len}cl_{mos}mos_{n_devices}devices_"
             f"{'mxfp6' if mxfp6 else 'fp16'}{'_mxint8' if mxint8 else ''}")
     return name + (f"_{full_batch_size}fbs" if full_batch_size else "")
+
+
+def check_shapes(num_cores: int, batch_size: int, prompt_len: int, ctx_len: int, full_batch_size: Optional[int]):
+    """The compile shapes' checks (main() runs them before any export; each value alone is checked by the parser)."""
+    if min(num_cores, batch_size, prompt_len, ctx_len) < 1 or (full_batch_size is not None and full_batch_size < 1):
+        raise ValueError("--num_cores, --batch_size, --prompt_len, --ctx_len and --full_batch_size must be positive")
+    if prompt_len > ctx_len:
+        raise ValueError(f"--prompt_len {prompt_len} is longer than --ctx_len {ctx_len}")
+    if full_batch_size is not None and batch_size != 1:
+        raise ValueError("with --full_batch_size prompts are prefilled one at a time (batch 1) and decode runs "
+                         "full_batch_size rows: leave --batch_size at 1")
 
 
 def make_specializations(batch_size: int, prompt_len: int, ctx_len: int, full_batch_size: Optional[int] = None) -> dict:
@@ -172,7 +183,10 @@ def find_compiler(explicit=None, required: bool = True) -> Optional[str]:
 # ------------------------------------------------------------------------------------------------- the ONNX graph
 def _graph_kv_names(onnx_path) -> tuple[list[str], bool]:
     import onnx
-    m = onnx.load(str(onnx_path), load_external_data=False)
+    try:
+        m = onnx.load(str(onnx_path), load_external_data=False)
+    except Exception as e:  # protobuf's DecodeError on a file that is no graph: one line, not a traceback
+        raise ValueError(f"{onnx_path} is not an ONNX graph ({first_line(e, 200)})") from None
     names = [i.name for i in m.graph.input]
     return [n for n in names if n.startswith("past_")], "batch_index" in names
 
@@ -193,10 +207,8 @@ def ensure_onnx(checkpoint_path, output_dir: Path, onnx_path, full_batch_size, c
         return onnx_path
     onnx_path = output_dir / "model.onnx"
     ns = argparse.Namespace(checkpoint_path=checkpoint_path)
-    resolve_checkpoint(ns)  # no --checkpoint_path: the default model
+    resolve_checkpoint(ns)  # no --checkpoint_path: the default model; a missing one is named as such
     ck = checkpoint_file(ns.checkpoint_path)
-    if not ck.is_file():
-        raise FileNotFoundError(f"checkpoint not found: {ck}")
     reason = "no graph yet"
     if onnx_path.is_file():
         meta = export_onnx.read_metadata(onnx_path)
@@ -228,16 +240,7 @@ def compile_qpc(onnx_path, output_dir, *, num_cores: int = 16, batch_size: int =
     exe = find_compiler(qaic_exec, required=not dry_run)
     onnx_path = Path(onnx_path).resolve()
     devices = parse_device_group(device_group)
-    if min(num_cores, batch_size, prompt_len, ctx_len) < 1:
-        raise ValueError("--num_cores, --batch_size, --prompt_len and --ctx_len must be positive")
-    if prompt_len > ctx_len:
-        raise ValueError(f"--prompt_len {prompt_len} is longer than --ctx_len {ctx_len}")
-    if full_batch_size is not None:
-        if full_batch_size < 1:
-            raise ValueError(f"--full_batch_size must be >= 1, got {full_batch_size}")
-        if batch_size != 1:
-            raise ValueError("with --full_batch_size prompts are prefilled one at a time (batch 1) and decode runs "
-                             "full_batch_size rows: leave --batch_size at 1")
+    check_shapes(num_cores, batch_size, prompt_len, ctx_len, full_batch_size)
     meta = export_onnx.read_metadata(onnx_path)
     if meta.get("max_ctx_len") and ctx_len > meta["max_ctx_len"]:
         raise ValueError(f"--ctx_len {ctx_len} exceeds what {onnx_path} supports ({meta['max_ctx_len']} positions)")
@@ -498,7 +501,7 @@ class QpcBackend:
 
 # ------------------------------------------------------------------------------------------------- CLI
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description="Compile an export_onnx.py graph for Qualcomm Cloud AI 100 (qaic-exec).")
+    p = ArgumentParser(description="Compile an export_onnx.py graph for Qualcomm Cloud AI 100 (qaic-exec).")
     p.add_argument("--checkpoint_path", type=Path, default=None, help="model.pth (exported first if needed)")
     p.add_argument("--onnx_path", type=Path, default=None, help="compile this graph instead of <output_dir>/model.onnx")
     p.add_argument("--output_dir", type=Path, default=Path("out"), help="graph and QPC cache directory (default: out)")
@@ -519,10 +522,10 @@ def parse_args(argv=None):
 
 
 def main(argv=None):
-    args = parse_args(argv)
+    args = parse_args(argv)  # flag values, --onnx_path (an ONNX graph) and --output_dir checked here
     devices = parse_device_group(args.device_group)
+    check_shapes(args.num_cores, args.batch_size, args.prompt_len, args.ctx_len, args.full_batch_size)
     find_compiler(args.qaic_exec, required=not args.dry_run)  # before minutes of export: one line without the SDK
-    args.output_dir.mkdir(parents=True, exist_ok=True)
     onnx_path = ensure_onnx(args.checkpoint_path, args.output_dir, args.onnx_path, args.full_batch_size, args.ctx_len)
     cache = compile_qpc(onnx_path, args.output_dir, num_cores=args.num_cores, batch_size=args.batch_size,
                         prompt_len=args.prompt_len, ctx_len=args.ctx_len, mxfp6=args.mxfp6, mxint8=args.mxint8,

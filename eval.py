@@ -9,7 +9,6 @@
 # in the window as context, so with stride < max_seq_length every token but the first is scored exactly once. With
 # stride = max_seq_length (disjoint windows) the first token of each window has no context and is not scored, as in
 # the HF recipe. Each window is a fresh sequence at positions 0.. (the KV cache is simply overwritten).
-import argparse
 import math
 import sys
 import time
@@ -18,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from common import check_device, checkpoint_file, cli, resolve_checkpoint
+from common import ArgumentParser, check_device, cli, resolve_checkpoint
 from generate import load_backend
 
 
@@ -106,14 +105,14 @@ def perplexity(backend, ids: list, max_seq_length: int, stride: Optional[int] = 
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description="Sliding-window perplexity of a text file.")
+    p = ArgumentParser(description="Sliding-window perplexity of a text file.")
     p.add_argument("--checkpoint_path", type=Path, default=None,
                    help="model.pth (float or quantized); default: the default model")
     p.add_argument("--text_file", type=Path, required=True, help="UTF-8 text to score")
     p.add_argument("--tokenizer_path", type=Path, default=None, help="default: the checkpoint's directory")
     p.add_argument("--max_seq_length", type=int, default=512, help="window length in tokens (default 512)")
     p.add_argument("--stride", type=int, default=None, help="tokens between window starts (default: half a window)")
-    p.add_argument("--max_tokens", type=int, default=None, help="score only the first N tokens of the text")
+    p.add_argument("--max_tokens", type=int, default=None, help="score only the first N tokens of the text (N >= 2)")
     p.add_argument("--bos", choices=["auto", "yes", "no"], default="auto",
                    help="prepend BOS (auto: the tokenizer's default)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "mps"])
@@ -129,20 +128,18 @@ def parse_args(argv=None):
 
 
 def main(argv=None):
-    args = parse_args(argv)
+    args = parse_args(argv)  # flag values and paths checked here (common.ArgumentParser)
     if not args.text_file.is_file():
-        raise FileNotFoundError(f"text file not found: {args.text_file}")
+        raise ValueError(f"--text_file {args.text_file} is not a file")
     check_device(args.device)
     check_windows(args.max_seq_length, args.stride)
     exported = args.aoti_package or args.pte or args.onnx or args.qpc
-    if args.checkpoint_path is not None and not exported and not checkpoint_file(args.checkpoint_path).is_file():
-        raise FileNotFoundError(f"checkpoint not found: {args.checkpoint_path}")
     resolve_checkpoint(args)
     from tokenizer import load_tokenizer
     tok = load_tokenizer(args.tokenizer_path)
     text = args.text_file.read_text(encoding="utf-8")
     ids = tok.encode(text, bos=None if args.bos == "auto" else args.bos == "yes")
-    if args.max_tokens:
+    if args.max_tokens is not None:
         ids = ids[:args.max_tokens]
     check_windows(args.max_seq_length, args.stride, len(ids))
     device = torch.device(args.device)

