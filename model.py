@@ -1,21 +1,37 @@
-# One LLaMA-family transformer (Llama 2/3, Mistral, TinyLlama, SmolLM2, Qwen2.5, Qwen3), gpt-fast style.
+# One transformer for every supported family (Llama 2/3, Mistral/Codestral, Mixtral, TinyLlama, SmolLM2/3, Qwen2.5,
+# Qwen3, Gemma 1/2/3, Phi-3/Phi-4-mini, StarCoder2), gpt-fast style. Families differ by ModelArgs fields that pick
+# small named blocks (RMSNorm/LayerNorm, gated/plain MLP, MoEFeedForward, Rotary/NoRope, a per-layer sliding window,
+# soft-capped attention), never by a class per model; checkpoint layouts are scripts/convert_checkpoint.py's business.
 #
 # Conventions every stage relies on:
 #   * forward(idx[B,T], input_pos, batch_index=None, mask=None) -> logits[B,T,V] (float32 for a float model run in
 #     float32).
 #   * input_pos is [T] (every row at the same positions) or [B,T] (each row its own positions, -1 = padding).
 #   * The KV cache lives in buffers made by setup_caches(max_batch_size, max_seq_length). The attention mask is
-#     derived from the positions (a query at position p sees cache slots 0..p), so ordinary callers pass none and
-#     there is no data-dependent Python branching. A caller that lays out the cache itself passes `mask`: bool
-#     (True = may attend) or additive float, shape [B or 1, 1, T, S] with S the length of the cache the layers
-#     attend over; it replaces the derived mask in every layer.
-#   * Rotary embedding uses the Hugging Face "half-split" layout (rotate_half); converters permute Meta/GGUF/llama2.c
-#     Q/K weights (adjacent-pair layout) into it.
+#     derived from the positions (a query at position p sees cache slots 0..p; in a layer with a sliding window W only
+#     slots p-W+1..p, as transformers does), so ordinary callers pass none and there is no data-dependent Python
+#     branching. A caller that lays out the cache itself passes `mask`: bool (True = may attend) or additive float,
+#     shape [B or 1, 1, T, S] with S the length of the cache the layers attend over; it replaces the derived mask in
+#     every layer, and sliding-window layers further hide slots j < p-W+1 (slots j >= max_seq_length, a caller's
+#     scratch space, are left as the caller says: they hold the newest tokens).
+#   * Rotary embedding uses the Hugging Face "half-split" layout (rotate_half) over the first rotary_dim dims of each
+#     head (partial rotary: the rest pass through, the tables hold cos 1 / sin 0 there); converters permute
+#     Meta/GGUF/llama2.c Q/K weights (adjacent-pair layout) into it. Rope tables are buffers `rope` (and `rope_local`
+#     for the sliding layers of Gemma 3, which use their own base) made by set_rope(); Phi-3's longrope picks its
+#     short or long factors from the table length (long when max_seq_length > original_max_position_embeddings: HF
+#     switches on the current sequence length, so the two agree for caches up to that length).
+#   * Gemma's RMSNorm (x * (1 + w)) is the plain RMSNorm with w + 1 stored by the converter (as llama.cpp does).
 #   * Exports and decoding modes replace pieces through documented swap points, by assigning modules (never by
 #     patching functions): each layer's `attention.kv_cache` (a module with update(input_pos, k, v, batch_index) ->
-#     the keys/values to attend over), `attention.rope` (a module with forward(x, cos, sin); default Rotary) and the
-#     RMSNorm modules (attention_norm, ffn_norm, norm, q_norm/k_norm), which may be replaced by any module computing
-#     the same function. load_model() keeps the quantization recipe on the model as `model.quantization`.
+#     the keys/values to attend over), `attention.rope` (a module with forward(x, cos, sin); Rotary, or NoRope in a
+#     layer without positions) and the norm modules (attention_norm, ffn_norm, post_attention_norm, post_ffn_norm,
+#     norm, q_norm/k_norm: RMSNorm or nn.LayerNorm), which may be replaced by any module computing the same
+#     function. load_model() keeps the quantization recipe on the model as `model.quantization`.
+#   * Mixture of experts (Mixtral) is computed densely: every expert (nn.Linear, so quantize.py and every exporter take
+#     it as is) runs on every token and is weighted by the renormalised top-k routing weights, zero elsewhere. Exact
+#     and free of data-dependent control flow, at n_experts / n_experts_per_tok times the MLP FLOPs and weight reads
+#     of a gather of the chosen experts (what a fast decode would want; that needs stacked expert weights and their
+#     quantized forms). The router is not an nn.Linear, so quantization keeps it float (as llama.cpp does).
 import json
 import math
 from dataclasses import asdict, dataclass, fields
@@ -38,24 +54,54 @@ class ModelArgs:
     dim: int = 4096
     intermediate_size: Optional[int] = None
     n_local_heads: int = -1           # number of KV heads (grouped-query attention); -1 = n_head
-    head_dim: Optional[int] = None    # default dim // n_head (Qwen3 sets it explicitly)
+    head_dim: Optional[int] = None    # default dim // n_head (Qwen3, Gemma set it explicitly)
     rope_base: float = 10000.0
     norm_eps: float = 1e-5
-    rope_scaling: Optional[dict] = None  # Llama-3.1 style: factor, low_freq_factor, high_freq_factor, original_max_position_embeddings
+    # rope scaling: Llama-3.1 keys (factor, low_freq_factor, high_freq_factor, original_max_position_embeddings), or
+    # {"rope_type": "linear", "factor"} (Gemma 3 global layers), or {"rope_type": "longrope", "short_factor",
+    # "long_factor", "original_max_position_embeddings", "attention_factor"} (Phi-3 128k, Phi-4-mini)
+    rope_scaling: Optional[dict] = None
     tie_embeddings: bool = False
-    attn_bias: bool = False           # bias on q/k/v projections (Qwen2)
-    qk_norm: bool = False             # RMSNorm on each head of q and k before rotary (Qwen3)
+    attn_bias: bool = False           # bias on q/k/v projections (Qwen2, StarCoder2)
+    qk_norm: bool = False             # RMSNorm on each head of q and k before rotary (Qwen3, Gemma 3)
+    # family blocks; the defaults are Llama's
+    norm_type: str = "rms"            # "rms" | "layer" (LayerNorm with bias: StarCoder2)
+    mlp_act: str = "silu"             # "silu" | "gelu_tanh" (Gemma, StarCoder2) | "gelu" (exact erf GELU)
+    mlp_gated: bool = True            # act(w1 x) * w3 x (Llama, Gemma) or plain act(w1 x) (StarCoder2)
+    mlp_bias: bool = False            # biases on the MLP linears (StarCoder2)
+    attn_out_bias: bool = False       # bias on the output projection (StarCoder2)
+    embed_scale: bool = False         # embeddings * sqrt(dim), rounded to the model dtype (Gemma)
+    sandwich_norm: bool = False       # extra norms on the attention and MLP outputs (Gemma 2/3)
+    attn_scale: Optional[float] = None    # softmax scale; default head_dim ** -0.5 (Gemma 2/3: query_pre_attn_scalar)
+    attn_softcap: Optional[float] = None  # scores = cap * tanh(scores / cap) before the mask (Gemma 2)
+    final_softcap: Optional[float] = None  # the same on the output logits (Gemma 2)
+    sliding_window: Optional[int] = None  # a query sees the last sliding_window tokens, itself included
+    sliding_layers: Optional[list] = None  # layer indices with the window; None = every layer (when sliding_window)
+    rope_local_base: Optional[float] = None  # rope base of the sliding layers, unscaled (Gemma 3); None = rope_base
+    rotary_dim: Optional[int] = None  # partial rotary: first rotary_dim dims of each head (Phi-4-mini); None = head_dim
+    nope_layers: Optional[list] = None  # layer indices without rotary embedding (SmolLM3)
+    n_experts: int = 0                # mixture of experts (Mixtral): 0 = one dense MLP
+    n_experts_per_tok: int = 2
 
     def __post_init__(self):
         if self.n_local_heads == -1:
             self.n_local_heads = self.n_head
         if self.head_dim is None:
             self.head_dim = self.dim // self.n_head
+        if self.rotary_dim is None:
+            self.rotary_dim = self.head_dim
         if self.intermediate_size is None:  # Llama's rule: 2/3 * 4 * dim rounded up to a multiple of 256
             hidden = int(2 * (4 * self.dim) / 3)
             self.intermediate_size = 256 * ((hidden + 255) // 256)
         if self.n_head % self.n_local_heads:
             raise ValueError(f"n_head ({self.n_head}) must be a multiple of n_local_heads ({self.n_local_heads})")
+        if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
+            raise ValueError(f"rotary_dim {self.rotary_dim} must be even and in 2..head_dim ({self.head_dim})")
+        if self.norm_type not in ("rms", "layer") or self.mlp_act not in ACTIVATIONS:
+            raise ValueError(f"unknown norm_type {self.norm_type!r} or mlp_act {self.mlp_act!r}")
+
+    def is_sliding(self, layer: int) -> bool:
+        return bool(self.sliding_window) and (self.sliding_layers is None or layer in self.sliding_layers)
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelArgs":
@@ -74,36 +120,119 @@ class ModelArgs:
 
     @classmethod
     def from_hf_config(cls, c: dict) -> "ModelArgs":
-        """Build from a Hugging Face config.json (LlamaForCausalLM, MistralForCausalLM, Qwen2/Qwen3ForCausalLM)."""
-        # Sliding-window attention (Mistral v0.1) is not implemented: output is exact up to sliding_window tokens.
-        arch = (c.get("architectures") or [""])[0] + c.get("model_type", "")
-        rs = c.get("rope_scaling") or c.get("rope_parameters")
-        if rs and rs.get("rope_type", rs.get("type")) not in ("llama3",):
-            if rs.get("rope_type", rs.get("type")) != "default":
-                raise ValueError(f"unsupported rope_scaling {rs}")
+        """Build from a Hugging Face config.json (old and transformers-5 layouts) of LlamaForCausalLM, Mistral,
+        Mixtral, Qwen2, Qwen3, Gemma, Gemma2, Gemma3 (text), Phi3, SmolLM3, Starcoder2. A feature model.py does not
+        implement raises ValueError naming it (never a silent approximation)."""
+        mt = c.get("model_type", "")
+        family = {"gemma3_text": "gemma3", "gemma3": "gemma3"}.get(mt, mt)
+        if mt == "gemma3" and "text_config" in c:
+            raise ValueError("Gemma3ForConditionalGeneration (vision) is not supported; convert the text model")
+        gemma = family in ("gemma", "gemma2", "gemma3")
+        n_layer, n_head = c["num_hidden_layers"], c["num_attention_heads"]
+        head_dim = c.get("head_dim") or c["hidden_size"] // n_head
+        rp = c.get("rope_parameters") or {}
+        if "full_attention" in rp or "sliding_attention" in rp:  # transformers 5: one dict per layer type (Gemma 3)
+            glob, local = rp.get("full_attention") or {}, rp.get("sliding_attention") or {}
+        else:
+            glob, local = rp, {}
+        rs = dict(c.get("rope_scaling") or {}) or {k: v for k, v in glob.items()
+                                                 if k not in ("rope_theta", "partial_rotary_factor")}
+        rope_base = float(c.get("rope_theta") or glob.get("rope_theta") or 10000.0)
+        kind = rs.get("rope_type", rs.get("type", "default"))
+        if kind == "default":
             rs = None
-        rope_base = c.get("rope_theta", (c.get("rope_parameters") or {}).get("rope_theta", 10000.0))
+        elif kind == "llama3":
+            rs = {k: rs[k] for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+        elif kind == "linear":
+            rs = dict(rope_type="linear", factor=float(rs["factor"]))
+        elif kind in ("longrope", "su"):
+            orig = c.get("original_max_position_embeddings") or rs.get("original_max_position_embeddings")
+            rs = dict(rope_type="longrope", short_factor=list(rs["short_factor"]), long_factor=list(rs["long_factor"]),
+                      original_max_position_embeddings=orig, factor=rs.get("factor"),
+                      attention_factor=rs.get("attention_factor"))
+        else:
+            raise ValueError(f"unsupported rope scaling {kind!r} for {mt or 'this model'} ({rs})")
+        for sub in (local,):
+            if sub.get("rope_type", "default") != "default":
+                raise ValueError(f"unsupported rope scaling {sub.get('rope_type')!r} on the sliding layers of {mt}")
+        partial = c.get("partial_rotary_factor") or glob.get("partial_rotary_factor") or 1.0
+        # sliding window: which layers have it
+        window = c.get("sliding_window") if c.get("use_sliding_window", True) else None
+        types = c.get("layer_types")
+        if types is None and family == "gemma2":
+            types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n_layer)]
+        if types is None and family == "gemma3":
+            pattern = c.get("sliding_window_pattern") or c.get("_sliding_window_pattern") or 6
+            types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n_layer)]
+        if types is not None and set(types) - {"sliding_attention", "full_attention"}:
+            raise ValueError(f"unsupported layer types {sorted(set(types))} in {mt}")
+        sliding = None if types is None else [i for i, t in enumerate(types) if t == "sliding_attention"]
+        if not window or sliding == []:
+            window, sliding = None, None
+        elif sliding is not None and len(sliding) == n_layer:
+            sliding = None
+        if c.get("use_bidirectional_attention"):
+            raise ValueError(f"bidirectional attention ({mt}) is not supported")
+        act = c.get("hidden_activation") or c.get("hidden_act") or "silu"
+        acts = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",
+                "gelu_fast": "gelu_tanh", "gelu": "gelu"}
+        if act not in acts:
+            raise ValueError(f"unsupported activation {act!r} in {mt}")
+        nope = None
+        if c.get("no_rope_layers") is not None:  # SmolLM3: 1 = this layer uses rope
+            nope = [i for i, use in enumerate(c["no_rope_layers"]) if not use] or None
+        n_experts = int(c.get("num_local_experts") or 0)
+        if c.get("num_experts") or c.get("n_routed_experts"):
+            raise ValueError(f"unsupported mixture-of-experts layout in {mt} (only Mixtral's)")
+        bias = bool(c.get("use_bias", False))  # StarCoder2: every linear has a bias
+        if c.get("mlp_bias") and not bias:
+            raise ValueError(f"unsupported MLP with bias (mlp_bias) in {mt}")
+        qpre = c.get("query_pre_attn_scalar") if gemma and family != "gemma" else None
         return cls(
             block_size=c.get("max_position_embeddings", 2048),
             vocab_size=c["vocab_size"],
-            n_layer=c["num_hidden_layers"],
-            n_head=c["num_attention_heads"],
+            n_layer=n_layer,
+            n_head=n_head,
             dim=c["hidden_size"],
             intermediate_size=c["intermediate_size"],
-            n_local_heads=c.get("num_key_value_heads") or c["num_attention_heads"],
-            head_dim=c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"],
-            rope_base=float(rope_base),
-            norm_eps=c.get("rms_norm_eps", 1e-5),
-            rope_scaling=({k: rs[k] for k in ("factor", "low_freq_factor", "high_freq_factor",
-                                              "original_max_position_embeddings")} if rs else None),
-            tie_embeddings=bool(c.get("tie_word_embeddings", False)),
-            attn_bias=bool(c.get("attention_bias", False)) or "qwen2" in arch.lower(),
-            qk_norm="qwen3" in arch.lower(),
+            n_local_heads=c.get("num_key_value_heads") or n_head,
+            head_dim=head_dim,
+            rope_base=rope_base,
+            norm_eps=c.get("rms_norm_eps", c.get("norm_epsilon", c.get("layer_norm_eps", 1e-5))),
+            rope_scaling=rs,
+            tie_embeddings=bool(c.get("tie_word_embeddings", gemma or family == "starcoder2")),
+            attn_bias=bool(c.get("attention_bias", False)) or family == "qwen2" or bias,
+            qk_norm=family in ("qwen3", "gemma3"),
+            norm_type="layer" if family == "starcoder2" else "rms",
+            mlp_act=acts[act],
+            mlp_gated=family != "starcoder2",
+            mlp_bias=bias,
+            attn_out_bias=bias or bool(c.get("attention_bias", False)),
+            embed_scale=gemma,
+            sandwich_norm=family in ("gemma2", "gemma3"),
+            attn_scale=float(qpre) ** -0.5 if qpre else None,
+            attn_softcap=c.get("attn_logit_softcapping") if gemma else None,
+            final_softcap=c.get("final_logit_softcapping") if gemma else None,
+            sliding_window=window,
+            sliding_layers=sliding,
+            rope_local_base=float(c.get("rope_local_base_freq") or local.get("rope_theta") or 10000.0)
+            if family == "gemma3" else None,
+            rotary_dim=int(head_dim * partial),
+            nope_layers=nope,
+            n_experts=n_experts,
+            n_experts_per_tok=int(c.get("num_experts_per_tok", 2)) if n_experts else 2,
         )
 
 
 _llama3_scaling = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
 _llama32_scaling = dict(_llama3_scaling, factor=32.0)
+_gemma = dict(mlp_act="gelu_tanh", embed_scale=True)
+_gemma2 = dict(_gemma, vocab_size=256000, block_size=8192, norm_eps=1e-6, tie_embeddings=True, sandwich_norm=True,
+               attn_scale=256 ** -0.5, attn_softcap=50.0, final_softcap=30.0, sliding_window=4096)
+_gemma3 = dict(_gemma, norm_eps=1e-6, tie_embeddings=True, sandwich_norm=True, qk_norm=True, attn_scale=256 ** -0.5,
+               rope_base=1000000.0, rope_local_base=10000.0)
+_starcoder2 = dict(vocab_size=49152, block_size=16384, sliding_window=4096, tie_embeddings=True, norm_type="layer",
+                   mlp_act="gelu_tanh", mlp_gated=False, mlp_bias=True, attn_bias=True, attn_out_bias=True)
 transformer_configs = {
     "stories15M": dict(n_layer=6, n_head=6, dim=288, intermediate_size=768, vocab_size=32000, block_size=256),
     "stories42M": dict(n_layer=8, n_head=8, dim=512, intermediate_size=1376, vocab_size=32000, block_size=1024),
@@ -142,6 +271,47 @@ transformer_configs = {
     "Qwen3-1.7B": dict(n_layer=28, n_head=16, n_local_heads=8, dim=2048, head_dim=128, intermediate_size=6144,
                        vocab_size=151936, rope_base=1000000.0, block_size=40960, norm_eps=1e-6, tie_embeddings=True,
                        qk_norm=True),
+
+    # Gemma (norm weights hold 1 + w, see the header): embeddings scaled, tanh-GELU gated MLP, head_dim 256
+    "gemma-2b": dict(n_layer=18, n_head=8, n_local_heads=1, dim=2048, head_dim=256, intermediate_size=16384,
+                     vocab_size=256000, block_size=8192, norm_eps=1e-6, tie_embeddings=True, **_gemma),
+    "gemma-7b": dict(n_layer=28, n_head=16, n_local_heads=16, dim=3072, head_dim=256, intermediate_size=24576,
+                     vocab_size=256000, block_size=8192, norm_eps=1e-6, tie_embeddings=True, **_gemma),
+    "gemma-2-2b": dict(n_layer=26, n_head=8, n_local_heads=4, dim=2304, head_dim=256, intermediate_size=9216,
+                       sliding_layers=list(range(0, 26, 2)), **_gemma2),
+    "gemma-2-9b": dict(n_layer=42, n_head=16, n_local_heads=8, dim=3584, head_dim=256, intermediate_size=14336,
+                       sliding_layers=list(range(0, 42, 2)), **_gemma2),
+    "gemma-3-1b": dict(n_layer=26, n_head=4, n_local_heads=1, dim=1152, head_dim=256, intermediate_size=6912,
+                       vocab_size=262144, block_size=32768, sliding_window=512,
+                       sliding_layers=[i for i in range(26) if (i + 1) % 6], **_gemma3),
+    "gemma-3-4b": dict(n_layer=34, n_head=8, n_local_heads=4, dim=2560, head_dim=256, intermediate_size=10240,
+                       vocab_size=262208, block_size=131072, sliding_window=1024,
+                       sliding_layers=[i for i in range(34) if (i + 1) % 6],
+                       rope_scaling=dict(rope_type="linear", factor=8.0), **_gemma3),
+    # Phi-3 / Phi-4-mini: fused qkv/gate_up split by the converter. The 128k models' longrope factors come from their
+    # config.json (convert_checkpoint.py keeps them); these named configs stop at the 4k pretraining context.
+    "Phi-3-mini-4k-instruct": dict(n_layer=32, n_head=32, dim=3072, intermediate_size=8192, vocab_size=32064,
+                                   block_size=4096, sliding_window=2047),
+    "Phi-3-mini-128k-instruct": dict(n_layer=32, n_head=32, dim=3072, intermediate_size=8192, vocab_size=32064,
+                                     block_size=4096),
+    "Phi-4-mini-instruct": dict(n_layer=32, n_head=24, n_local_heads=8, dim=3072, intermediate_size=8192,
+                                vocab_size=200064, block_size=4096, rotary_dim=96, tie_embeddings=True),
+    "SmolLM3-3B": dict(n_layer=36, n_head=16, n_local_heads=4, dim=2048, intermediate_size=11008, vocab_size=128256,
+                       rope_base=5000000.0, block_size=65536, norm_eps=1e-6, tie_embeddings=True,
+                       nope_layers=list(range(3, 36, 4))),
+    "Mistral-7B-Instruct-v0.1": dict(n_layer=32, n_head=32, n_local_heads=8, dim=4096, intermediate_size=14336,
+                                     vocab_size=32000, block_size=32768, sliding_window=4096),
+    "Codestral-22B": dict(n_layer=56, n_head=48, n_local_heads=8, dim=6144, head_dim=128, intermediate_size=16384,
+                          vocab_size=32768, rope_base=1000000.0, block_size=32768),
+    "Mixtral-8x7B": dict(n_layer=32, n_head=32, n_local_heads=8, dim=4096, intermediate_size=14336, vocab_size=32000,
+                         rope_base=1000000.0, block_size=32768, n_experts=8, n_experts_per_tok=2),
+    # StarCoder2: LayerNorm with bias, plain tanh-GELU MLP with bias, biases on every attention linear
+    "starcoder2-3b": dict(n_layer=30, n_head=24, n_local_heads=2, dim=3072, intermediate_size=12288,
+                          rope_base=999999.4420358813, **_starcoder2),
+    "starcoder2-7b": dict(n_layer=32, n_head=36, n_local_heads=4, dim=4608, intermediate_size=18432,
+                          rope_base=1000000.0, **_starcoder2),
+    "starcoder2-15b": dict(n_layer=40, n_head=48, n_local_heads=4, dim=6144, intermediate_size=24576,
+                           rope_base=100000.0, **_starcoder2),
 }
 
 
@@ -189,11 +359,28 @@ class RMSNorm(nn.Module):
         return self.weight * xf.type_as(x)
 
 
-def rope_frequencies(args: ModelArgs, device=None) -> Tensor:
-    inv_freq = 1.0 / (args.rope_base ** (torch.arange(0, args.head_dim, 2, device=device, dtype=torch.float32)
-                                         / args.head_dim))
-    s = args.rope_scaling
-    if s:  # Llama-3.1 frequency-dependent scaling
+def make_norm(args: ModelArgs, dim: int) -> nn.Module:
+    """The family's norm: RMSNorm, or LayerNorm with bias (StarCoder2)."""
+    return RMSNorm(dim, args.norm_eps) if args.norm_type == "rms" else nn.LayerNorm(dim, eps=args.norm_eps)
+
+
+ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu}
+
+
+def rope_frequencies(args: ModelArgs, device=None, local: bool = False, seq_len: int = 0) -> Tensor:
+    """Inverse frequencies [rotary_dim / 2]. local: the sliding layers' own base (Gemma 3), unscaled."""
+    d = args.rotary_dim
+    base = args.rope_local_base if local and args.rope_local_base else args.rope_base
+    inv_freq = 1.0 / (base ** (torch.arange(0, d, 2, device=device, dtype=torch.int64).float() / d))
+    s = None if local and args.rope_local_base else args.rope_scaling
+    kind = s and s.get("rope_type", "llama3")
+    if kind == "linear":
+        inv_freq = inv_freq / s["factor"]
+    elif kind == "longrope":  # Phi-3: per-frequency divisors, long ones past the pretraining context
+        long = seq_len > s["original_max_position_embeddings"]
+        ext = torch.tensor(s["long_factor" if long else "short_factor"], dtype=torch.float32, device=device)
+        inv_freq = 1.0 / (ext * base ** (torch.arange(0, d, 2, device=device, dtype=torch.int64).float() / d))
+    elif kind == "llama3":  # Llama-3.1 frequency-dependent scaling
         old = s["original_max_position_embeddings"]
         low_wl, high_wl = old / s["low_freq_factor"], old / s["high_freq_factor"]
         wavelen = 2 * math.pi / inv_freq
@@ -201,37 +388,87 @@ def rope_frequencies(args: ModelArgs, device=None) -> Tensor:
         scaled = torch.where(wavelen > low_wl, inv_freq / s["factor"], inv_freq)
         mid = (1 - smooth) * inv_freq / s["factor"] + smooth * inv_freq
         inv_freq = torch.where((wavelen >= high_wl) & (wavelen <= low_wl), mid, scaled)
+    elif kind:
+        raise ValueError(f"unsupported rope scaling {s}")
     return inv_freq
 
 
-def precompute_rope(args: ModelArgs, seq_len: int, dtype=torch.float32) -> Tensor:
-    inv_freq = rope_frequencies(args)
+def longrope_attention_factor(args: ModelArgs) -> float:
+    s = args.rope_scaling or {}
+    if s.get("rope_type") != "longrope":
+        return 1.0
+    if s.get("attention_factor") is not None:
+        return float(s["attention_factor"])
+    orig = s["original_max_position_embeddings"]
+    factor = s.get("factor") or args.block_size / orig
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
+
+
+def precompute_rope(args: ModelArgs, seq_len: int, dtype=torch.float32, local: bool = False) -> Tensor:
+    """[2, seq_len, head_dim]: cos and sin in the half-split layout; dims past rotary_dim get cos 1, sin 0."""
+    inv_freq = rope_frequencies(args, local=local, seq_len=seq_len)
     t = torch.arange(seq_len, dtype=torch.float32)
     freqs = torch.outer(t, inv_freq)
     emb = torch.cat((freqs, freqs), dim=-1)          # half-split layout
-    return torch.stack((emb.cos(), emb.sin()), dim=0).to(dtype)  # [2, S, head_dim]
+    scale = 1.0 if local else longrope_attention_factor(args)
+    cos, sin = emb.cos() * scale, emb.sin() * scale
+    rest = args.head_dim - args.rotary_dim
+    if rest:
+        cos = torch.cat((cos, torch.ones(seq_len, rest)), dim=-1)
+        sin = torch.cat((sin, torch.zeros(seq_len, rest)), dim=-1)
+    return torch.stack((cos, sin), dim=0).to(dtype)  # [2, S, head_dim]
 
 
 class Rotary(nn.Module):
-    """Rotary embedding in the half-split layout (the Attention.rope swap point)."""
+    """Rotary embedding in the half-split layout over the first rotary_dim dims (the Attention.rope swap point)."""
+
+    def __init__(self, rotary_dim: Optional[int] = None):
+        super().__init__()
+        self.rotary_dim = rotary_dim
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        # x: [B, T, H, D]; cos/sin: [B or 1, T, 1, D]
-        half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        # x: [B, T, H, D]; cos/sin: [B or 1, T, 1, D] (cos 1, sin 0 past rotary_dim)
+        r = self.rotary_dim or x.shape[-1]
+        half = r // 2
+        if r == x.shape[-1]:
+            rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        else:  # partial rotary: the pass-through dims are multiplied by sin = 0
+            rotated = torch.cat((-x[..., half:r], x[..., :half], x[..., r:]), dim=-1)
         return x * cos + rotated * sin
 
 
+class NoRope(nn.Module):
+    """Attention.rope of a layer without positional embedding (SmolLM3's NoPE layers)."""
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        return x
+
+
+def softcapped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, cap: float) -> Tensor:
+    """softmax(cap * tanh(q k^T * scale / cap) + mask) v (Gemma 2), grouped-query without copying the cache:
+    q [B, H, T, D], k/v [B, Hkv, S, D], mask additive or bool [B or 1, 1, T, S] -> [B, H, T, D]."""
+    B, H, T, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    s = torch.matmul(q.reshape(B, Hkv, -1, D), k.transpose(-1, -2)) * scale   # [B, Hkv, r*T, S]
+    s = (torch.tanh(s / cap) * cap).view(B, Hkv, H // Hkv, T, S)
+    m = mask.unsqueeze(1)
+    s = s.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else s + m
+    p = torch.softmax(s.float(), dim=-1).to(q.dtype).view(B, Hkv, -1, S)
+    return torch.matmul(p, v).view(B, H, T, D)
+
+
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, layer: int = 0):
         super().__init__()
         self.n_head, self.n_kv, self.head_dim = args.n_head, args.n_local_heads, args.head_dim
         total = (self.n_head + 2 * self.n_kv) * self.head_dim
         self.wqkv = nn.Linear(args.dim, total, bias=args.attn_bias)
-        self.wo = nn.Linear(self.n_head * self.head_dim, args.dim, bias=False)
+        self.wo = nn.Linear(self.n_head * self.head_dim, args.dim, bias=args.attn_out_bias)
         self.q_norm = RMSNorm(self.head_dim, args.norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, args.norm_eps) if args.qk_norm else None
-        self.rope = Rotary()
+        nope = layer in (args.nope_layers or ())
+        self.rope = NoRope() if nope else Rotary(args.rotary_dim if args.rotary_dim != args.head_dim else None)
+        self.scale, self.softcap = args.attn_scale, args.attn_softcap
         self.kv_cache: Optional[KVCache] = None  # set by setup_caches()
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, input_pos: Tensor, batch_index: Optional[Tensor] = None,
@@ -246,33 +483,83 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rope(q, cos, sin), self.rope(k, cos, sin)
         k, v = self.kv_cache.update(input_pos, k.transpose(1, 2), v.transpose(1, 2), batch_index)  # [B, n_kv, S, D]
-        # grouped-query attention without copying the cache (enable_gqa shares each KV head among its query heads)
-        y = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask, enable_gqa=self.n_kv != self.n_head)
+        if self.softcap:
+            scale = self.scale if self.scale is not None else self.head_dim ** -0.5
+            y = softcapped_attention(q.transpose(1, 2), k, v, mask, scale, self.softcap)
+        else:  # grouped-query attention without copying the cache (enable_gqa shares each KV head among its queries)
+            y = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask, scale=self.scale,
+                                               enable_gqa=self.n_kv != self.n_head)
         return self.wo(y.transpose(1, 2).reshape(B, T, q_size))
 
 
 class FeedForward(nn.Module):
+    """w2(act(w1 x) * w3 x) (gated: Llama's SwiGLU, Gemma's GeGLU) or w2(act(w1 x)) (plain: StarCoder2)."""
+
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.w1 = nn.Linear(args.dim, args.intermediate_size, bias=False)
-        self.w3 = nn.Linear(args.dim, args.intermediate_size, bias=False)
-        self.w2 = nn.Linear(args.intermediate_size, args.dim, bias=False)
+        self.act = args.mlp_act
+        self.w1 = nn.Linear(args.dim, args.intermediate_size, bias=args.mlp_bias)
+        self.w3 = nn.Linear(args.dim, args.intermediate_size, bias=args.mlp_bias) if args.mlp_gated else None
+        self.w2 = nn.Linear(args.intermediate_size, args.dim, bias=args.mlp_bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        h = ACTIVATIONS[self.act](self.w1(x))
+        return self.w2(h * self.w3(x) if self.w3 is not None else h)
+
+
+class Router(nn.Module):
+    """Expert scores x @ weight^T. Not an nn.Linear on purpose: quantization leaves the routing in float."""
+
+    def __init__(self, dim: int, n_experts: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(n_experts, dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(x, self.weight)
+
+
+class MoEFeedForward(nn.Module):
+    """Mixtral's sparse MoE: softmax over the experts' scores (float32), keep the top k, renormalise; computed densely
+    (see the header): every expert runs and is weighted by its routing weight, 0 for the experts not chosen."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.top_k = args.n_experts_per_tok
+        self.gate = Router(args.dim, args.n_experts)
+        self.experts = nn.ModuleList(FeedForward(args) for _ in range(args.n_experts))
+
+    def forward(self, x: Tensor) -> Tensor:
+        probs = torch.softmax(self.gate(x).float(), dim=-1)                  # [B, T, E]
+        kth = torch.topk(probs, self.top_k, dim=-1).values[..., -1:]
+        w = torch.where(probs >= kth, probs, torch.zeros_like(probs))
+        w = (w / w.sum(-1, keepdim=True)).to(x.dtype)
+        out = w[..., 0:1] * self.experts[0](x)
+        for e in range(1, len(self.experts)):
+            out = out + w[..., e:e + 1] * self.experts[e](x)
+        return out
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, layer: int = 0):
         super().__init__()
-        self.attention = Attention(args)
-        self.feed_forward = FeedForward(args)
-        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.sliding = args.is_sliding(layer)    # attends over the sliding window (mask "sliding")
+        self.local_rope = self.sliding and args.rope_local_base is not None  # uses Transformer.rope_local
+        self.attention = Attention(args, layer)
+        self.feed_forward = MoEFeedForward(args) if args.n_experts else FeedForward(args)
+        self.attention_norm = make_norm(args, args.dim)
+        self.ffn_norm = make_norm(args, args.dim)
+        self.post_attention_norm = make_norm(args, args.dim) if args.sandwich_norm else None
+        self.post_ffn_norm = make_norm(args, args.dim) if args.sandwich_norm else None
 
     def forward(self, x, cos, sin, input_pos, batch_index=None, mask=None):
-        h = x + self.attention(self.attention_norm(x), cos, sin, input_pos, batch_index=batch_index, mask=mask)
-        return h + self.feed_forward(self.ffn_norm(h))
+        h = self.attention(self.attention_norm(x), cos, sin, input_pos, batch_index=batch_index, mask=mask)
+        if self.post_attention_norm is not None:
+            h = self.post_attention_norm(h)
+        h = x + h
+        out = self.feed_forward(self.ffn_norm(h))
+        if self.post_ffn_norm is not None:
+            out = self.post_ffn_norm(out)
+        return h + out
 
 
 class Transformer(nn.Module):
@@ -280,8 +567,8 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layer))
-        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.layers = nn.ModuleList(TransformerBlock(args, i) for i in range(args.n_layer))
+        self.norm = make_norm(args, args.dim)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.max_batch_size = -1
         self.max_seq_length = -1
@@ -302,29 +589,58 @@ class Transformer(nn.Module):
         for layer in self.layers:
             layer.attention.kv_cache = KVCache(max_batch_size, max_seq_length, self.config.n_local_heads,
                                                self.config.head_dim, dtype).to(device)
-        self.register_buffer("rope", precompute_rope(self.config, max_seq_length, dtype).to(device), persistent=False)
+        self.set_rope(max_seq_length, dtype, device)
+
+    def set_rope(self, seq_len: int, dtype=torch.float32, device=None):
+        """(Re)make the rope tables for positions 0..seq_len-1: `rope` and, with a local base, `rope_local`."""
+        self.register_buffer("rope", precompute_rope(self.config, seq_len, dtype).to(device), persistent=False)
+        if self.config.rope_local_base is not None:
+            self.register_buffer("rope_local", precompute_rope(self.config, seq_len, dtype, local=True).to(device),
+                                 persistent=False)
 
     def forward(self, idx: Tensor, input_pos: Tensor, batch_index: Optional[Tensor] = None,
                 mask: Optional[Tensor] = None) -> Tensor:
         """idx [B, T]; input_pos [T] or [B, T] (-1 = padding); batch_index [B] (or [B, 1]): cache slot of each row;
         mask [B or 1, 1, T, S] (bool, True = may attend, or additive float): replaces the position-derived mask."""
         assert self.max_seq_length > 0, "call setup_caches() first"
+        cfg = self.config
         B, T = idx.shape
         S = self.max_seq_length
         pos = input_pos.clamp(min=0)  # padding positions (-1) compute garbage that nobody reads, without NaNs
-        cs = self.rope[:, pos]  # [2, T, D] or [2, B, T, D]
         rows = 1 if pos.dim() == 1 else B
-        cos, sin = cs[0].view(rows, T, 1, -1), cs[1].view(rows, T, 1, -1)
+
+        def cos_sin(table):
+            cs = table[:, pos]  # [2, T, D] or [2, B, T, D]
+            return cs[0].view(rows, T, 1, -1), cs[1].view(rows, T, 1, -1)
+
+        ropes = {False: cos_sin(self.rope)}
+        if cfg.rope_local_base is not None:
+            ropes[True] = cos_sin(self.rope_local)
         x = self.tok_embeddings(idx)
-        if mask is None:  # a query at position p sees cache slots 0..p
-            if pos.dim() == 1:
-                allowed = (torch.arange(S, device=idx.device).view(1, S) <= pos.view(T, 1)).view(1, 1, T, S)
-            else:
-                allowed = (torch.arange(S, device=idx.device).view(1, 1, S) <= pos.view(B, T, 1)).view(B, 1, T, S)
-            mask = torch.zeros(allowed.shape, dtype=x.dtype, device=x.device).masked_fill(~allowed, float("-inf"))
+        if cfg.embed_scale:  # Gemma: sqrt(dim) rounded to the model dtype, as transformers does
+            x = x * torch.tensor(cfg.dim ** 0.5, dtype=x.dtype)
+        q_pos = pos.view(rows, 1, T, 1)
+        masks = {}
+        if mask is None:  # a query at position p sees cache slots 0..p (sliding: p-W+1..p)
+            slot = torch.arange(S, device=idx.device).view(1, 1, 1, S)
+            allowed = slot <= q_pos
+            masks[False] = torch.zeros(allowed.shape, dtype=x.dtype, device=x.device).masked_fill(~allowed, float("-inf"))
+            if cfg.sliding_window:
+                allowed = allowed & (slot > q_pos - cfg.sliding_window)
+                masks[True] = torch.zeros(allowed.shape, dtype=x.dtype, device=x.device).masked_fill(~allowed, float("-inf"))
+        else:  # the caller's mask; sliding layers also hide cache slots (= positions) left of the window
+            masks[False] = mask
+            if cfg.sliding_window:
+                slot = torch.arange(mask.shape[-1], device=idx.device).view(1, 1, 1, -1)
+                keep = (slot > q_pos - cfg.sliding_window) | (slot >= S)
+                masks[True] = mask & keep if mask.dtype == torch.bool else mask.masked_fill(~keep, float("-inf"))
         for layer in self.layers:
-            x = layer(x, cos, sin, input_pos, batch_index=batch_index, mask=mask)
-        return self.output(self.norm(x)).float()
+            cos, sin = ropes[layer.local_rope]
+            x = layer(x, cos, sin, input_pos, batch_index=batch_index, mask=masks[layer.sliding])
+        logits = self.output(self.norm(x))
+        if cfg.final_softcap:
+            logits = torch.tanh(logits / cfg.final_softcap) * cfg.final_softcap
+        return logits.float()
 
 
 def load_model(checkpoint_path, device="cpu", dtype: Optional[torch.dtype] = None) -> Transformer:
