@@ -3,7 +3,10 @@
 #
 #   * BPETokenizer (SmolLM2, Llama 3, Qwen2.5/3): byte-level BPE through the `tokenizers` library (tokenizer.json as
 #     shipped, of the shape tokenizer.bin's C++ encoder also implements: see _parse_pre_tokenizer).
-#   * SentencePieceTokenizer (Llama 2, TinyLlama, Mistral v0.1): the sentencepiece library.
+#     Also tiktoken-format ranks (CodeGen2.5, XGen: tokenizer.tiktoken + tiktoken_config.json), turned into the same
+#     kind of tokenizer.json (ranks -> merges, tiktoken's whole-piece lookup = ignore_merges): see _tiktoken_json.
+#   * SentencePieceTokenizer (Llama 2, TinyLlama, Mistral, Mixtral, Codestral, Gemma 1/2/3, Phi-3): the sentencepiece
+#     library, plus the added tokens past the model's pieces that tokenizer_config.json names (Phi-3's <|user|>...).
 #   * A *.gguf is first turned into those files in memory by scripts/gguf_tokenizer.py (imported lazily; it imports
 #     nothing from here).
 #
@@ -21,13 +24,23 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Optional
 
-from common import REPO, TOKENIZER_FILES, first_line
+from common import REPO, TOKENIZER_FILES as _HF_FILES, first_line
+
+# the files a tokenizer is read from: Hugging Face's, and a tiktoken BPE file with its pattern / special tokens
+TIKTOKEN_FILES = ("tokenizer.tiktoken", "tiktoken_config.json")
+TOKENIZER_FILES = tuple(dict.fromkeys(_HF_FILES + TIKTOKEN_FILES))
 
 # The regex ByteLevel(use_regex=True) splits with (GPT-2's, `regex` module syntax): `pattern` of such a tokenizer,
 # written into tokenizer.bin for the C++ encoder. Split-regex tokenizers (Llama 3, Qwen2) carry theirs in the file.
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+# tiktoken's own spellings of the GPT-2 (r50k/p50k/gpt2) and cl100k regexes (possessive quantifiers, `\s++$`): the same
+# splits as GPT2_PATTERN and gguf_tokenizer.LLAMA3_PATTERN, which tokenizer.py and tokenizer.bin use in their place
+TIKTOKEN_R50K = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
+TIKTOKEN_CL100K = (r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++[\r\n]*+|\s++$"""
+                   r"""|\s*[\r\n]|\s+(?!\S)|\s""")
 # tokens that end a turn / the text in the supported model families; those present become stop ids
-END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|endoftext|>", "<|end_of_text|>", "<|end|>", "<end_of_turn>")
+END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|endoftext|>", "<|end_of_text|>", "<|end|>", "<end_of_turn>",
+              "<eos>")
 
 
 @lru_cache(maxsize=None)
@@ -100,7 +113,19 @@ def render_chat_template(template: str, messages: list, add_generation_prompt: b
     def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    class Generation(jinja2.ext.Extension):  # transformers' {% generation %}...{% endgeneration %} (SmolLM3): the body
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller):
+            return caller()
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[jinja2.ext.loopcontrols, Generation])
     env.filters["tojson"] = tojson
     env.globals.update(raise_exception=raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt))
     try:
@@ -156,20 +181,33 @@ class BPETokenizer(Tokenizer):
 
 class SentencePieceTokenizer(Tokenizer):
     """SentencePiece model (Llama 2 style) through the sentencepiece library; control pieces written in the text
-    ("<s>", "</s>") are split out first and become their ids."""
+    ("<s>", "</s>") and added tokens past the model's pieces (`added`: Phi-3's "<|user|>" = 32010 ...) are split out
+    first and become their ids; both decode to "" (as control pieces do in sentencepiece). The text between them is
+    encoded on its own (the dummy prefix, where the model has one, starts each such piece of text).
+    User-defined pieces (Gemma's <start_of_turn>) are sentencepiece's own business: it keeps them whole."""
     kind = "sentencepiece"
 
-    def __init__(self, sp, add_bos: bool = True, chat_template: Optional[str] = None, stop_ids=()):
+    def __init__(self, sp, add_bos: bool = True, chat_template: Optional[str] = None, stop_ids=(), added=None,
+                 eos: Optional[str] = None):
         self.sp = sp
         n = sp.get_piece_size()
         special = {sp.id_to_piece(i): i for i in range(n) if sp.is_control(i) or sp.is_unknown(i)}
         special = {t: i for t, i in special.items() if t}
-        if sp.eos_id() < 0:
+        self.added = {t: i for t, i in (added or {}).items() if i >= n and t}
+        special.update(self.added)
+        user = {t: sp.piece_to_id(t) for t in END_TOKENS if sp.piece_to_id(t) != sp.unk_id()}
+        eos_id = special.get(eos, user.get(eos, sp.eos_id())) if eos else sp.eos_id()  # tokenizer_config's eos_token
+        if eos_id < 0:
             raise ValueError("SentencePiece model has no EOS piece")
-        super().__init__(vocab_size=n, bos_id=sp.bos_id() if sp.bos_id() >= 0 else None, eos_id=sp.eos_id(),
-                         add_bos=add_bos, special_tokens=special, chat_template=chat_template, stop_ids=stop_ids)
+        super().__init__(vocab_size=max([n - 1, *self.added.values()]) + 1,
+                         bos_id=sp.bos_id() if sp.bos_id() >= 0 else None, eos_id=eos_id, add_bos=add_bos,
+                         special_tokens=special, chat_template=chat_template, stop_ids=[*stop_ids, *user.values()])
         alts = sorted(self.special_tokens, key=len, reverse=True)  # longest first = leftmost-longest match
         self._special_rx = re.compile("|".join(map(re.escape, alts))) if alts else None
+
+    def token_text(self, i):
+        n = self.sp.get_piece_size()
+        return None if i is None else self.special_text.get(i, self.sp.id_to_piece(i) if 0 <= i < n else None)
 
     def _encode(self, text: str) -> list:
         ids, pos = [], 0
@@ -179,8 +217,9 @@ class SentencePieceTokenizer(Tokenizer):
             pos = m.end()
         return ids + (self.sp.encode(text[pos:]) if pos < len(text) else [])
 
-    def decode(self, ids) -> str:  # control tokens (<s>, </s>) always decode to ""
-        return self.sp.decode([int(i) for i in ids if 0 <= int(i) < self.vocab_size])
+    def decode(self, ids) -> str:  # control tokens (<s>, </s>) and added tokens always decode to ""
+        n = self.sp.get_piece_size()
+        return self.sp.decode([int(i) for i in ids if 0 <= int(i) < n])
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -194,8 +233,8 @@ def load_tokenizer(path) -> Tokenizer:
         raise FileNotFoundError(f"tokenizer path not found: {p}")
     if p.is_dir():
         files = {n: p / n for n in TOKENIZER_FILES if (p / n).is_file()}
-        if "tokenizer.json" not in files and "tokenizer.model" not in files:
-            raise FileNotFoundError(f"no tokenizer.json or tokenizer.model in directory {p}")
+        if not {"tokenizer.json", "tokenizer.model", "tokenizer.tiktoken"} & set(files):
+            raise FileNotFoundError(f"no tokenizer.json, tokenizer.model or tokenizer.tiktoken in directory {p}")
         return _from_files(files, p)
     with open(p, "rb") as f:
         head = f.read(4)
@@ -204,9 +243,10 @@ def load_tokenizer(path) -> Tokenizer:
             sys.path.insert(0, str(REPO / "scripts"))
         import gguf_tokenizer  # lazy: only a GGUF needs it (and the `gguf` package)
         return _from_files(gguf_tokenizer.tokenizer_files(p), p)
-    name = "tokenizer.json" if p.suffix == ".json" or head[:1] == b"{" else "tokenizer.model"
+    name = ("tokenizer.json" if p.suffix == ".json" or head[:1] == b"{" else
+            "tokenizer.tiktoken" if p.suffix == ".tiktoken" else "tokenizer.model")
     files = {n: p.parent / n for n in TOKENIZER_FILES  # the config files beside it
-             if (p.parent / n).is_file() and n not in ("tokenizer.json", "tokenizer.model")}
+             if (p.parent / n).is_file() and n not in ("tokenizer.json", "tokenizer.model", "tokenizer.tiktoken")}
     return _from_files({**files, name: p}, p.parent)
 
 
@@ -229,12 +269,22 @@ def _from_files(files: dict, where: Path) -> Tokenizer:
             raise ValueError(f"{label(name)}: not a valid {name} ({type(e).__name__}: {e})") from None
 
     meta = _hf_metadata(files, read)
+    if "tokenizer.tiktoken" in files:
+        if "tiktoken_config.json" not in files:
+            raise ValueError(f"{label('tokenizer.tiktoken')}: no tiktoken_config.json beside it (pattern, special tokens)")
+        cfg = read("tiktoken_config.json", "json")
+        meta = {**meta, "bos": meta["bos"] or cfg.get("bos_token"), "eos": meta["eos"] or cfg.get("eos_token"),
+                "add_bos": meta["add_bos"] if meta["add_bos"] is not None else bool(cfg.get("add_bos_token"))}
+        return _load_bpe(_tiktoken_json(read("tokenizer.tiktoken", "bytes"), cfg, label("tokenizer.tiktoken")),
+                         label("tokenizer.tiktoken"), meta)
     if "tokenizer.json" in files:
         try:
             return _load_bpe(read("tokenizer.json"), label("tokenizer.json"), meta)
         except _NotByteLevel as e:
             if "tokenizer.model" not in files:
                 raise ValueError(str(e)) from None
+            j = json.loads(read("tokenizer.json"))  # the added tokens a SentencePiece model lacks (Phi-3)
+            meta["added"].update({t["content"]: int(t["id"]) for t in j.get("added_tokens", []) if "content" in t})
     return _load_sentencepiece(read("tokenizer.model", "bytes"), label("tokenizer.model"), meta)
 
 
@@ -255,18 +305,24 @@ def _hf_metadata(files: dict, read) -> dict:
         tpl = read("chat_template.json", "json").get("chat_template", tpl)
     gen_eos = gen.get("eos_token_id")
     gen_eos = [gen_eos] if isinstance(gen_eos, int) else list(gen_eos or [])
+    added = {}
+    for i, t in (cfg.get("added_tokens_decoder") or {}).items():
+        if str(i).isdigit() and _token_name(t):
+            added[_token_name(t)] = int(i)
     return dict(bos=_token_name(cfg.get("bos_token")), eos=_token_name(cfg.get("eos_token")),
-                add_bos=cfg.get("add_bos_token"), chat_template=tpl, gen_bos=gen.get("bos_token_id"), gen_eos=gen_eos)
+                add_bos=cfg.get("add_bos_token"), chat_template=tpl, gen_bos=gen.get("bos_token_id"), gen_eos=gen_eos,
+                added=added)
 
 
 def _parse_pre_tokenizer(pt) -> tuple:
-    """HF pre_tokenizer -> (pattern, digits_split, add_prefix_space). Supported (what tokenizer.bin's C++ encoder
-    implements too): [Digits(individual)] then one regex (ByteLevel use_regex=True = GPT-2 regex, or Split(Regex,
-    Isolated) + ByteLevel(use_regex=False))."""
+    """HF pre_tokenizer -> (pattern, digits_split, add_prefix_space), what tokenizer.bin's C++ encoder implements:
+    [Digits(individual)] then one regex (ByteLevel use_regex=True = GPT-2 regex, or Split(Regex, Isolated) +
+    ByteLevel(use_regex=False)). Any other byte-level pipeline (Falcon's Punctuation + ByteLevel + Digits + Split)
+    gives pattern None: tokenizer.py runs it (the `tokenizers` library does), tokenizer.bin refuses it."""
     steps = pt.get("pretokenizers", []) if pt and pt.get("type") == "Sequence" else [pt] if pt else []
     if not any(s.get("type") == "ByteLevel" for s in steps):  # e.g. Llama 2's Metaspace / no pre_tokenizer
         raise _NotByteLevel("not a byte-level BPE tokenizer.json (no ByteLevel pre_tokenizer)")
-    pattern, digits, prefix = None, False, False
+    pattern, digits, prefix, other = None, False, False, False
     for s in steps:
         t = s.get("type")
         if t == "Digits" and s.get("individual_digits") and pattern is None:
@@ -277,12 +333,11 @@ def _parse_pre_tokenizer(pt) -> tuple:
         elif t == "ByteLevel":
             prefix = bool(s.get("add_prefix_space"))
             if s.get("use_regex", True):
-                if pattern is not None:
-                    raise ValueError("unsupported pre_tokenizer: two regex splits")
+                other |= pattern is not None
                 pattern = GPT2_PATTERN
         else:
-            raise ValueError(f"unsupported pre_tokenizer step {json.dumps(s)[:200]}")
-    return pattern or r"(?s).+", digits, prefix
+            other = True
+    return (None if other else pattern or r"(?s).+"), digits, prefix
 
 
 def _load_bpe(text: str, path: str, meta: dict) -> BPETokenizer:
@@ -306,8 +361,8 @@ def _load_bpe(text: str, path: str, meta: dict) -> BPETokenizer:
             raise ValueError(f"{path}: BPE option {k}={model[k]!r} is not supported")
     norm = j.get("normalizer")
     norms = norm.get("normalizers", []) if norm and norm.get("type") == "Sequence" else [norm] if norm else []
-    if any(n.get("type") != "NFC" for n in norms):
-        raise ValueError(f"{path}: unsupported normalizer {json.dumps(norm)[:200]}")
+    if any(n.get("type") != "NFC" for n in norms):  # the library runs it; tokenizer.bin refuses it (pattern None)
+        pattern = None
     try:
         vocab = {str(t): int(i) for t, i in model["vocab"].items()}
         special = {t["content"]: int(t["id"]) for t in j.get("added_tokens", [])}
@@ -340,17 +395,77 @@ def _load_bpe(text: str, path: str, meta: dict) -> BPETokenizer:
         add_bos = bool(single) and "SpecialToken" in single[0]
         if add_bos and bos is None:
             bos = tid(single[0]["SpecialToken"]["id"])
+    if pattern is None:
+        pre = json.dumps(j.get("pre_tokenizer"))
+        pattern = f"(pre_tokenizer {pre[:150]}, normalizer {json.dumps(norm)[:100]})"  # no regex: the exporter refuses
     return BPETokenizer(hf, pattern, digits_split=digits, add_prefix_space=prefix, nfc=bool(norms),
                         ignore_merges=bool(model.get("ignore_merges")), unk_id=tid(model.get("unk_token")),
                         vocab_size=max(everything.values(), default=-1) + 1, special_tokens=special, bos_id=bos,
                         eos_id=eos, add_bos=bool(add_bos), chat_template=meta["chat_template"], stop_ids=meta["gen_eos"])
 
 
+def _tiktoken_json(data: bytes, cfg: dict, path: str) -> str:
+    """A tiktoken BPE file (lines "base64(token bytes) rank", tiktoken.load.load_tiktoken_bpe's format) and
+    tiktoken_config.json ({"pattern": pat_str, "special_tokens": {text: id}, "eos_token", "bos_token"}) as a
+    byte-level BPE tokenizer.json the `tokenizers` library runs exactly as tiktoken does: the pieces of the pattern;
+    a piece that is a token stays whole (ignore_merges); else adjacent parts merge, lowest rank of the merged bytes
+    first (a merge for every split of a token into two tokens, ordered by the token's rank)."""
+    import base64
+    ranks = {}
+    try:
+        for line in data.decode("ascii").splitlines():
+            if line.strip():
+                tok, rank = line.split()
+                ranks[base64.b64decode(tok, validate=True)] = int(rank)
+        pattern, special = cfg["pattern"], {str(t): int(i) for t, i in cfg.get("special_tokens", {}).items()}
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"{path}: not a tiktoken BPE file with its tiktoken_config.json ({type(e).__name__}: {e})") from None
+    if len(set(ranks.values())) != len(ranks) or any(bytes([b]) not in ranks for b in range(256)):
+        raise ValueError(f"{path}: tiktoken ranks must be distinct and cover all 256 single bytes")
+    pattern = {TIKTOKEN_R50K: GPT2_PATTERN, TIKTOKEN_CL100K: _llama3_pattern()}.get(pattern, pattern)
+    u = bytes_to_unicode()
+    text = {b: "".join(u[c] for c in b) for b in ranks}
+    merges = sorted((r, k, text[b[:k]], text[b[k:]]) for b, r in ranks.items() for k in range(1, len(b))
+                    if b[:k] in ranks and b[k:] in ranks)
+    tj = {"version": "1.0", "truncation": None, "padding": None, "normalizer": None, "post_processor": None,
+          "added_tokens": [{"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
+                            "normalized": False, "special": True} for t, i in sorted(special.items(), key=lambda x: x[1])],
+          "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+              {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": False},
+              {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]},
+          "decoder": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False},
+          "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                    "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": True,
+                    "vocab": {text[b]: r for b, r in ranks.items()}, "merges": [[a, b] for _, _, a, b in merges]}}
+    return json.dumps(tj, ensure_ascii=False)
+
+
+def _llama3_pattern() -> str:
+    if str(REPO / "scripts") not in sys.path:
+        sys.path.insert(0, str(REPO / "scripts"))
+    from gguf_tokenizer import LLAMA3_PATTERN  # the same regex as cl100k's (tiktoken's spelling above)
+    return LLAMA3_PATTERN
+
+
+def save_tiktoken(enc, out_dir, eos_token: Optional[str] = None, bos_token: Optional[str] = None) -> list:
+    """Write a `tiktoken.Encoding` as tokenizer.tiktoken + tiktoken_config.json (what tokenizer.py loads; the
+    converted-checkpoint form of CodeGen2.5's / XGen's tokenizers). Returns the file names."""
+    import base64
+    from common import write_atomic
+    ranks = "".join(f"{base64.b64encode(b).decode()} {r}\n" for b, r in sorted(enc._mergeable_ranks.items(),
+                                                                              key=lambda x: x[1]))
+    cfg = {"pattern": enc._pat_str, "special_tokens": dict(enc._special_tokens), "eos_token": eos_token,
+           "bos_token": bos_token, "add_bos_token": False}
+    write_atomic(Path(out_dir) / "tokenizer.tiktoken", ranks)
+    write_atomic(Path(out_dir) / "tiktoken_config.json", json.dumps(cfg, ensure_ascii=False, indent=1))
+    return list(TIKTOKEN_FILES)
+
+
 def _load_sentencepiece(data: bytes, path: str, meta: dict) -> SentencePieceTokenizer:
     import sentencepiece as spm
     if re.fullmatch(rb"[A-Za-z0-9+/=]+ \d+\s*", data[:200].split(b"\n")[0]):
-        raise ValueError(f"{path}: looks like a tiktoken BPE file (Llama 3 original/tokenizer.model); "
-                         f"use the Hugging Face tokenizer.json instead")
+        raise ValueError(f"{path}: looks like a tiktoken BPE file (Llama 3 original/tokenizer.model); use the Hugging "
+                         f"Face tokenizer.json, or name it tokenizer.tiktoken beside a tiktoken_config.json")
     sp = spm.SentencePieceProcessor()
     try:
         sp.LoadFromSerializedProto(data)
@@ -358,7 +473,8 @@ def _load_sentencepiece(data: bytes, path: str, meta: dict) -> SentencePieceToke
         raise ValueError(f"{path}: not a valid SentencePiece model "
                          f"({str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__})") from None
     return SentencePieceTokenizer(sp, add_bos=True if meta["add_bos"] is None else bool(meta["add_bos"]),
-                                  chat_template=meta["chat_template"], stop_ids=meta["gen_eos"])
+                                  chat_template=meta["chat_template"], stop_ids=meta["gen_eos"], added=meta["added"],
+                                  eos=meta["eos"])
 
 
 def main(argv=None):

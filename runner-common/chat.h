@@ -1,6 +1,8 @@
 // Chat templates for the C++ tokenizer (header-only, C++17): the renderings scripts/export_tokenizer_bin.py checked
 // against the model's Jinja template (render_chat there) and stored as tokenizer.bin's chat kind: chatml (SmolLM2,
-// Qwen; with the template's default system prompt), llama2 ([INST], <<SYS>>), llama3 (header ids), zephyr.
+// Qwen; with the template's default system prompt), llama2 ([INST], <<SYS>>), llama3 (header ids), zephyr, gemma
+// (<start_of_turn>; Gemma 3 folds a system message into the first user turn), phi3 / phi4 (<|role|> ... <|end|>),
+// mistral (v0.1 / Mixtral [INST]). A template that refuses a system message (Gemma 1/2, Mistral) is refused here too.
 #pragma once
 
 #include <string>
@@ -35,6 +37,8 @@ inline std::string render_chat(const Tokenizer& t, const std::vector<Message>& m
                                bool add_generation_prompt = true) {
   std::string out;
   const std::string bos = token_text(t, t.bos_id), eos = token_text(t, t.eos_id);
+  if (t.no_system && !messages.empty() && messages[0].role == "system" && t.chat_kind != CHAT_NONE)
+    throw Error("this model's chat template does not take a system message");
   switch (t.chat_kind) {
     case CHAT_CHATML:
       if (t.has_default_system && (messages.empty() || messages[0].role != "system"))
@@ -62,6 +66,31 @@ inline std::string render_chat(const Tokenizer& t, const std::vector<Message>& m
         out += (i == 0 ? bos : std::string()) + "<|start_header_id|>" + messages[i].role + "<|end_header_id|>\n\n" +
                py_strip(t, messages[i].content) + "<|eot_id|>";
       if (add_generation_prompt) out += "<|start_header_id|>assistant<|end_header_id|>\n\n";
+      break;
+    case CHAT_GEMMA: {
+      size_t first = !messages.empty() && messages[0].role == "system" ? 1 : 0;
+      out = bos;
+      for (size_t i = first; i < messages.size(); i++) {
+        const std::string& role = messages[i].role == "assistant" ? std::string("model") : messages[i].role;
+        out += "<start_of_turn>" + role + "\n" + (i == first && first ? messages[0].content + "\n\n" : std::string()) +
+               py_strip(t, messages[i].content) + "<end_of_turn>\n";
+      }
+      if (add_generation_prompt) out += "<start_of_turn>model\n";
+      break;
+    }
+    case CHAT_PHI3:
+    case CHAT_PHI4: {
+      const std::string nl = t.chat_kind == CHAT_PHI3 ? "\n" : "";
+      for (auto& m : messages) {
+        if (m.role == "system" && m.content.empty() && t.chat_kind == CHAT_PHI3) continue;
+        out += "<|" + m.role + "|>" + nl + m.content + "<|end|>" + nl;
+      }
+      out += add_generation_prompt ? "<|assistant|>" + nl : eos;
+      break;
+    }
+    case CHAT_MISTRAL:
+      out = bos;
+      for (auto& m : messages) out += m.role == "user" ? "[INST] " + m.content + " [/INST]" : m.content + eos;
       break;
     case CHAT_ZEPHYR:
       for (auto& m : messages) out += "<|" + m.role + "|>\n" + m.content + eos + "\n";

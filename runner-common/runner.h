@@ -135,9 +135,9 @@ inline void check_pairing(const Tokenizer& tok, const ModelInfo& mi) {
 
 inline int chat_loop(Model& model, Tokenizer& tok, Sampler& sampler, const Options& o) {
   const ModelInfo& mi = model.info();
-  render_chat(tok, {}, true);  // fails early, with a clear message, when there is no template to render
   std::vector<Message> messages;
   if (!o.system_prompt.empty()) messages.push_back({"system", o.system_prompt});
+  render_chat(tok, messages, true);  // fails early, with a clear message: no template, or it takes no system message
   std::vector<int> cached;
   std::fprintf(stderr, "chat with the model (%d tokens of context); empty line or Ctrl-D to quit\n", mi.max_seq_len);
   bool first = true;

@@ -39,11 +39,14 @@ enum Flags {
   F_SP_REMOVE_EXTRA_WS = 32, F_SP_BYTE_FALLBACK = 64, F_SP_NOT_BPE = 128, F_SP_NOT_IDENTITY = 256, F_ALL = 511
 };
 enum Pre { PRE_NONE = 0, PRE_GPT2 = 1, PRE_LLAMA3 = 2, PRE_QWEN2 = 3 };
-enum ChatKind { CHAT_NONE = 0, CHAT_CHATML = 1, CHAT_LLAMA2 = 2, CHAT_LLAMA3 = 3, CHAT_ZEPHYR = 4 };
+enum ChatKind {
+  CHAT_NONE = 0, CHAT_CHATML = 1, CHAT_LLAMA2 = 2, CHAT_LLAMA3 = 3, CHAT_ZEPHYR = 4, CHAT_GEMMA = 5, CHAT_PHI3 = 6,
+  CHAT_PHI4 = 7, CHAT_MISTRAL = 8, CHAT_LAST = CHAT_MISTRAL
+};
 
 inline const char* chat_kind_name(int k) {
-  static const char* names[] = {"none", "chatml", "llama2", "llama3", "zephyr"};
-  return k >= 0 && k <= CHAT_ZEPHYR ? names[k] : "unknown";
+  static const char* names[] = {"none", "chatml", "llama2", "llama3", "zephyr", "gemma", "phi3", "phi4", "mistral"};
+  return k >= 0 && k <= CHAT_LAST ? names[k] : "unknown";
 }
 
 struct Tokenizer {
@@ -59,6 +62,7 @@ struct Tokenizer {
   int chat_kind = CHAT_LLAMA2;
   std::string default_system;
   bool has_default_system = false;
+  bool no_system = false;  // the template refuses a system message (Gemma 1/2, Mistral v0.1)
   // the tables (part A, TYPE, BYTE, SPEC, PIEC, UNKS, MERG, UNIL/UNIN/UNIS, PYSP, CASE)
   std::vector<std::string> pieces;  // token bytes (SentencePiece: the piece text, ' ' for '▁')
   std::vector<float> scores;
@@ -180,7 +184,7 @@ inline void read_section(Tokenizer& t, const std::string& tag, Reader& r, bool* 
     t.bos_id = r.id(t, "BOS id", true);
     t.eos_id = r.id(t, "EOS id");
     t.add_bos = r.in_range(0, 1, "add_bos");
-    t.chat_kind = r.in_range(CHAT_NONE, CHAT_ZEPHYR, "chat kind");
+    t.chat_kind = r.in_range(CHAT_NONE, CHAT_LAST, "chat kind");
     t.flags = r.in_range(0, F_ALL, "flags");
     t.unk_id = r.id(t, "unk id", true);
     t.pre = r.in_range(PRE_NONE, PRE_QWEN2, "pre-tokenizer");
@@ -205,9 +209,10 @@ inline void read_section(Tokenizer& t, const std::string& tag, Reader& r, bool* 
       if (t.specials.back().first.empty()) r.fail(r.where + ": special token with empty text");
     }
   } else if (tag == "CHAT") {
-    t.chat_kind = r.in_range(CHAT_NONE, CHAT_ZEPHYR, "chat kind");
+    t.chat_kind = r.in_range(CHAT_NONE, CHAT_LAST, "chat kind");
     t.default_system = r.blob();
     t.has_default_system = r.in_range(0, 1, "has-default-system flag");
+    if (r.pos < r.end) t.no_system = r.in_range(0, 1, "no-system flag");  // absent in older files
   } else if (tag == "PYSP") {
     read_ranges(r, t.pyspace);
   } else if (tag == "PIEC") {

@@ -34,8 +34,9 @@ KIND_SENTENCEPIECE, KIND_BPE = 1, 2
 PRE_NONE, PRE_GPT2, PRE_LLAMA3, PRE_QWEN2 = 0, 1, 2, 3
 PRE_KINDS = {GPT2_PATTERN: PRE_GPT2, LLAMA3_PATTERN: PRE_LLAMA3, QWEN2_PATTERN: PRE_QWEN2}
 CHAT_NONE, CHAT_CHATML, CHAT_LLAMA2, CHAT_LLAMA3, CHAT_ZEPHYR = 0, 1, 2, 3, 4
+CHAT_GEMMA, CHAT_PHI3, CHAT_PHI4, CHAT_MISTRAL = 5, 6, 7, 8
 CHAT_NAMES = {CHAT_NONE: "none", CHAT_CHATML: "chatml", CHAT_LLAMA2: "llama2", CHAT_LLAMA3: "llama3",
-              CHAT_ZEPHYR: "zephyr"}
+              CHAT_ZEPHYR: "zephyr", CHAT_GEMMA: "gemma", CHAT_PHI3: "phi3", CHAT_PHI4: "phi4", CHAT_MISTRAL: "mistral"}
 # INFO flags
 F_DIGITS_SPLIT, F_NFC, F_IGNORE_MERGES, F_ADD_PREFIX_SPACE = 1, 2, 4, 8
 F_SP_ADD_DUMMY_PREFIX, F_SP_REMOVE_EXTRA_WS, F_SP_BYTE_FALLBACK, F_SP_NOT_BPE, F_SP_NOT_IDENTITY = 16, 32, 64, 128, 256
@@ -138,7 +139,28 @@ def casefold_table() -> list:
 def render_chat(kind: int, messages, add_generation_prompt=True, default_system=None, bos="", eos=""):
     """The renderings the C++ runner implements (runner-common/chat.h). Used to check a template's kind."""
     out = ""
-    if kind == CHAT_CHATML:
+    if kind == CHAT_GEMMA:  # Gemma 3 folds a system message into the first user turn (Gemma 1/2 refuse one)
+        prefix, msgs = "", messages
+        if msgs and msgs[0]["role"] == "system":
+            prefix, msgs = msgs[0]["content"] + "\n\n", msgs[1:]
+        out = bos
+        for i, m in enumerate(msgs):
+            role = "model" if m["role"] == "assistant" else m["role"]
+            out += "<start_of_turn>" + role + "\n" + (prefix if i == 0 else "") + m["content"].strip() + "<end_of_turn>\n"
+        if add_generation_prompt:
+            out += "<start_of_turn>model\n"
+    elif kind in (CHAT_PHI3, CHAT_PHI4):  # <|role|>\n content <|end|>\n (Phi-4-mini: no newlines)
+        nl = "\n" if kind == CHAT_PHI3 else ""
+        for m in messages:
+            if m["role"] == "system" and not m["content"] and kind == CHAT_PHI3:
+                continue  # Phi-3 leaves out an empty system message
+            out += "<|" + m["role"] + "|>" + nl + m["content"] + "<|end|>" + nl
+        out += "<|assistant|>" + nl if add_generation_prompt else eos
+    elif kind == CHAT_MISTRAL:  # Mistral / Mixtral v0.1: BOS once, no strip, no system message
+        out = bos
+        for m in messages:
+            out += "[INST] " + m["content"] + " [/INST]" if m["role"] == "user" else m["content"] + eos
+    elif kind == CHAT_CHATML:
         if default_system is not None and (not messages or messages[0]["role"] != "system"):
             out += "<|im_start|>system\n" + default_system + "<|im_end|>\n"
         for m in messages:
@@ -182,26 +204,45 @@ _PROBES = [
 ]
 
 
+_PROBES += [
+    [{"role": "user", "content": " \n padded \t"}, {"role": "assistant", "content": "\n reply \n"},
+     {"role": "user", "content": "é 🤖"}],
+    [{"role": "system", "content": " sys \n"}, {"role": "user", "content": "u"}, {"role": "assistant", "content": " a"},
+     {"role": "user", "content": "v "}, {"role": "assistant", "content": "w"}, {"role": "user", "content": "x"}],
+]
+
+
 def detect_chat(tok):
-    """(kind, default system prompt or None): the runner's rendering that reproduces tok's chat template on probe
-    conversations, or (CHAT_NONE, None)."""
+    """(kind, default system prompt or None, no_system): the runner's rendering that reproduces tok's chat template
+    on the probe conversations (no_system: the template refuses a system message, and so does the runner), or
+    (CHAT_NONE, None, False) when there is no template. A template no kind reproduces raises ExportError."""
     if not getattr(tok, "chat_template", None):
-        return CHAT_NONE, None
-    try:
-        want = [tok.apply_chat_template(p, add_generation_prompt=True) for p in _PROBES]
-    except Exception:
-        return CHAT_NONE, None
+        return CHAT_NONE, None, False
+
+    def render(p):
+        try:
+            return tok.apply_chat_template(p, add_generation_prompt=True)
+        except ValueError:
+            return None
+    want = [render(p) for p in _PROBES]
+    no_system = all(w is None for p, w in zip(_PROBES, want) if p[0]["role"] == "system")
+    if any(w is None for p, w in zip(_PROBES, want) if p[0]["role"] != "system"):
+        raise ExportError("the chat template fails on plain user/assistant conversations: the C++ runner cannot "
+                          "reproduce it (export with --no_chat to leave chat out of tokenizer.bin)")
     bos = tok.token_text(tok.bos_id) or ""
     eos = tok.token_text(tok.eos_id) or ""
     default_system = None
     head = "<|im_start|>system\n"
     if want[0].startswith(head) and "<|im_end|>\n" in want[0]:
         default_system = want[0][len(head):want[0].index("<|im_end|>\n")]
-    for kind in (CHAT_CHATML, CHAT_LLAMA2, CHAT_LLAMA3, CHAT_ZEPHYR):
+    for kind in CHAT_NAMES:
         ds = default_system if kind == CHAT_CHATML else None
-        if all(render_chat(kind, p, True, ds, bos, eos) == w for p, w in zip(_PROBES, want)):
-            return kind, ds
-    return CHAT_NONE, None
+        if kind != CHAT_NONE and all(w is None or render_chat(kind, p, True, ds, bos, eos) == w
+                                     for p, w in zip(_PROBES, want)):
+            return kind, ds, no_system
+    raise ExportError("the chat template is none of the renderings the C++ runner implements (" +
+                      ", ".join(n for k, n in CHAT_NAMES.items() if k) + "): it would render wrong prompts "
+                      "(export with --no_chat to leave chat out of tokenizer.bin)")
 
 
 # ----------------------------------------------------------------------------------------------------------- export
@@ -215,12 +256,12 @@ def _sections_common(tok, n_vocab, kind, flags, unk_id, pre, types, byte_ids, ch
     sections = [(b"INFO", info), (b"STOP", _i32s(sorted(tok.stop_ids))), (b"TYPE", bytes(types)),
                 (b"BYTE", struct.pack("<256i", *byte_ids)), (b"SPEC", spec),
                 (b"CHAT", struct.pack("<i", chat[0]) + _blob((chat[1] or "").encode("utf-8")) +
-                 struct.pack("<i", int(chat[1] is not None))),
+                 struct.pack("<ii", int(chat[1] is not None), int(chat[2]))),
                 (b"PYSP", _range_section(python_space_ranges()))]
     return sections
 
 
-def sentencepiece_sections(tok, entries, log) -> list:
+def sentencepiece_sections(tok, entries, log, chat) -> list:
     from sentencepiece import sentencepiece_model_pb2 as pb
     sp = tok.sp
     proto = pb.ModelProto()
@@ -247,7 +288,6 @@ def sentencepiece_sections(tok, entries, log) -> list:
         flags |= F_SP_NOT_IDENTITY
         log(f"warning: SentencePiece normalizer {ns.name!r}: the C++ encoder does not normalize its input")
     unk = sp.unk_id() if sp.unk_id() >= 0 else None
-    chat = detect_chat(tok)
     sections = _sections_common(tok, n, KIND_SENTENCEPIECE, flags, unk, PRE_NONE, types, byte_ids, chat)
     # the pieces as the encoder matches them ('▁' -> ' '), for every token whose llama2.c bytes differ from that
     # (BOS/EOS, byte tokens); plus the unknown surface for decode
@@ -262,13 +302,14 @@ def sentencepiece_sections(tok, entries, log) -> list:
     return sections
 
 
-def bpe_export(tok, log):
+def bpe_export(tok, log, chat):
     """(llama2.c entries, extension sections) for a byte-level BPE tokenizer: its vocabulary and merges as the
     `tokenizers` library holds them (tok.hf), the pre-tokenizer facts tokenizer.py read from its tokenizer.json."""
     pre = PRE_KINDS.get(tok.pattern, -1)
     if pre < 0:
-        raise ExportError(f"pre-tokenizer regex {tok.pattern!r} is not one the C++ encoder implements "
-                          f"(GPT-2, Llama 3, Qwen2)")
+        raise ExportError(f"pre-tokenizer {tok.pattern[:300]!r} is not one the C++ encoder implements "
+                          f"(ByteLevel's GPT-2 regex, with or without individual digits; the Llama 3 / cl100k and "
+                          f"Qwen2 Split regexes)")
     model = json.loads(tok.hf.to_str())["model"]
     vocab = model["vocab"]  # byte-level-unicode token string -> id
     id_to_token = {i: t for t, i in vocab.items()}
@@ -320,7 +361,6 @@ def bpe_export(tok, log):
         flags |= F_IGNORE_MERGES
     if tok.add_prefix_space:
         flags |= F_ADD_PREFIX_SPACE
-    chat = detect_chat(tok)
     sections = _sections_common(tok, n, KIND_BPE, flags, tok.unk_id, pre, types, byte_ids, chat)
     flat = [v for m in merges for v in m]
     sections.append((b"MERG", struct.pack(f"<i{len(flat)}i", len(merges), *flat)))
@@ -334,18 +374,20 @@ def bpe_export(tok, log):
     return entries, sections
 
 
-def build(tok, llama2c_only: bool = False, log=lambda *a: None) -> bytes:
-    """The bytes of tokenizer.bin for a tokenizer.py Tokenizer."""
+def build(tok, llama2c_only: bool = False, log=lambda *a: None, with_chat: bool = True) -> bytes:
+    """The bytes of tokenizer.bin for a tokenizer.py Tokenizer (with_chat=False: chat kind none, whatever the
+    template)."""
+    chat = detect_chat(tok) if with_chat and not llama2c_only else (CHAT_NONE, None, False)
     if tok.kind == "sentencepiece":
         entries = llama2c_entries(tok.sp)
         part_a = pack_entries(entries)
         if llama2c_only:
             return part_a
-        sections = sentencepiece_sections(tok, entries, log)
+        sections = sentencepiece_sections(tok, entries, log, chat)
     elif tok.kind == "bpe":
         if llama2c_only:
             raise ExportError("--llama2c applies to SentencePiece tokenizers only (llama2.c cannot encode byte-level BPE)")
-        entries, sections = bpe_export(tok, log)
+        entries, sections = bpe_export(tok, log, chat)
         part_a = pack_entries(entries)
     else:
         raise ExportError(f"unsupported tokenizer kind {tok.kind!r}")
@@ -366,17 +408,20 @@ def main(argv=None):
     p.add_argument("-o", "--output", type=Path, default=Path("tokenizer.bin"))
     p.add_argument("--llama2c", action="store_true",
                    help="SentencePiece only: write exactly llama2.c's tokenizer.bin (no extension)")
+    p.add_argument("--no_chat", action="store_true",
+                   help="leave the chat template out (for a template the C++ runner cannot render, e.g. SmolLM3's)")
     args = p.parse_args(argv)
+    if not args.output.parent.is_dir():
+        raise FileNotFoundError(f"output directory does not exist: {args.output.parent}")
     tok = load_tokenizer(args.tokenizer)
     log = lambda *a: print(*a, file=sys.stderr)  # noqa: E731
     try:
-        data = build(tok, args.llama2c, log)
+        data = build(tok, args.llama2c, log, with_chat=not args.no_chat)
+        chat = ("llama2 (llama2.c default)" if args.llama2c else "none (--no_chat)" if args.no_chat else
+                CHAT_NAMES[detect_chat(tok)[0]] + (" (no system message)" if detect_chat(tok)[2] else ""))
     except ExportError as e:
         raise ValueError(str(e)) from None
-    if not args.output.parent.is_dir():
-        raise FileNotFoundError(f"output directory does not exist: {args.output.parent}")
     write_atomic(args.output, data)
-    chat = CHAT_NAMES[detect_chat(tok)[0]] if not args.llama2c else "llama2 (llama2.c default)"
     log(f"wrote {args.output}: {tok.kind}, {tok.vocab_size} tokens, chat template {chat}, {len(data)} bytes")
 
 
