@@ -29,23 +29,53 @@ from gguf_tokenizer import save_tokenizer_from_gguf  # noqa: E402  (scripts/, be
 from model import ModelArgs, Transformer, save_checkpoint  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-HF_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+HF_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+            "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM", "SmolLM3ForCausalLM",
+            "Starcoder2ForCausalLM")
+HF_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM",
+                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "gemma": "GemmaForCausalLM",
+                  "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
+                  "smollm3": "SmolLM3ForCausalLM", "starcoder2": "Starcoder2ForCausalLM"}
 
-# canonical tensor -> source name ("{}" = layer index)
-_L = "model.layers.{}."
+# canonical tensor -> source name ("{0}" = layer index, "{1}" = expert index)
+_L = "model.layers.{0}."
 HF_NAMES = dict(tok="model.embed_tokens.weight", norm="model.norm.weight", output="lm_head.weight",
                 q=_L + "self_attn.q_proj.weight", k=_L + "self_attn.k_proj.weight", v=_L + "self_attn.v_proj.weight",
                 q_bias=_L + "self_attn.q_proj.bias", k_bias=_L + "self_attn.k_proj.bias",
                 v_bias=_L + "self_attn.v_proj.bias", q_norm=_L + "self_attn.q_norm.weight",
-                k_norm=_L + "self_attn.k_norm.weight", o=_L + "self_attn.o_proj.weight", gate=_L + "mlp.gate_proj.weight",
-                up=_L + "mlp.up_proj.weight", down=_L + "mlp.down_proj.weight", attn_norm=_L + "input_layernorm.weight",
-                ffn_norm=_L + "post_attention_layernorm.weight")
+                k_norm=_L + "self_attn.k_norm.weight", o=_L + "self_attn.o_proj.weight", o_bias=_L + "self_attn.o_proj.bias",
+                gate=_L + "mlp.gate_proj.weight", up=_L + "mlp.up_proj.weight", down=_L + "mlp.down_proj.weight",
+                gate_bias=_L + "mlp.gate_proj.bias", up_bias=_L + "mlp.up_proj.bias", down_bias=_L + "mlp.down_proj.bias",
+                attn_norm=_L + "input_layernorm.weight", ffn_norm=_L + "post_attention_layernorm.weight")
+HF_FAMILY_NAMES = {  # what differs from Llama's layout
+    # Gemma 2/3: four norms per layer; HF's post_attention_layernorm is on the attention output here
+    "Gemma2ForCausalLM": dict(post_attn_norm=_L + "post_attention_layernorm.weight",
+                              ffn_norm=_L + "pre_feedforward_layernorm.weight",
+                              post_ffn_norm=_L + "post_feedforward_layernorm.weight"),
+    # Phi-3: fused projections, split here (q, k, v rows; gate then up rows)
+    "Phi3ForCausalLM": dict(qkv=_L + "self_attn.qkv_proj.weight", gate_up=_L + "mlp.gate_up_proj.weight"),
+    # StarCoder2: LayerNorm with bias, plain MLP c_fc -> c_proj with biases (c_fc is w1, the activated one)
+    "Starcoder2ForCausalLM": dict(gate=_L + "mlp.c_fc.weight", gate_bias=_L + "mlp.c_fc.bias",
+                                  down=_L + "mlp.c_proj.weight", down_bias=_L + "mlp.c_proj.bias",
+                                  attn_norm_bias=_L + "input_layernorm.bias",
+                                  ffn_norm_bias=_L + "post_attention_layernorm.bias", norm_bias="model.norm.bias"),
+    # Mixtral: the router and 8 experts, as save_pretrained writes them (block_sparse_moe.experts.N.w1/w2/w3), or
+    # transformers 5's fused tensors (mlp.experts.gate_up_proj [E, 2I, D], down_proj [E, D, I])
+    "MixtralForCausalLM": dict(router=_L + "block_sparse_moe.gate.weight", router_alt=_L + "mlp.gate.weight",
+                               expert_gate=_L + "block_sparse_moe.experts.{1}.w1.weight",
+                               expert_up=_L + "block_sparse_moe.experts.{1}.w3.weight",
+                               expert_down=_L + "block_sparse_moe.experts.{1}.w2.weight",
+                               experts_gate_up=_L + "mlp.experts.gate_up_proj",
+                               experts_down=_L + "mlp.experts.down_proj"),
+}
+HF_FAMILY_NAMES["Gemma3ForCausalLM"] = HF_FAMILY_NAMES["Gemma2ForCausalLM"]
+NORM_PLUS_ONE = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")  # x * (1 + w): stored as w + 1
 META_NAMES = dict(tok="tok_embeddings.weight", norm="norm.weight", output="output.weight",
-                  q="layers.{}.attention.wq.weight", k="layers.{}.attention.wk.weight",
-                  v="layers.{}.attention.wv.weight", o="layers.{}.attention.wo.weight",
-                  gate="layers.{}.feed_forward.w1.weight", up="layers.{}.feed_forward.w3.weight",
-                  down="layers.{}.feed_forward.w2.weight", attn_norm="layers.{}.attention_norm.weight",
-                  ffn_norm="layers.{}.ffn_norm.weight")
+                  q="layers.{0}.attention.wq.weight", k="layers.{0}.attention.wk.weight",
+                  v="layers.{0}.attention.wv.weight", o="layers.{0}.attention.wo.weight",
+                  gate="layers.{0}.feed_forward.w1.weight", up="layers.{0}.feed_forward.w3.weight",
+                  down="layers.{0}.feed_forward.w2.weight", attn_norm="layers.{0}.attention_norm.weight",
+                  ffn_norm="layers.{0}.ffn_norm.weight")
 GGUF_NAMES = dict(tok="token_embd.weight", norm="output_norm.weight", output="output.weight",
                   q="blk.{}.attn_q.weight", k="blk.{}.attn_k.weight", v="blk.{}.attn_v.weight",
                   q_bias="blk.{}.attn_q.bias", k_bias="blk.{}.attn_k.bias", v_bias="blk.{}.attn_v.bias",
@@ -69,6 +99,7 @@ class Source:
     tied: object = None    # True/False from a config; None = tied when output is absent or equals the embedding
     tokenizer: object = None  # callable(out_dir) writing the tokenizer files
     ignore: tuple = ()     # source tensors that are not needed (e.g. rotary tables)
+    norm_offset: float = 0.0  # added to every RMSNorm weight (Gemma's x * (1 + w))
 
 
 def permute_rotary(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -144,13 +175,10 @@ def load_hf(d: Path) -> Source:
         cfg = json.loads((d / "config.json").read_text())
     except Exception as e:
         raise ConvertError(f"cannot read {d / 'config.json'}: {_oneline(e)}") from None
-    arch = (cfg.get("architectures") or [None])[0] or {
-        "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-        "qwen3": "Qwen3ForCausalLM"}.get(cfg.get("model_type"), f"model_type={cfg.get('model_type')}")
+    arch = (cfg.get("architectures") or [None])[0] or HF_MODEL_TYPES.get(cfg.get("model_type"),
+                                                                         f"model_type={cfg.get('model_type')}")
     if arch not in HF_ARCHS:
         raise ConvertError(f"unsupported architecture {arch!r} in {d / 'config.json'} (supported: {', '.join(HF_ARCHS)})")
-    if cfg.get("hidden_act", "silu") != "silu" or cfg.get("mlp_bias"):
-        raise ConvertError(f"unsupported MLP (hidden_act={cfg.get('hidden_act')}, mlp_bias={cfg.get('mlp_bias')})")
     files = None
     for index in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
         if (d / index).is_file():
@@ -165,13 +193,14 @@ def load_hf(d: Path) -> Source:
     try:
         args = ModelArgs.from_hf_config(cfg)
     except (KeyError, ValueError) as e:
-        raise ConvertError(f"unsupported config.json: {type(e).__name__} {_oneline(e)}") from None
+        raise ConvertError(f"{arch}: unsupported config.json: {type(e).__name__} {_oneline(e)}") from None
     table = tensor_table(files)
     if "model.embed_tokens.weight" not in table:  # bare LlamaModel without the "model." prefix
         table = {"model." + k: v for k, v in table.items()}
     dtype = table["model.embed_tokens.weight"]().dtype if "model.embed_tokens.weight" in table else torch.float32
-    return Source(args, HF_NAMES, table, dtype, permute=False, tied=args.tie_embeddings,
-                  tokenizer=_copy_tokenizer(d), ignore=("rotary_emb.inv_freq",))
+    return Source(args, dict(HF_NAMES, **HF_FAMILY_NAMES.get(arch, {})), table, dtype, permute=False,
+                  tied=args.tie_embeddings, tokenizer=_copy_tokenizer(d), ignore=("rotary_emb.inv_freq",),
+                  norm_offset=1.0 if arch in NORM_PLUS_ONE else 0.0)
 
 
 def load_meta(d: Path) -> Source:
@@ -334,8 +363,8 @@ def open_source(src: Path) -> Source:
 def build_state_dict(s: Source, dtype: torch.dtype):
     args, used = s.args, set()
 
-    def get(key, i=None, required=True):
-        name = s.names.get(key, "\0").format(i)
+    def get(key, i=None, required=True, e=None):
+        name = s.names.get(key, "\0").format(i, e)
         if name not in s.tensors:
             if required:
                 raise ConvertError(f"missing tensor {name}")
@@ -343,7 +372,16 @@ def build_state_dict(s: Source, dtype: torch.dtype):
         used.add(name)
         return s.tensors[name]().to(dtype)
 
-    sd = {"tok_embeddings.weight": get("tok"), "norm.weight": get("norm")}
+    def norm(key, i=None):
+        w = get(key, i)
+        return (w.float() + s.norm_offset).to(dtype) if s.norm_offset and args.norm_type == "rms" else w
+
+    def has(key, i):
+        return s.names.get(key, "\0").format(i, 0) in s.tensors
+
+    sd = {"tok_embeddings.weight": get("tok"), "norm.weight": norm("norm")}
+    if args.norm_type == "layer":
+        sd["norm.bias"] = get("norm_bias")
     out = get("output", required=False)
     tied = s.tied if s.tied is not None else out is None or torch.equal(out, sd["tok_embeddings.weight"])
     if out is None and not tied:
@@ -351,36 +389,87 @@ def build_state_dict(s: Source, dtype: torch.dtype):
     if not tied:
         sd["output.weight"] = out
     args = dataclasses.replace(args, tie_embeddings=tied)
+    q_size, kv_size = args.n_head * args.head_dim, args.n_local_heads * args.head_dim
     for i in tqdm(range(args.n_layer), desc="converting layers"):
         p = f"layers.{i}."
-        q, k = get("q", i), get("k", i)
+        if has("qkv", i):  # fused (Phi-3): already q, k, v rows in model.py's order
+            q, k, v = get("qkv", i).split([q_size, kv_size, kv_size])
+        else:
+            q, k, v = get("q", i), get("k", i), get("v", i)
         if s.permute:
             q, k = permute_rotary(q, args.n_head), permute_rotary(k, args.n_local_heads)
-        sd[p + "attention.wqkv.weight"] = torch.cat([q, k, get("v", i)])
+        sd[p + "attention.wqkv.weight"] = torch.cat([q, k, v])
         if args.attn_bias:
             qb, kb = get("q_bias", i), get("k_bias", i)
             if s.permute:
                 qb, kb = permute_rotary(qb, args.n_head), permute_rotary(kb, args.n_local_heads)
             sd[p + "attention.wqkv.bias"] = torch.cat([qb, kb, get("v_bias", i)])
         if args.qk_norm:
-            sd[p + "attention.q_norm.weight"], sd[p + "attention.k_norm.weight"] = get("q_norm", i), get("k_norm", i)
+            sd[p + "attention.q_norm.weight"], sd[p + "attention.k_norm.weight"] = norm("q_norm", i), norm("k_norm", i)
         sd[p + "attention.wo.weight"] = get("o", i)
-        sd[p + "feed_forward.w1.weight"] = get("gate", i)
-        sd[p + "feed_forward.w3.weight"] = get("up", i)
-        sd[p + "feed_forward.w2.weight"] = get("down", i)
-        sd[p + "attention_norm.weight"] = get("attn_norm", i)
-        sd[p + "ffn_norm.weight"] = get("ffn_norm", i)
+        if args.attn_out_bias:
+            sd[p + "attention.wo.bias"] = get("o_bias", i)
+        if args.n_experts:
+            sd.update(_experts(get, has, i, args))
+        else:
+            sd.update(_mlp(get, has, i, args, p + "feed_forward."))
+        norms = [("attention_norm", "attn_norm"), ("ffn_norm", "ffn_norm")]
+        if args.sandwich_norm:
+            norms += [("post_attention_norm", "post_attn_norm"), ("post_ffn_norm", "post_ffn_norm")]
+        for ours, theirs in norms:
+            sd[p + ours + ".weight"] = norm(theirs, i)
+            if args.norm_type == "layer":
+                sd[p + ours + ".bias"] = get(theirs + "_bias", i)
     extra = sorted(n for n in set(s.tensors) - used if not n.endswith(s.ignore) and n != s.names["output"])
     if extra:
         raise ConvertError(f"unsupported tensors in checkpoint (not part of model.py): {', '.join(extra[:4])}"
                            + (f" and {len(extra) - 4} more" if len(extra) > 4 else ""))
     with torch.device("meta"):
         expected = Transformer(args).state_dict()
+    missing = sorted(set(expected) - set(sd) - ({"output.weight"} if tied else set()))
+    if missing:
+        raise ConvertError(f"the checkpoint lacks tensors the config needs: {', '.join(missing[:4])}")
     for name, t in sd.items():
         if tuple(t.shape) != tuple(expected[name].shape):
             raise ConvertError(f"shape mismatch for {name}: checkpoint {tuple(t.shape)}, "
                                f"config expects {tuple(expected[name].shape)}")
     return sd, args
+
+
+def _mlp(get, has, i, args, p, e=None) -> dict:
+    """One MLP's w1 (activated), w3 (gate partner, gated MLPs only), w2 (+ biases)."""
+    sd = {}
+    if has("gate_up", i):  # fused (Phi-3): gate rows, then up rows
+        sd[p + "w1.weight"], sd[p + "w3.weight"] = get("gate_up", i).chunk(2)
+    else:
+        sd[p + "w1.weight"] = get("gate", i, e=e)
+        if args.mlp_gated:
+            sd[p + "w3.weight"] = get("up", i, e=e)
+    sd[p + "w2.weight"] = get("down", i, e=e)
+    if args.mlp_bias:
+        sd[p + "w1.bias"], sd[p + "w2.bias"] = get("gate_bias", i), get("down_bias", i)
+        if args.mlp_gated:
+            sd[p + "w3.bias"] = get("up_bias", i)
+    return sd
+
+
+def _experts(get, has, i, args) -> dict:
+    """Mixtral: router + per-expert w1/w3/w2, from per-expert tensors or transformers 5's fused [E, ...] ones."""
+    p = f"layers.{i}.feed_forward."
+    sd = {p + "gate.weight": get("router", i) if has("router", i) else get("router_alt", i)}
+    fused = has("experts_gate_up", i)
+    if fused:
+        gate_up, down = get("experts_gate_up", i), get("experts_down", i)
+    for e in range(args.n_experts):
+        q = f"{p}experts.{e}."
+        if fused:
+            sd[q + "w1.weight"], sd[q + "w3.weight"] = gate_up[e].chunk(2)
+            sd[q + "w2.weight"] = down[e]
+        else:
+            sd[q + "w1.weight"] = get("expert_gate", i, e=e)
+            sd[q + "w3.weight"] = get("expert_up", i, e=e)
+            sd[q + "w2.weight"] = get("expert_down", i, e=e)
+    return sd
 
 
 def convert(src, output_dir, dtype=None) -> Path:
