@@ -202,6 +202,7 @@ class SentencePieceTokenizer(Tokenizer):
         super().__init__(vocab_size=max([n - 1, *self.added.values()]) + 1,
                          bos_id=sp.bos_id() if sp.bos_id() >= 0 else None, eos_id=eos_id, add_bos=add_bos,
                          special_tokens=special, chat_template=chat_template, stop_ids=[*stop_ids, *user.values()])
+        self._control = next((i for i in range(n) if sp.is_control(i)), None)  # what an added token decodes as
         alts = sorted(self.special_tokens, key=len, reverse=True)  # longest first = leftmost-longest match
         self._special_rx = re.compile("|".join(map(re.escape, alts))) if alts else None
 
@@ -217,9 +218,10 @@ class SentencePieceTokenizer(Tokenizer):
             pos = m.end()
         return ids + (self.sp.encode(text[pos:]) if pos < len(text) else [])
 
-    def decode(self, ids) -> str:  # control tokens (<s>, </s>) and added tokens always decode to ""
-        n = self.sp.get_piece_size()
-        return self.sp.decode([int(i) for i in ids if 0 <= int(i) < n])
+    def decode(self, ids) -> str:  # control tokens (<s>, </s>) always decode to ""; added tokens decode as they do
+        n, ctrl = self.sp.get_piece_size(), self._control
+        return self.sp.decode([int(i) if int(i) < n else ctrl for i in ids
+                               if 0 <= int(i) < n or (int(i) in self.special_text and ctrl is not None)])
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -45,6 +45,7 @@ inline std::string decode_sp(const Tokenizer& t, const int* ids, size_t n) {
     int id = ids[i];
     if (id < 0 || id >= t.n_vocab) continue;  // tokenizer.py drops ids outside the vocabulary
     int ty = token_type(t, id);
+    if (ty == T_HOLE) continue;  // an unused id between added tokens
     if (ty == T_BYTE && t.byte_of[id] >= 0) {
       run += char(t.byte_of[id]);
       continue;

@@ -261,14 +261,21 @@ def _sections_common(tok, n_vocab, kind, flags, unk_id, pre, types, byte_ids, ch
     return sections
 
 
+def added_entries(tok) -> list:
+    """(bytes, score) for the ids past a SentencePiece model (Phi-3's added tokens): their text; holes empty."""
+    n = tok.sp.vocab_size()
+    return [(tok.special_text.get(i, "").encode("utf-8"), 0.0) for i in range(n, tok.vocab_size)]
+
+
 def sentencepiece_sections(tok, entries, log, chat) -> list:
     from sentencepiece import sentencepiece_model_pb2 as pb
     sp = tok.sp
     proto = pb.ModelProto()
     proto.ParseFromString(sp.serialized_model_proto())
-    n = sp.vocab_size()
+    n = tok.vocab_size
     ptype = {1: T_NORMAL, 2: T_UNKNOWN, 3: T_SPECIAL, 4: T_USER, 5: T_UNUSED, 6: T_BYTE}
     types = [ptype.get(p.type, T_NORMAL) for p in proto.pieces]
+    types += [T_SPECIAL if i in tok.special_text else T_HOLE for i in range(len(types), n)]
     byte_ids = [-1] * 256
     for i, p in enumerate(proto.pieces):
         if p.type == 6:
@@ -379,7 +386,7 @@ def build(tok, llama2c_only: bool = False, log=lambda *a: None, with_chat: bool 
     template)."""
     chat = detect_chat(tok) if with_chat and not llama2c_only else (CHAT_NONE, None, False)
     if tok.kind == "sentencepiece":
-        entries = llama2c_entries(tok.sp)
+        entries = llama2c_entries(tok.sp) + added_entries(tok)
         part_a = pack_entries(entries)
         if llama2c_only:
             return part_a

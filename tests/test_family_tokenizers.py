@@ -1,0 +1,615 @@
+# Every model family's tokenizer and chat template, in Python (tokenizer.py) and in C++ (tokenizer.bin through
+# runner-common, driven by tok_tool), against code nobody here wrote: `sentencepiece`, `tokenizers`, `tiktoken` and
+# transformers' tokenizer classes and apply_chat_template. No network: each family gets a stand-in trained here on a
+# small corpus with the *configuration* of its real tokenizer (SentencePiece flags, pre-tokenizer / normalizer /
+# decoder settings, added and special tokens), and its published chat template (written below as data).
+#   Gemma 1/2/3          SentencePiece BPE, byte fallback, no dummy prefix, <bos>/<eos>, <start_of_turn> user-defined
+#   Phi-3-mini           Llama 2's tokenizer.model + added tokens past it (<|user|> <|assistant|> <|end|> ...)
+#   Mistral v0.1 / Mixtral / Codestral   Llama-style SentencePiece, [INST] template (no system message)
+#   StarCoder2           byte-level BPE, individual digits, <|endoftext|> + FIM tokens, no chat template
+#   SmolLM3              Llama-3-style Split regex + ignore_merges; a template tokenizer.bin cannot render
+#   Phi-4-mini           o200k-style Split regex (Python only: tokenizer.bin refuses its pre-tokenizer)
+#   GPT-2, GPT-NeoX/MPT  ByteLevel GPT-2 regex (NeoX: NFC normalizer, whitespace-run added tokens)
+#   Falcon               Punctuation + ByteLevel + Digits + 3-digit Split (Python only)
+#   CodeGen2.5, XGen     tiktoken ranks (GPT-2 / cl100k regex) + whitespace-run ranks + FIM special tokens
+import base64
+import io
+import json
+import random
+import sys
+import unicodedata
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import export_tokenizer_bin as E  # noqa: E402
+import gguf_tokenizer as G  # noqa: E402
+import tokenizer as T  # noqa: E402
+from test_tokenizer_bin import (PROMPTS, build_tok_tool, c_chat, c_decode, c_encode, corpus, export_bin,  # noqa: E402
+                                mixed_text, py_stream)
+
+# ------------------------------------------------------------------------------------------ published chat templates
+GEMMA_TEMPLATE = (  # gemma-7b-it / gemma-2-*-it
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+    "{% endif %}{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{% if (message['role'] == 'assistant') %}{% set role = 'model' %}{% else %}{% set role = message['role'] %}"
+    "{% endif %}{{ '<start_of_turn>' + role + '\n' + message['content'] | trim + '<end_of_turn>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{'<start_of_turn>model\n'}}{% endif %}")
+GEMMA3_TEMPLATE = r"""{{ bos_token }}
+{%- if messages[0]['role'] == 'system' -%}
+    {%- if messages[0]['content'] is string -%}
+        {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}
+    {%- else -%}
+        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}
+    {%- endif -%}
+    {%- set loop_messages = messages[1:] -%}
+{%- else -%}
+    {%- set first_user_prefix = "" -%}
+    {%- set loop_messages = messages -%}
+{%- endif -%}
+{%- for message in loop_messages -%}
+    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
+        {{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}
+    {%- endif -%}
+    {%- if (message['role'] == 'assistant') -%}
+        {%- set role = "model" -%}
+    {%- else -%}
+        {%- set role = message['role'] -%}
+    {%- endif -%}
+    {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else "") }}
+    {%- if message['content'] is string -%}
+        {{ message['content'] | trim }}
+    {%- elif message['content'] is iterable -%}
+        {%- for item in message['content'] -%}
+            {%- if item['type'] == 'image' -%}
+                {{ '<start_of_image>' }}
+            {%- elif item['type'] == 'text' -%}
+                {{ item['text'] | trim }}
+            {%- endif -%}
+        {%- endfor -%}
+    {%- else -%}
+        {{ raise_exception("Invalid content type") }}
+    {%- endif -%}
+    {{ '<end_of_turn>\n' }}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{'<start_of_turn>model\n'}}
+{%- endif -%}
+"""
+PHI3_TEMPLATE = (  # Phi-3-mini-4k-instruct / Phi-3.5-mini-instruct
+    "{% for message in messages %}{% if message['role'] == 'system' and message['content'] %}{{'<|system|>\n' + "
+    "message['content'] + '<|end|>\n'}}{% elif message['role'] == 'user' %}{{'<|user|>\n' + message['content'] + "
+    "'<|end|>\n'}}{% elif message['role'] == 'assistant' %}{{'<|assistant|>\n' + message['content'] + '<|end|>\n'}}"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% else %}{{ eos_token }}{% endif %}")
+PHI4_TEMPLATE = (  # Phi-4-mini-instruct
+    "{% for message in messages %}{% if message['role'] == 'system' and 'tools' in message and message['tools'] is "
+    "not none %}{{ '<|' + message['role'] + '|>' + message['content'] + '<|tool|>' + message['tools'] + '<|/tool|>' + "
+    "'<|end|>' }}{% else %}{{ '<|' + message['role'] + '|>' + message['content'] + '<|end|>' }}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>' }}{% else %}{{ eos_token }}{% endif %}")
+MISTRAL_TEMPLATE = (  # Mistral-7B-Instruct-v0.1, Mixtral-8x7B-Instruct-v0.1
+    "{{ bos_token }}{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{% if message['role'] == 'user' %}{{ '[INST] ' + message['content'] + ' [/INST]' }}{% elif message['role'] == "
+    "'assistant' %}{{ message['content'] + eos_token}}{% else %}{{ raise_exception('Only user and assistant roles "
+    "are supported!') }}{% endif %}{% endfor %}")
+SMOLLM3_TEMPLATE = r"""{# ───── defaults ───── #}
+{%- if enable_thinking is not defined -%}
+{%- set enable_thinking = true -%}
+{%- endif -%}
+
+{# ───── reasoning mode ───── #}
+{%- if enable_thinking -%}
+{%- set reasoning_mode = "/think" -%}
+{%- else -%}
+{%- set reasoning_mode = "/no_think" -%}
+{%- endif -%}
+
+{# ───── header (system message) ───── #}
+{{- "<|im_start|>system\n" -}}
+
+{%- if messages[0].role == "system" -%}
+{%- set system_message = messages[0].content -%}
+{%- if "/no_think" in system_message -%}
+{%- set reasoning_mode = "/no_think" -%}
+{%- elif "/think" in system_message -%}
+{%- set reasoning_mode = "/think" -%}
+{%- endif -%}
+{%- set custom_instructions = system_message.replace("/no_think", "").replace("/think", "").rstrip() -%}
+{%- endif -%}
+
+{%- if "/system_override" in system_message -%}
+{{- custom_instructions.replace("/system_override", "").rstrip() -}}
+{{- "<|im_end|>\n" -}}
+{%- else -%}
+{{- "## Metadata\n\n" -}}
+{{- "Knowledge Cutoff Date: June 2025\n" -}}
+{%- set today = strftime_now("%d %B %Y") -%}
+{{- "Today Date: " ~ today ~ "\n" -}}
+{{- "Reasoning Mode: " + reasoning_mode + "\n\n" -}}
+
+{{- "## Custom Instructions\n\n" -}}
+{%- if custom_instructions -%}
+{{- custom_instructions + "\n\n" -}}
+{%- elif reasoning_mode == "/think" -%}
+{{- "You are a helpful AI assistant named SmolLM, trained by Hugging Face. Your role as an assistant involves thoroughly exploring questions through a systematic thinking process before providing the final precise and accurate solutions. This requires engaging in a comprehensive cycle of analysis, summarizing, exploration, reassessment, reflection, backtracking, and iteration to develop well-considered thinking process. Please structure your response into two main sections: Thought and Solution using the specified format: <think> Thought section </think> Solution section. In the Thought section, detail your reasoning process in steps. Each step should include detailed considerations such as analysing questions, summarizing relevant findings, brainstorming new ideas, verifying the accuracy of the current steps, refining any errors, and revisiting previous steps. In the Solution section, based on various attempts, explorations, and reflections from the Thought section, systematically present the final solution that you deem correct. The Solution section should be logical, accurate, and concise and detail necessary steps needed to reach the conclusion.\n\n" -}}
+{%- else -%}
+{{- "You are a helpful AI assistant named SmolLM, trained by Hugging Face.\n\n" -}}
+{%- endif -%}
+
+{%- if xml_tools or python_tools -%}
+{{- "### Tools\n\n" -}}
+{%- if xml_tools -%}
+  {%- set ns = namespace(xml_tool_string="You may call one or more functions to assist with the user query.\nYou are provided with function signatures within <tools></tools> XML tags:\n\n<tools>\n") -%}
+  {%- for tool in xml_tools[:] -%} {# The slicing makes sure that xml_tools is a list #}
+    {%- set ns.xml_tool_string = ns.xml_tool_string ~ (tool | string) ~ "\n" -%}
+  {%- endfor -%}
+  {%- set xml_tool_string = ns.xml_tool_string + "</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call>" -%}
+  {{- xml_tool_string -}}
+{%- endif -%}
+{%- if python_tools -%}
+  {%- set ns = namespace(python_tool_string="When you send a message containing Python code between '<code>' and '</code>' tags, it will be executed in a stateful Jupyter notebook environment, and you will then be given the output to continued reasoning in an agentic loop.\n\nYou can use the following tools in your python code like regular functions:\n<tools>\n") -%}
+  {%- for tool in python_tools[:] -%} {# The slicing makes sure that python_tools is a list #}
+    {%- set ns.python_tool_string = ns.python_tool_string ~ (tool | string) ~ "\n" -%}
+  {%- endfor -%}
+  {%- set python_tool_string = ns.python_tool_string + "</tools>\n\nThe state persists between code executions: so variables that you define in one step are still available thereafter." -%}
+  {{- python_tool_string -}}
+{%- endif -%}
+{{- "\n\n" -}}
+{{- "<|im_end|>\n" -}}
+{%- endif -%}
+{%- endif -%}
+{# ───── main loop ───── #}
+{%- for message in messages -%}
+{%- set content = message.content if message.content is string else "" -%}
+{%- if message.role == "user" -%}
+    {{ "<|im_start|>" + message.role + "\n"  + content + "<|im_end|>\n" }}
+{%- elif message.role == "assistant" -%}
+    {% generation %}
+    {%- if reasoning_mode == "/think" -%}
+        {{ "<|im_start|>assistant\n" + content.lstrip("\n") + "<|im_end|>\n" }}
+    {%- else -%}
+        {{ "<|im_start|>assistant\n" + "<think>\n\n</think>\n" + content.lstrip("\n") + "<|im_end|>\n" }}
+    {%- endif -%}
+    {% endgeneration %}
+{%- elif message.role == "tool" -%}
+{{ "<|im_start|>" + "user\n"  + content + "<|im_end|>\n" }}
+{%- endif -%}
+{%- endfor -%}
+{# ───── generation prompt ───── #}
+{%- if add_generation_prompt -%}
+{%- if reasoning_mode == "/think" -%}
+    {{ "<|im_start|>assistant\n" }}
+{%- else -%}
+    {{ "<|im_start|>assistant\n" + "<think>\n\n</think>\n"  }}
+{%- endif -%}
+{%- endif -%}
+"""
+
+# the o200k-style regex Phi-4-mini's tokenizer.json splits with; Falcon's pre-tokenizer steps
+O200K_PATTERN = "|".join([
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+    r"\p{N}{1,3}", r" ?[^\s\p{L}\p{N}]+[\r\n/]*", r"\s*[\r\n]+", r"\s+(?!\S)", r"\s+"])
+FIM = ["<fim_prefix>", "<fim_middle>", "<fim_suffix>", "<fim_pad>"]
+CODEGEN25_FIM = FIM + ["<filename>", "<gh_stars>", "<issue_start>", "<issue_comment>", "<issue_closed>",
+                       "<jupyter_start>", "<jupyter_text>", "<jupyter_code>", "<jupyter_output>", "<empty_output>",
+                       "<commit_before>", "<commit_msg>", "<commit_after>", "<reponame>"]
+PHI3_ADDED = ["<|endoftext|>", "<|assistant|>", "<|placeholder1|>", "<|placeholder2|>", "<|placeholder3|>",
+              "<|placeholder4|>", "<|system|>", "<|end|>", "<|placeholder5|>", "<|placeholder6|>", "<|user|>"]
+
+CODE = ["def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(n - 2)\n",
+        "for (int i = 0; i < 100; i++) {\n\t\tprintf(\"%d\\n\", i * 2);\n\t}\n",
+        "const x = {a: 1, b: [2, 3]};  // 12345 67890\n\n\n", "SELECT * FROM t WHERE id = 42;\r\n",
+        "    \n\t  \t\n" * 3, "x" + " " * 37 + "y" + "\t" * 11 + "z"]
+TEXTS = PROMPTS + CODE + corpus(30, seed=11) + mixed_text(80, seed=12) + ["日本語の文章です。中文句子。🤖🎉👍🏽 1234567",
+                                                                         "Ünïcödé ǅ ſ İ ß ﬁ 123.456,789 ٣٤٥"]
+
+
+def family_texts(specials):
+    """The varied texts, plus the family's own special tokens written inside text, alone and back to back."""
+    rng = random.Random(3)
+    sp = list(specials)
+    mixed = ["".join(rng.choice(sp + [" ", "\n", "hi", "x y", "12", "é", "🤖", "  "]) for _ in range(rng.randint(1, 12)))
+             for _ in range(40)] if sp else []
+    return TEXTS + mixed + ["".join(sp), " ".join(sp), "\n".join(sp)]
+
+
+CONVS = [
+    [{"role": "user", "content": "Hi there"}],
+    [{"role": "user", "content": "  Tell me a joke \n"}],
+    [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "2+2?"}],
+    [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}, {"role": "user", "content": "z"}],
+    [{"role": "system", "content": "Be brief. /no_think"}, {"role": "user", "content": "a"},
+     {"role": "assistant", "content": "\nb "}, {"role": "user", "content": "日本 🤖\n"}],
+    [{"role": "user", "content": "first"}, {"role": "assistant", "content": " ok\n"},
+     {"role": "user", "content": " second"}, {"role": "assistant", "content": "done"},
+     {"role": "user", "content": "third\t"}],
+]
+
+
+# ------------------------------------------------------------------------------------------ stand-in tokenizers
+def train_sp(d: Path, cfg: dict, template=None, vocab_size=420, **kw) -> Path:
+    import sentencepiece as spm
+    d.mkdir(parents=True, exist_ok=True)
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(corpus() + CODE * 5), model_writer=buf, vocab_size=vocab_size, model_type="bpe",
+        byte_fallback=True, normalization_rule_name="identity", remove_extra_whitespaces=False, split_digits=True,
+        allow_whitespace_only_pieces=True, character_coverage=0.9995, max_sentence_length=100000, minloglevel=2,
+        num_threads=1, **kw)
+    (d / "tokenizer.model").write_bytes(buf.getvalue())
+    (d / "tokenizer_config.json").write_text(json.dumps({**cfg, **({"chat_template": template} if template else {})}))
+    return d
+
+
+def gemma(d, template):
+    """Gemma's tokenizer.model: BPE, byte fallback, no dummy prefix, digits split, whitespace pieces, <pad> <eos>
+    <bos> <unk> = 0 1 2 3, <start_of_turn>/<end_of_turn> user-defined; generation_config's eos [<eos>, <end_of_turn>]."""
+    train_sp(d, {"bos_token": "<bos>", "eos_token": "<eos>", "add_bos_token": True, "tokenizer_class": "GemmaTokenizer"},
+             template, add_dummy_prefix=False, pad_id=0, eos_id=1, bos_id=2, unk_id=3, pad_piece="<pad>",
+             eos_piece="<eos>", bos_piece="<bos>", unk_piece="<unk>",
+             user_defined_symbols=["<mask>", "<start_of_turn>", "<end_of_turn>"])
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 6]}))
+    return d
+
+
+def llama_sp(d, cfg, template):
+    return train_sp(d, cfg, template, add_dummy_prefix=True)
+
+
+def phi3(d):
+    """Llama 2's tokenizer.model plus added tokens past it, named in tokenizer_config's added_tokens_decoder."""
+    llama_sp(d, {}, None)
+    import sentencepiece as spm
+    n = spm.SentencePieceProcessor(model_file=str(d / "tokenizer.model")).vocab_size()
+    added = {str(n + k): {"content": t, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False,
+                          "special": True} for k, t in enumerate(PHI3_ADDED)}
+    cfg = {"add_bos_token": False, "add_eos_token": False, "bos_token": "<s>", "eos_token": "<|endoftext|>",
+           "pad_token": "<|endoftext|>", "unk_token": "<unk>", "legacy": False, "added_tokens_decoder": added,
+           "tokenizer_class": "LlamaTokenizer", "chat_template": PHI3_TEMPLATE}
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return d
+
+
+def train_bpe(d: Path, pre, specials, cfg, template=None, normalizer=None, ignore_merges=False, added=(),
+              vocab_size=700) -> Path:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    d.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.BPE(ignore_merges=ignore_merges))
+    tok.normalizer = normalizer
+    tok.pre_tokenizer = pre
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    tok.train_from_iterator(corpus() + CODE * 5, trainers.BpeTrainer(
+        vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=list(specials),
+        show_progress=False))
+    if added:
+        tok.add_tokens(list(added))
+    tok.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps({**cfg, **({"chat_template": template} if template else {})}))
+    return d
+
+
+def bytelevel(regex=True):
+    from tokenizers import pre_tokenizers
+    return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=regex)
+
+
+def split(pattern):
+    from tokenizers import Regex, pre_tokenizers
+    return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(pattern), "isolated"), bytelevel(False)])
+
+
+def make_family(name: str, d: Path) -> Path:
+    from tokenizers import AddedToken, Regex, normalizers, pre_tokenizers
+    eot = {"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>", "unk_token": "<|endoftext|>"}
+    if name == "gemma":
+        return gemma(d, GEMMA_TEMPLATE)
+    if name == "gemma3":
+        return gemma(d, GEMMA3_TEMPLATE)
+    if name == "phi3":
+        return phi3(d)
+    if name == "mistral":
+        return llama_sp(d, {"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True,
+                            "tokenizer_class": "LlamaTokenizer"}, MISTRAL_TEMPLATE)
+    if name == "starcoder2":
+        return train_bpe(d, pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), bytelevel()]),
+                         ["<|endoftext|>", *FIM, "<file_sep>", "<repo_name>", "<issue_start>"],
+                         {**eot, "add_bos_token": False, "tokenizer_class": "GPT2Tokenizer"})
+    if name == "smollm3":
+        return train_bpe(d, split(G.LLAMA3_PATTERN), ["<|begin_of_text|>", "<|end_of_text|>", "<|im_start|>",
+                                                      "<|im_end|>", "<think>", "</think>"],
+                         {"bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|im_end|>"}, SMOLLM3_TEMPLATE,
+                         ignore_merges=True)
+    if name == "phi4":
+        return train_bpe(d, split(O200K_PATTERN), ["<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>",
+                                                   "<|end|>", "<|tool|>", "<|/tool|>"],
+                         {**eot, "add_bos_token": False}, PHI4_TEMPLATE)
+    if name == "gpt2":
+        return train_bpe(d, bytelevel(), ["<|endoftext|>"], {"model_max_length": 1024})
+    if name == "neox":  # GPT-NeoX-20B's tokenizer, which MPT uses
+        runs = [AddedToken(" " * n, normalized=True, special=False) for n in range(24, 1, -1)]
+        return train_bpe(d, bytelevel(), ["<|endoftext|>", "<|padding|>"], {**eot, "add_bos_token": False},
+                         normalizer=normalizers.NFC(), added=runs)
+    if name == "falcon":
+        pre = pre_tokenizers.Sequence([pre_tokenizers.Punctuation("contiguous"), bytelevel(),
+                                       pre_tokenizers.Digits(individual_digits=False),
+                                       pre_tokenizers.Split(Regex("[0-9][0-9][0-9]"), "isolated")])
+        return train_bpe(d, pre, [">>TITLE<<", ">>ABSTRACT<<", ">>INTRODUCTION<<", ">>SUMMARY<<", ">>COMMENT<<",
+                                  ">>ANSWER<<", ">>QUESTION<<", ">>DOMAIN<<", ">>PREFIX<<", ">>SUFFIX<<", ">>MIDDLE<<",
+                                  "<|endoftext|>"], {"eos_token": "<|endoftext|>", "add_bos_token": False})
+    raise KeyError(name)
+
+
+def tiktoken_family(name: str, d: Path):
+    """CodeGen2.5 (GPT-2 ranks) / XGen (cl100k ranks) as their tokenization_*.py builds them: the base encoding's
+    ranks (here: a tiny trained table, single bytes first), then whitespace and tab runs appended as ranks, then the
+    FIM / repo special tokens after the base's <|endoftext|>. Saved as tokenizer.tiktoken + tiktoken_config.json."""
+    import tiktoken
+    pattern = T.TIKTOKEN_R50K if name == "codegen25" else T.TIKTOKEN_CL100K
+    lib = train_bpe(d / "train", split(T.GPT2_PATTERN if name == "codegen25" else G.LLAMA3_PATTERN), [], {})
+    vocab = json.loads((lib / "tokenizer.json").read_text())["model"]["vocab"]
+    dec = {c: b for b, c in T.bytes_to_unicode().items()}
+    order = sorted(vocab, key=lambda t: (len(t) > 1, vocab[t] if len(t) > 1 else dec[t]))
+    ranks = {bytes(dec[c] for c in t): r for r, t in enumerate(order)}
+    for run in [" " * n for n in reversed(range(2, 32))] + ["\t" * n for n in reversed(range(2, 10))]:
+        ranks.setdefault(run.encode(), len(ranks))
+    special = {"<|endoftext|>": len(ranks)}
+    for t in (CODEGEN25_FIM if name == "codegen25" else CODEGEN25_FIM[4:]):
+        special[t] = len(ranks) + len(special)
+    enc = tiktoken.Encoding(name=name, pat_str=pattern, mergeable_ranks=ranks, special_tokens=special)
+    T.save_tiktoken(enc, d, eos_token="<|endoftext|>")
+    return enc
+
+
+SP_FAMILIES = ["gemma", "gemma3", "phi3", "mistral"]
+BPE_FAMILIES = ["starcoder2", "smollm3", "phi4", "gpt2", "neox", "falcon"]
+NO_CPP = {"phi4": "o200k", "falcon": "Punctuation"}  # pre-tokenizers tokenizer.bin refuses (by name in the error)
+CHAT = {"gemma": "gemma", "gemma3": "gemma", "phi3": "phi3", "phi4": "phi4", "mistral": "mistral", "smollm3": None,
+        "starcoder2": "none", "gpt2": "none", "neox": "none", "falcon": "none"}
+
+
+@pytest.fixture(scope="module")
+def tool():
+    return build_tok_tool()
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("families")
+    return {n: make_family(n, root / n) for n in SP_FAMILIES + BPE_FAMILIES}
+
+
+@pytest.fixture(scope="module")
+def tiktokens(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiktoken")
+    return {n: (root / n, tiktoken_family(n, root / n)) for n in ("codegen25", "xgen")}
+
+
+@pytest.fixture(scope="module")
+def bins(dirs, tiktokens, tmp_path_factory):
+    root = tmp_path_factory.mktemp("family_bins")
+    all_dirs = {**dirs, **{n: d for n, (d, _) in tiktokens.items()}}
+    return {n: export_bin(d, root / f"{n}.bin", *(["--no_chat"] if CHAT.get(n, "none") is None else []))
+            for n, d in all_dirs.items() if n not in NO_CPP}
+
+
+# ------------------------------------------------------------------------------------------ references
+def sp_reference(d: Path, tok):
+    """sentencepiece itself, with control pieces and added tokens written in the text split out first; an added
+    token (past the model's pieces) decodes as a control piece does (to nothing, ending a run of byte pieces)."""
+    import sentencepiece as spm
+    sp = spm.SentencePieceProcessor(model_file=str(d / "tokenizer.model"))
+    specials = dict(tok.special_tokens)
+    added = {i for t, i in specials.items() if i >= sp.vocab_size()}
+
+    def encode(text):
+        ids, pos = [], 0
+        while pos < len(text):
+            hits = [(text.find(s, pos), -len(s), s) for s in specials if text.find(s, pos) >= 0]
+            if not hits:
+                break
+            at, _, s = min(hits)
+            ids += sp.encode(text[pos:at]) if at > pos else []
+            ids.append(specials[s])
+            pos = at + len(s)
+        return ids + (sp.encode(text[pos:]) if pos < len(text) else [])
+    return encode, lambda ids: sp.decode([sp.eos_id() if i in added else i for i in ids
+                                          if 0 <= i < sp.vocab_size() or i in added])
+
+
+def hf_tokenizer(d: Path):
+    import transformers
+    return transformers.AutoTokenizer.from_pretrained(str(d))
+
+
+# ------------------------------------------------------------------------------------------ tests: Python
+@pytest.mark.parametrize("name", SP_FAMILIES)
+def test_sentencepiece_families_python(dirs, name):
+    d = dirs[name]
+    tok = T.load_tokenizer(d)
+    assert tok.kind == "sentencepiece"
+    encode, decode = sp_reference(d, tok)
+    ht = hf_tokenizer(d)
+    texts = family_texts(tok.special_tokens)
+    for t in texts:
+        ids = tok.encode(t, bos=False)
+        assert ids == encode(t), (name, t)
+        assert tok.decode(ids) == decode(ids)
+    # transformers' own class (GemmaTokenizer / LlamaTokenizer from tokenizer.model + tokenizer_config.json) on text
+    # without special tokens: the same ids (BOS as the config says) and the same text back. Except, for the models
+    # with a dummy prefix, text that starts with whitespace: transformers' LlamaTokenizer (legacy=False: Metaspace,
+    # prepend_scheme "first") adds no "▁" before a leading space, sentencepiece (and tokenizer.py) always does.
+    plain = [t for t in TEXTS if "<" not in t and "\u2581" not in t and (name.startswith("gemma") or not t[:1].isspace())]
+    for t in plain:
+        assert tok.encode(t) == ht.encode(t), (name, t)
+        assert tok.decode(tok.encode(t)) == ht.decode(tok.encode(t), skip_special_tokens=True), (name, t)
+    if name.startswith("gemma"):  # <bos> once, <end_of_turn> ends a turn, whitespace is never dropped
+        assert tok.bos_id == 2 and tok.eos_id == 1 and tok.stop_ids == {1, 6} and tok.add_bos
+        assert tok.encode("<bos>hi")[:1] == [2] and tok.encode("<bos>hi").count(2) == 1
+        assert tok.decode(tok.encode("  two  spaces ")) == "  two  spaces "
+    if name == "phi3":  # the added tokens past the model: ids, vocab size, stop ids, decode to ""
+        n = tok.sp.get_piece_size()
+        assert tok.vocab_size == n + len(PHI3_ADDED) and tok.eos_id == n and tok.stop_ids == {n, n + 7}
+        ids = tok.encode("<|user|>\nHi<|end|>\n<|assistant|>\n")
+        assert ids[0] == n + 10 and n + 7 in ids and n + 1 in ids and not tok.add_bos
+        assert tok.decode(ids) == decode(ids) and "<|" not in tok.decode(ids)
+
+
+@pytest.mark.parametrize("name", BPE_FAMILIES)
+def test_bpe_families_python(dirs, name):
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+    d = dirs[name]
+    tok = T.load_tokenizer(d)
+    lib = Tokenizer.from_file(str(d / "tokenizer.json"))
+    # transformers on the tokenizer.json as shipped (not AutoTokenizer: with tokenizer_class GPT2Tokenizer, as
+    # StarCoder2's config names it, transformers 5 rebuilds a plain GPT-2 pipeline and drops the Digits step)
+    ht = PreTrainedTokenizerFast(tokenizer_file=str(d / "tokenizer.json"))
+    texts = family_texts(tok.special_tokens)
+    rng = random.Random(4)
+    for t in texts:
+        ids = tok.encode(t, bos=False)
+        assert ids == lib.encode(t, add_special_tokens=False).ids == ht.encode(t, add_special_tokens=False), (name, t)
+        assert tok.decode(ids) == lib.decode(ids, skip_special_tokens=False) == \
+            ht.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False), (name, t)
+        assert tok.decode(ids) == (unicodedata.normalize("NFC", t) if name == "neox" else t)
+    for _ in range(100):  # random ids: bytes that are no UTF-8, special tokens mid-text
+        ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randint(1, 20))]
+        assert tok.decode(ids) == lib.decode(ids, skip_special_tokens=False)
+    end = {"starcoder2": "<|endoftext|>", "smollm3": "<|im_end|>", "phi4": "<|end|>", "gpt2": "<|endoftext|>",
+           "neox": "<|endoftext|>", "falcon": "<|endoftext|>"}[name]
+    assert tok.special_tokens[end] in tok.stop_ids and not tok.add_bos
+
+
+@pytest.mark.parametrize("name", ["codegen25", "xgen"])
+def test_tiktoken_families_python(tiktokens, name):
+    """tokenizer.tiktoken + tiktoken_config.json: encode/decode equal to the tiktoken package."""
+    d, enc = tiktokens[name]
+    tok = T.load_tokenizer(d)
+    assert tok.kind == "bpe" and tok.vocab_size == enc.n_vocab and not tok.add_bos
+    assert tok.pattern == (T.GPT2_PATTERN if name == "codegen25" else G.LLAMA3_PATTERN)
+    assert T.load_tokenizer(d / "tokenizer.tiktoken").encode("a  b") == tok.encode("a  b")
+    rng = random.Random(5)
+    for t in family_texts(enc._special_tokens):
+        ids = tok.encode(t)
+        assert ids == enc.encode(t, allowed_special="all"), (name, t)
+        assert tok.decode(ids) == enc.decode(ids) == t
+    for _ in range(200):
+        ids = [rng.randrange(enc.n_vocab) for _ in range(rng.randint(1, 20))]
+        assert tok.decode(ids) == enc.decode(ids)
+    assert tok.stop_ids == {enc._special_tokens["<|endoftext|>"]}
+
+
+def test_tiktoken_bad_files(tmp_path):
+    (tmp_path / "tokenizer.tiktoken").write_text("IQ== 0\n")
+    with pytest.raises(ValueError, match="tiktoken_config.json"):
+        T.load_tokenizer(tmp_path)
+    (tmp_path / "tiktoken_config.json").write_text(json.dumps({"pattern": T.TIKTOKEN_R50K}))
+    with pytest.raises(ValueError, match="256 single bytes"):
+        T.load_tokenizer(tmp_path)
+    (tmp_path / "tokenizer.tiktoken").write_text("not base64!! x\n")
+    with pytest.raises(ValueError, match="not a tiktoken BPE file"):
+        T.load_tokenizer(tmp_path)
+
+
+# ------------------------------------------------------------------------------------------ tests: chat templates
+def hf_render(d: Path, conv):
+    ht = hf_tokenizer(d)
+    try:
+        return ht.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
+    except Exception as e:  # the template's raise_exception (a system message Gemma 1/2 and Mistral refuse)
+        return type(e).__name__
+
+
+@pytest.mark.parametrize("name", ["gemma", "gemma3", "phi3", "mistral", "smollm3", "phi4", "starcoder2"])
+def test_chat_templates(tool, dirs, bins, name):
+    """tokenizer.py's rendering == transformers' apply_chat_template with the same template; tokenizer.bin's chat
+    kind renders the same text in C++, refuses what the template refuses, or (SmolLM3) export refuses the template."""
+    d = dirs[name]
+    tok = T.load_tokenizer(d)
+    for conv in CONVS:
+        want = hf_render(d, conv)
+        if CHAT[name] == "none":  # StarCoder2: no template at all, in Python and in C++
+            with pytest.raises(ValueError, match="no chat template"):
+                tok.apply_chat_template(conv)
+            rc, out, err = c_chat(tool, bins[name], conv)
+            assert rc == 1 and "no chat template" in err
+            continue
+        try:
+            got = tok.apply_chat_template(conv, add_generation_prompt=True)
+        except ValueError:
+            got = "TemplateError"
+        assert got == want, (name, conv)
+        if CHAT[name] is None or name in NO_CPP:
+            continue
+        rc, out, err = c_chat(tool, bins[name], conv)
+        if got == "TemplateError":
+            assert rc == 1 and "system message" in err, (name, conv, err)
+        else:
+            assert rc == 0 and out == got, (name, conv, err)
+    if CHAT[name] is None:  # the runner cannot render it: export refuses, in one line, unless --no_chat
+        with pytest.raises(E.ExportError, match="none of the renderings"):
+            E.build(tok)
+        rc, out, err = c_chat(tool, bins[name], CONVS[0])
+        assert rc == 1 and "no chat template" in err
+    elif name not in NO_CPP and CHAT[name] != "none":
+        assert E.CHAT_NAMES[E.detect_chat(tok)[0]] == CHAT[name]
+
+
+# ------------------------------------------------------------------------------------------ tests: tokenizer.bin
+def reference_for(name, dirs, tiktokens):
+    if name in tiktokens:
+        d, enc = tiktokens[name]
+        return (lambda t: enc.encode(t, allowed_special="all")), enc.decode, T.load_tokenizer(d)
+    tok = T.load_tokenizer(dirs[name])
+    if tok.kind == "sentencepiece":
+        encode, decode = sp_reference(dirs[name], tok)
+    else:
+        from tokenizers import Tokenizer
+        lib = Tokenizer.from_file(str(dirs[name] / "tokenizer.json"))
+        encode = lambda t: lib.encode(t, add_special_tokens=False).ids  # noqa: E731
+        decode = lambda ids: lib.decode(ids, skip_special_tokens=False)  # noqa: E731
+    return encode, decode, tok
+
+
+@pytest.mark.parametrize("name", ["gemma", "phi3", "mistral", "starcoder2", "smollm3", "gpt2", "neox", "codegen25",
+                                  "xgen"])
+def test_tokenizer_bin_families(tool, dirs, tiktokens, bins, name):
+    """C++ encode / decode / stream decode through tokenizer.bin == the library (and tokenizer.py)."""
+    encode, decode, tok = reference_for(name, dirs, tiktokens)
+    texts = family_texts(tok.special_tokens)
+    if name == "neox":  # its NFC normalizer is not run by the C++ encoder: exact on NFC text (the exporter warns)
+        texts = [unicodedata.normalize("NFC", t) for t in texts]
+    for t, got in zip(texts, c_encode(tool, bins[name], texts, 0)):
+        assert got == encode(t) == tok.encode(t, bos=False), (name, t)
+    assert c_encode(tool, bins[name], ["hello"])[0] == tok.encode("hello")  # BOS as the tokenizer adds it
+    rng = random.Random(6)
+    seqs = [encode(t) for t in texts[:60]]
+    seqs += [[rng.randrange(tok.vocab_size) for _ in range(rng.randint(1, 25))] for _ in range(100)]
+    for s, (dec, streamed) in zip(seqs, c_decode(tool, bins[name], seqs)):
+        assert dec == tok.decode(s) == decode(s), (name, s)
+        assert streamed == py_stream(tok, s), (name, s)
+
+
+@pytest.mark.parametrize("name", sorted(NO_CPP))
+def test_tokenizer_bin_refuses_unimplemented_pre_tokenizers(dirs, tmp_path, name):
+    import subprocess
+    r = subprocess.run([sys.executable, str(REPO / "scripts" / "export_tokenizer_bin.py"), str(dirs[name]), "-o",
+                        str(tmp_path / "t.bin")], capture_output=True, text=True)
+    assert r.returncode == 1 and r.stderr.startswith("error: ") and len(r.stderr.strip().splitlines()) == 1
+    assert "not one the C++ encoder implements" in r.stderr and not (tmp_path / "t.bin").exists()
+
+
+def test_tiktoken_text_file_roundtrip(tiktokens):
+    """tokenizer.tiktoken is tiktoken's own format: tiktoken.load reads back the ranks we wrote."""
+    from tiktoken.load import load_tiktoken_bpe
+    d, enc = tiktokens["xgen"]
+    assert load_tiktoken_bpe(str(d / "tokenizer.tiktoken")) == enc._mergeable_ranks
+    line = (d / "tokenizer.tiktoken").read_text().splitlines()[0].split()
+    assert base64.b64decode(line[0]) in enc._mergeable_ranks
