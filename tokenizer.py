@@ -4,7 +4,7 @@
 #   * BPETokenizer (SmolLM2, Llama 3, Qwen2.5/3): byte-level BPE through the `tokenizers` library (tokenizer.json as
 #     shipped, of the shape tokenizer.bin's C++ encoder also implements: see _parse_pre_tokenizer).
 #     Also tiktoken-format ranks (CodeGen2.5, XGen: tokenizer.tiktoken + tiktoken_config.json), turned into the same
-#     kind of tokenizer.json (ranks -> merges, tiktoken's whole-piece lookup = ignore_merges): see _tiktoken_json.
+#     kind of tokenizer.json by tokenizer_tiktoken.py (imported lazily).
 #   * SentencePieceTokenizer (Llama 2, TinyLlama, Mistral, Mixtral, Codestral, Gemma 1/2/3, Phi-3): the sentencepiece
 #     library, plus the added tokens past the model's pieces that tokenizer_config.json names (Phi-3's <|user|>...).
 #   * A *.gguf is first turned into those files in memory by scripts/gguf_tokenizer.py (imported lazily; it imports
@@ -33,11 +33,6 @@ TOKENIZER_FILES = tuple(dict.fromkeys(_HF_FILES + TIKTOKEN_FILES))
 # The regex ByteLevel(use_regex=True) splits with (GPT-2's, `regex` module syntax): `pattern` of such a tokenizer,
 # written into tokenizer.bin for the C++ encoder. Split-regex tokenizers (Llama 3, Qwen2) carry theirs in the file.
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
-# tiktoken's own spellings of the GPT-2 (r50k/p50k/gpt2) and cl100k regexes (possessive quantifiers, `\s++$`): the same
-# splits as GPT2_PATTERN and gguf_tokenizer.LLAMA3_PATTERN, which tokenizer.py and tokenizer.bin use in their place
-TIKTOKEN_R50K = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
-TIKTOKEN_CL100K = (r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++[\r\n]*+|\s++$"""
-                   r"""|\s*[\r\n]|\s+(?!\S)|\s""")
 # tokens that end a turn / the text in the supported model families; those present become stop ids
 END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|endoftext|>", "<|end_of_text|>", "<|end|>", "<end_of_turn>",
               "<eos>")
@@ -277,7 +272,8 @@ def _from_files(files: dict, where: Path) -> Tokenizer:
         cfg = read("tiktoken_config.json", "json")
         meta = {**meta, "bos": meta["bos"] or cfg.get("bos_token"), "eos": meta["eos"] or cfg.get("eos_token"),
                 "add_bos": meta["add_bos"] if meta["add_bos"] is not None else bool(cfg.get("add_bos_token"))}
-        return _load_bpe(_tiktoken_json(read("tokenizer.tiktoken", "bytes"), cfg, label("tokenizer.tiktoken")),
+        from tokenizer_tiktoken import tokenizer_json  # lazy: only a tiktoken file needs it
+        return _load_bpe(tokenizer_json(read("tokenizer.tiktoken", "bytes"), cfg, label("tokenizer.tiktoken")),
                          label("tokenizer.tiktoken"), meta)
     if "tokenizer.json" in files:
         try:
@@ -404,63 +400,6 @@ def _load_bpe(text: str, path: str, meta: dict) -> BPETokenizer:
                         ignore_merges=bool(model.get("ignore_merges")), unk_id=tid(model.get("unk_token")),
                         vocab_size=max(everything.values(), default=-1) + 1, special_tokens=special, bos_id=bos,
                         eos_id=eos, add_bos=bool(add_bos), chat_template=meta["chat_template"], stop_ids=meta["gen_eos"])
-
-
-def _tiktoken_json(data: bytes, cfg: dict, path: str) -> str:
-    """A tiktoken BPE file (lines "base64(token bytes) rank", tiktoken.load.load_tiktoken_bpe's format) and
-    tiktoken_config.json ({"pattern": pat_str, "special_tokens": {text: id}, "eos_token", "bos_token"}) as a
-    byte-level BPE tokenizer.json the `tokenizers` library runs exactly as tiktoken does: the pieces of the pattern;
-    a piece that is a token stays whole (ignore_merges); else adjacent parts merge, lowest rank of the merged bytes
-    first (a merge for every split of a token into two tokens, ordered by the token's rank)."""
-    import base64
-    ranks = {}
-    try:
-        for line in data.decode("ascii").splitlines():
-            if line.strip():
-                tok, rank = line.split()
-                ranks[base64.b64decode(tok, validate=True)] = int(rank)
-        pattern, special = cfg["pattern"], {str(t): int(i) for t, i in cfg.get("special_tokens", {}).items()}
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise ValueError(f"{path}: not a tiktoken BPE file with its tiktoken_config.json ({type(e).__name__}: {e})") from None
-    if len(set(ranks.values())) != len(ranks) or any(bytes([b]) not in ranks for b in range(256)):
-        raise ValueError(f"{path}: tiktoken ranks must be distinct and cover all 256 single bytes")
-    pattern = {TIKTOKEN_R50K: GPT2_PATTERN, TIKTOKEN_CL100K: _llama3_pattern()}.get(pattern, pattern)
-    u = bytes_to_unicode()
-    text = {b: "".join(u[c] for c in b) for b in ranks}
-    merges = sorted((r, k, text[b[:k]], text[b[k:]]) for b, r in ranks.items() for k in range(1, len(b))
-                    if b[:k] in ranks and b[k:] in ranks)
-    tj = {"version": "1.0", "truncation": None, "padding": None, "normalizer": None, "post_processor": None,
-          "added_tokens": [{"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
-                            "normalized": False, "special": True} for t, i in sorted(special.items(), key=lambda x: x[1])],
-          "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
-              {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": False},
-              {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]},
-          "decoder": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False},
-          "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
-                    "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": True,
-                    "vocab": {text[b]: r for b, r in ranks.items()}, "merges": [[a, b] for _, _, a, b in merges]}}
-    return json.dumps(tj, ensure_ascii=False)
-
-
-def _llama3_pattern() -> str:
-    if str(REPO / "scripts") not in sys.path:
-        sys.path.insert(0, str(REPO / "scripts"))
-    from gguf_tokenizer import LLAMA3_PATTERN  # the same regex as cl100k's (tiktoken's spelling above)
-    return LLAMA3_PATTERN
-
-
-def save_tiktoken(enc, out_dir, eos_token: Optional[str] = None, bos_token: Optional[str] = None) -> list:
-    """Write a `tiktoken.Encoding` as tokenizer.tiktoken + tiktoken_config.json (what tokenizer.py loads; the
-    converted-checkpoint form of CodeGen2.5's / XGen's tokenizers). Returns the file names."""
-    import base64
-    from common import write_atomic
-    ranks = "".join(f"{base64.b64encode(b).decode()} {r}\n" for b, r in sorted(enc._mergeable_ranks.items(),
-                                                                              key=lambda x: x[1]))
-    cfg = {"pattern": enc._pat_str, "special_tokens": dict(enc._special_tokens), "eos_token": eos_token,
-           "bos_token": bos_token, "add_bos_token": False}
-    write_atomic(Path(out_dir) / "tokenizer.tiktoken", ranks)
-    write_atomic(Path(out_dir) / "tiktoken_config.json", json.dumps(cfg, ensure_ascii=False, indent=1))
-    return list(TIKTOKEN_FILES)
 
 
 def _load_sentencepiece(data: bytes, path: str, meta: dict) -> SentencePieceTokenizer:

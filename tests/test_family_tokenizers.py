@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import export_tokenizer_bin as E  # noqa: E402
 import gguf_tokenizer as G  # noqa: E402
 import tokenizer as T  # noqa: E402
+import tokenizer_tiktoken as TT  # noqa: E402
 from test_tokenizer_bin import (PROMPTS, build_tok_tool, c_chat, c_decode, c_encode, corpus, export_bin,  # noqa: E402
                                 mixed_text, py_stream)
 
@@ -347,23 +348,25 @@ def make_family(name: str, d: Path) -> Path:
 
 
 def tiktoken_family(name: str, d: Path):
-    """CodeGen2.5 (GPT-2 ranks) / XGen (cl100k ranks) as their tokenization_*.py builds them: the base encoding's
-    ranks (here: a tiny trained table, single bytes first), then whitespace and tab runs appended as ranks, then the
-    FIM / repo special tokens after the base's <|endoftext|>. Saved as tokenizer.tiktoken + tiktoken_config.json."""
+    """CodeGen2.5 (GPT-2 base) / XGen-15B (cl100k base) as their tokenization_*.py build them (the recipe
+    tokenizer_tiktoken.salesforce_encoding follows): on a base encoding -- here a tiny trained ranks table with the
+    base's real regex and special-token layout -- whitespace and tab runs appended as ranks (CodeGen2.5), then the
+    FIM / repository special tokens. Saved as tokenizer.tiktoken + tiktoken_config.json."""
     import tiktoken
-    pattern = T.TIKTOKEN_R50K if name == "codegen25" else T.TIKTOKEN_CL100K
-    lib = train_bpe(d / "train", split(T.GPT2_PATTERN if name == "codegen25" else G.LLAMA3_PATTERN), [], {})
+    gpt2 = name == "codegen25"
+    lib = train_bpe(d / "train", split(T.GPT2_PATTERN if gpt2 else G.LLAMA3_PATTERN), [], {})
     vocab = json.loads((lib / "tokenizer.json").read_text())["model"]["vocab"]
     dec = {c: b for b, c in T.bytes_to_unicode().items()}
     order = sorted(vocab, key=lambda t: (len(t) > 1, vocab[t] if len(t) > 1 else dec[t]))
     ranks = {bytes(dec[c] for c in t): r for r, t in enumerate(order)}
-    for run in [" " * n for n in reversed(range(2, 32))] + ["\t" * n for n in reversed(range(2, 10))]:
-        ranks.setdefault(run.encode(), len(ranks))
-    special = {"<|endoftext|>": len(ranks)}
-    for t in (CODEGEN25_FIM if name == "codegen25" else CODEGEN25_FIM[4:]):
-        special[t] = len(ranks) + len(special)
-    enc = tiktoken.Encoding(name=name, pat_str=pattern, mergeable_ranks=ranks, special_tokens=special)
-    T.save_tiktoken(enc, d, eos_token="<|endoftext|>")
+    n = len(ranks)
+    special = ({"<|endoftext|>": n} if gpt2 else  # cl100k: a hole at n, <|endofprompt|> last
+               {"<|endoftext|>": n + 1, "<|fim_prefix|>": n + 2, "<|fim_middle|>": n + 3, "<|fim_suffix|>": n + 4,
+                "<|endofprompt|>": n + 20})
+    base = tiktoken.Encoding(name="gpt2" if gpt2 else "cl100k_base", mergeable_ranks=ranks, special_tokens=special,
+                             pat_str=TT.TIKTOKEN_R50K if gpt2 else TT.TIKTOKEN_CL100K)
+    enc = TT.salesforce_encoding("CodeGen25Tokenizer" if gpt2 else "Xgen15BTokenizer", base)
+    TT.save_tiktoken(enc, d, eos_token="<|endoftext|>")
     return enc
 
 
@@ -496,12 +499,14 @@ def test_tiktoken_families_python(tiktokens, name):
     assert tok.pattern == (T.GPT2_PATTERN if name == "codegen25" else G.LLAMA3_PATTERN)
     assert T.load_tokenizer(d / "tokenizer.tiktoken").encode("a  b") == tok.encode("a  b")
     rng = random.Random(5)
+    assert (b" " * 31 in enc._mergeable_ranks) == (name == "codegen25") and "<reponame>" in enc._special_tokens
     for t in family_texts(enc._special_tokens):
         ids = tok.encode(t)
         assert ids == enc.encode(t, allowed_special="all"), (name, t)
         assert tok.decode(ids) == enc.decode(ids) == t
+    valid = sorted(set(enc._mergeable_ranks.values()) | set(enc._special_tokens.values()))  # (cl100k has holes)
     for _ in range(200):
-        ids = [rng.randrange(enc.n_vocab) for _ in range(rng.randint(1, 20))]
+        ids = [rng.choice(valid) for _ in range(rng.randint(1, 20))]
         assert tok.decode(ids) == enc.decode(ids)
     assert tok.stop_ids == {enc._special_tokens["<|endoftext|>"]}
 
@@ -510,7 +515,7 @@ def test_tiktoken_bad_files(tmp_path):
     (tmp_path / "tokenizer.tiktoken").write_text("IQ== 0\n")
     with pytest.raises(ValueError, match="tiktoken_config.json"):
         T.load_tokenizer(tmp_path)
-    (tmp_path / "tiktoken_config.json").write_text(json.dumps({"pattern": T.TIKTOKEN_R50K}))
+    (tmp_path / "tiktoken_config.json").write_text(json.dumps({"pattern": TT.TIKTOKEN_R50K}))
     with pytest.raises(ValueError, match="256 single bytes"):
         T.load_tokenizer(tmp_path)
     (tmp_path / "tokenizer.tiktoken").write_text("not base64!! x\n")
@@ -591,7 +596,8 @@ def test_tokenizer_bin_families(tool, dirs, tiktokens, bins, name):
     assert c_encode(tool, bins[name], ["hello"])[0] == tok.encode("hello")  # BOS as the tokenizer adds it
     rng = random.Random(6)
     seqs = [encode(t) for t in texts[:60]]
-    seqs += [[rng.randrange(tok.vocab_size) for _ in range(rng.randint(1, 25))] for _ in range(100)]
+    valid = [i for i in range(tok.vocab_size) if tok.token_text(i) is not None]  # (tiktoken decode: no holes)
+    seqs += [[rng.choice(valid) for _ in range(rng.randint(1, 25))] for _ in range(100)]
     for s, (dec, streamed) in zip(seqs, c_decode(tool, bins[name], seqs)):
         assert dec == tok.decode(s) == decode(s), (name, s)
         assert streamed == py_stream(tok, s), (name, s)
