@@ -244,7 +244,8 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def parse_known_args(self, args=None, namespace=None):
         ns, extras = super().parse_known_args(args, namespace)
-        for action in self._actions:
+        # numbers first (a value alone is wrong whatever the files are), then the paths
+        for action in sorted(self._actions, key=lambda a: a.dest not in NUMBER_RULES):
             value = getattr(ns, action.dest, None) if action.dest != argparse.SUPPRESS else None
             if value is not None and not isinstance(value, bool):
                 flag = max(action.option_strings, key=len) if action.option_strings else action.dest
