@@ -1,5 +1,6 @@
 // Byte-level BPE encoding for the C++ tokenizer (header-only, C++17), as tokenizer.py's BPE encoder: optional digit
-// split, then the GPT-2 / Llama 3 / Qwen2 pre-tokenizer regex written out by hand as its alternatives in order
+// split, then the GPT-2 / Llama 3 (= cl100k) / Qwen2 / o200k (Phi-4-mini) pre-tokenizer regex written out by hand as
+// its alternatives in order
 // (contractions, letters, numbers, other symbols, whitespace with the \s+(?!\S) look-ahead) over tokenizer.bin's
 // Unicode class tables; each pre-token's bytes start as single-byte tokens and the lowest-rank pair is merged
 // everywhere until none applies (ignore_merges: a pre-token that is itself a token stays whole).
@@ -48,11 +49,50 @@ inline size_t whitespace_run(const Tokenizer& t, const std::vector<uint32_t>& c,
   return k - i >= 2 ? k - i - 1 : 1;
 }
 
+// o200k's two word alternatives at c[i], in order, with the regex's backtracking:
+//   [^\r\n\p{L}\p{N}]?[U]*[W]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?  |  [^\r\n\p{L}\p{N}]?[U]+[W]*(?i:...)?
+// (U = \p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}, W = \p{Ll}\p{Lm}\p{Lo}\p{M}): the match's length, 0 if neither matches.
+inline size_t o200k_word(const Tokenizer& t, const std::vector<uint32_t>& c, size_t i, size_t b) {
+  auto run = [&](const RangeTable& cls, size_t k) {
+    while (k < b && cls.has(c[k])) k++;
+    return k;
+  };
+  auto tail = [&](size_t k) { return k < b && c[k] == '\'' ? k + contraction(t, c, k, b, true) : k; };
+  const bool prefix = !is_crlf(c[i]) && !t.L.has(c[i]) && !t.N.has(c[i]) && i + 1 < b;
+  for (int alt = 0; alt < 2; alt++) {
+    for (int p = prefix ? 1 : 0; p >= 0; p--) {  // the optional first character: taken first
+      size_t j = i + p, k = run(t.U, j);
+      if (alt == 0) {  // U* then W+: the longest U run that a W character follows
+        for (size_t u = k + 1; u-- > j;)
+          if (u < b && t.W.has(c[u])) return tail(run(t.W, u)) - i;
+      } else if (k > j) {  // U+ then W*
+        return tail(run(t.W, k)) - i;
+      }
+    }
+  }
+  return 0;
+}
+
 // One pre-token starting at c[i] (limit b): its length in code points (at least 1).
 inline size_t pretoken(const Tokenizer& t, const std::vector<uint32_t>& c, size_t i, size_t b) {
   const uint32_t x = c[i];
   auto L = [&](uint32_t ch) { return t.L.has(ch); };
   auto N = [&](uint32_t ch) { return t.N.has(ch); };
+  if (t.pre == PRE_O200K) {
+    if (size_t n = o200k_word(t, c, i, b)) return n;
+    if (N(x)) {  // \p{N}{1,3}
+      size_t k = i;
+      while (k < b && k - i < 3 && N(c[k])) k++;
+      return k - i;
+    }
+    size_t j = (x == ' ' && i + 1 < b && is_other(t, c[i + 1])) ? i + 1 : i;  //  ?[^\s\p{L}\p{N}]+[\r\n/]*
+    if (is_other(t, c[j])) {
+      size_t k = j;
+      while (k < b && is_other(t, c[k])) k++;
+      while (k < b && (is_crlf(c[k]) || c[k] == '/')) k++;
+      return k - i;
+    }
+  }
   if (t.pre == PRE_GPT2) {
     if (x == '\'') {
       size_t n = contraction(t, c, i, b, false);
@@ -70,32 +110,33 @@ inline size_t pretoken(const Tokenizer& t, const std::vector<uint32_t>& c, size_
     }
     return whitespace_run(t, c, i, b);
   }
-  // Llama 3 / Qwen2
-  if (x == '\'') {
-    size_t n = contraction(t, c, i, b, true);
-    if (n) return n;
-  }
-  if (!is_crlf(x) && !L(x) && !N(x) && i + 1 < b && L(c[i + 1])) {  // [^\r\n\p{L}\p{N}]?\p{L}+
-    size_t k = i + 1;
-    while (k < b && L(c[k])) k++;
-    return k - i;
-  }
-  if (L(x)) {
-    size_t k = i;
-    while (k < b && L(c[k])) k++;
-    return k - i;
-  }
-  if (N(x)) {  // \p{N}{1,3} (Qwen2: \p{N})
-    size_t maxn = t.pre == PRE_QWEN2 ? 1 : 3, k = i;
-    while (k < b && k - i < maxn && N(c[k])) k++;
-    return k - i;
-  }
-  size_t j = (x == ' ' && i + 1 < b && is_other(t, c[i + 1])) ? i + 1 : i;  //  ?[^\s\p{L}\p{N}]+[\r\n]*
-  if (is_other(t, c[j])) {
-    size_t k = j;
-    while (k < b && is_other(t, c[k])) k++;
-    while (k < b && is_crlf(c[k])) k++;
-    return k - i;
+  if (t.pre != PRE_O200K) {  // Llama 3 / Qwen2 (o200k shares the whitespace alternatives below)
+    if (x == '\'') {
+      size_t n = contraction(t, c, i, b, true);
+      if (n) return n;
+    }
+    if (!is_crlf(x) && !L(x) && !N(x) && i + 1 < b && L(c[i + 1])) {  // [^\r\n\p{L}\p{N}]?\p{L}+
+      size_t k = i + 1;
+      while (k < b && L(c[k])) k++;
+      return k - i;
+    }
+    if (L(x)) {
+      size_t k = i;
+      while (k < b && L(c[k])) k++;
+      return k - i;
+    }
+    if (N(x)) {  // \p{N}{1,3} (Qwen2: \p{N})
+      size_t maxn = t.pre == PRE_QWEN2 ? 1 : 3, k = i;
+      while (k < b && k - i < maxn && N(c[k])) k++;
+      return k - i;
+    }
+    size_t j = (x == ' ' && i + 1 < b && is_other(t, c[i + 1])) ? i + 1 : i;  //  ?[^\s\p{L}\p{N}]+[\r\n]*
+    if (is_other(t, c[j])) {
+      size_t k = j;
+      while (k < b && is_other(t, c[k])) k++;
+      while (k < b && is_crlf(c[k])) k++;
+      return k - i;
+    }
   }
   // \s*[\r\n]+ : up to the last CR/LF of the whitespace run
   size_t k = i, last = SIZE_MAX;
