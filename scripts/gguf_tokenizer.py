@@ -3,8 +3,9 @@
 
     python scripts/gguf_tokenizer.py model.gguf OUT_DIR
 
-A "gpt2" vocabulary (SmolLM2, Llama 3, Qwen2) becomes a byte-level BPE tokenizer.json, a "llama" one (Llama 2,
-TinyLlama, Mistral v0.1) a SentencePiece tokenizer.model; tokenizer_config.json carries BOS/EOS, add_bos and the chat
+A "gpt2" vocabulary (SmolLM2, Llama 3, Qwen2, StarCoder2, GPT-2, MPT, Falcon, Phi-4-mini) becomes a byte-level BPE
+tokenizer.json with the pre-tokenizer its tokenizer.ggml.pre names, a "llama" one (Llama 2, TinyLlama, Mistral,
+Gemma: no space prefix, byte pieces; Phi-3) a SentencePiece tokenizer.model; tokenizer_config.json carries BOS/EOS, add_bos and the chat
 template, and generation_config.json the end-of-turn ids when the GGUF names some. tokenizer_files() builds them in
 memory (tokenizer.py loads a *.gguf through it); save_tokenizer_from_gguf() writes them (convert_checkpoint.py).
 Below tokenizer.py: imports nothing from this repo but common.py.
@@ -28,14 +29,28 @@ O200K_PATTERN = "|".join([
     r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
     r"""\p{N}{1,3}""", r""" ?[^\s\p{L}\p{N}]+[\r\n/]*""", r"""\s*[\r\n]+""", r"""\s+(?!\S)""", r"""\s+"""])
 
-# GGUF tokenizer.ggml.pre -> (Split regex or None for ByteLevel's GPT-2 regex, digits split, NFC, ignore_merges),
-# following llama.cpp's llama-vocab.cpp ("default" is treated as plain GPT-2; llama.cpp's own list differs slightly).
-_GPT2, _DIGITS_GPT2 = (None, False, False, False), (None, True, False, False)
-_LLAMA3, _QWEN2 = (LLAMA3_PATTERN, False, False, True), (QWEN2_PATTERN, False, True, False)
+# GGUF tokenizer.ggml.pre (the names llama.cpp's convert_hf_to_gguf.py writes) -> (the Hugging Face pre_tokenizer
+# steps of that family's tokenizer.json, NFC normalizer, ignore_merges). "default" is treated as plain GPT-2. Falcon
+# gets its own tokenizer.json pipeline (llama.cpp approximates it with regexes).
+def _bytelevel(regex: bool) -> dict:
+    return {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": regex}
+
+
+def _split(pattern: str) -> list:
+    return [{"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": False}, _bytelevel(False)]
+
+
+_GPT2 = ([_bytelevel(True)], False, False)
+_DIGITS_GPT2 = ([{"type": "Digits", "individual_digits": True}, _bytelevel(True)], False, False)
+_LLAMA3, _QWEN2, _O200K = (_split(LLAMA3_PATTERN), False, True), (_split(QWEN2_PATTERN), True, False), \
+    (_split(O200K_PATTERN), False, False)
+_FALCON = ([{"type": "Punctuation", "behavior": "Contiguous"}, _bytelevel(True),
+            {"type": "Digits", "individual_digits": False}, _split("[0-9][0-9][0-9]")[0]], False, False)
 PRE_TYPES = {"gpt2": _GPT2, "gpt-2": _GPT2, "default": _GPT2, "phi-2": _GPT2,
+             "mpt": (_GPT2[0], True, False),  # GPT-NeoX's tokenizer: NFC
              "smollm": _DIGITS_GPT2, "starcoder": _DIGITS_GPT2, "refact": _DIGITS_GPT2,
-             "llama3": _LLAMA3, "llama-v3": _LLAMA3, "llama-bpe": _LLAMA3,
-             "qwen2": _QWEN2, "deepseek-r1-qwen": _QWEN2}
+             "llama3": _LLAMA3, "llama-v3": _LLAMA3, "llama-bpe": _LLAMA3, "smaug-bpe": _LLAMA3,
+             "qwen2": _QWEN2, "deepseek-r1-qwen": _QWEN2, "gpt-4o": _O200K, "falcon": _FALCON}
 
 # GGUF token types (same numbering as SentencePiece's piece types)
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
@@ -77,15 +92,10 @@ def _hf_tokenizer_json(kv: dict, c: dict, path) -> tuple:
     pre = kv.get("tokenizer.ggml.pre", "default")  # llama.cpp treats a missing pre as "default"
     if pre not in PRE_TYPES:
         raise ValueError(f"{path}: unsupported tokenizer.ggml.pre {pre!r} (supported: {', '.join(PRE_TYPES)})")
-    pattern, digits, nfc, ignore_merges = PRE_TYPES[pre]
+    steps, nfc, ignore_merges = PRE_TYPES[pre]
     tokens, types = c["tokens"], c["types"]
-    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": pattern is None}
-    if pattern is None:
-        steps = ([{"type": "Digits", "individual_digits": True}] if digits else []) + [byte_level]
-    else:
-        steps = [{"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": False}, byte_level]
     pre_tokenizer = steps[0] if len(steps) == 1 else {"type": "Sequence", "pretokenizers": steps}
-    add_bos = c["add_bos"] if c["add_bos"] is not None else pattern == LLAMA3_PATTERN
+    add_bos = c["add_bos"] if c["add_bos"] is not None else PRE_TYPES[pre] is _LLAMA3
     bos_text = tokens[c["bos"]] if c["bos"] is not None and 0 <= c["bos"] < len(tokens) else None
     if add_bos and bos_text is not None:
         b = {"SpecialToken": {"id": bos_text, "type_id": 0}}

@@ -616,3 +616,67 @@ def test_tiktoken_text_file_roundtrip(tiktokens):
     assert load_tiktoken_bpe(str(d / "tokenizer.tiktoken")) == enc._mergeable_ranks
     line = (d / "tokenizer.tiktoken").read_text().splitlines()[0].split()
     assert base64.b64decode(line[0]) in enc._mergeable_ranks
+
+
+# ------------------------------------------------------------------------------------------ tests: GGUF vocabularies
+def write_gguf(path: Path, d: Path, model: str, pre=None, **extra):
+    """The family's vocabulary as llama.cpp's convert_hf_to_gguf.py stores it (tokens, types, merges or scores)."""
+    import gguf
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tokenizer_model(model)
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    if model == "gpt2":
+        j = json.loads((d / "tokenizer.json").read_text())
+        added = {t["id"]: t for t in j["added_tokens"]}
+        vocab = {**j["model"]["vocab"], **{t["content"]: i for i, t in added.items()}}
+        tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+        types = [(3 if added[i]["special"] else 4) if i in added else 1 for i in range(len(tokens))]
+        w.add_tokenizer_pre(pre)
+        w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in j["model"]["merges"]])
+        w.add_eos_token_id(vocab[cfg.get("eos_token", "<|endoftext|>")])
+    else:
+        from sentencepiece import sentencepiece_model_pb2 as pb
+        m = pb.ModelProto()
+        m.ParseFromString((d / "tokenizer.model").read_bytes())
+        tokens, types = [p.piece for p in m.pieces], [int(p.type) for p in m.pieces]
+        w.add_token_scores([p.score for p in m.pieces])
+        w.add_bos_token_id(m.trainer_spec.bos_id)
+        w.add_eos_token_id(m.trainer_spec.eos_id)
+        w.add_unk_token_id(m.trainer_spec.unk_id)
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    for k, v in extra.items():
+        getattr(w, k)(v)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.mark.parametrize("name,pre", [("starcoder2", "starcoder"), ("smollm3", "llama-bpe"), ("phi4", "gpt-4o"),
+                                      ("gpt2", "gpt-2"), ("neox", "mpt"), ("falcon", "falcon"), ("gemma", None)])
+def test_gguf_vocabularies(dirs, tmp_path, name, pre):
+    """A GGUF of the family (llama.cpp's tokenizer.ggml.pre name for it) encodes and decodes like the original."""
+    d = dirs[name]
+    ref = T.load_tokenizer(d)
+    if pre is None:  # Gemma: a "llama" (SentencePiece) vocabulary without the space prefix, end of turn = eot id
+        g = write_gguf(tmp_path / "m.gguf", d, "llama", add_add_space_prefix=False, add_add_bos_token=True,
+                       add_eot_token_id=6)
+    else:
+        g = write_gguf(tmp_path / "m.gguf", d, "gpt2", pre)
+    tok = T.load_tokenizer(g)
+    assert tok.kind == ref.kind and tok.vocab_size == ref.vocab_size and tok.stop_ids >= {ref.eos_id}
+    for t in family_texts(ref.special_tokens):
+        ids = tok.encode(t, bos=False)
+        assert ids == ref.encode(t, bos=False), (name, t)
+        assert tok.decode(ids) == ref.decode(ids)
+    if pre is None:
+        assert tok.stop_ids == {1, 6} and tok.encode("hi")[0] == 2
+
+
+def test_gguf_unknown_pre_is_refused(dirs, tmp_path):
+    g = write_gguf(tmp_path / "m.gguf", dirs["gpt2"], "gpt2", "chatglm-bpe")
+    with pytest.raises(ValueError, match="unsupported tokenizer.ggml.pre 'chatglm-bpe'") as e:
+        T.load_tokenizer(g)
+    assert "\n" not in str(e.value) and "gpt-4o" in str(e.value)
