@@ -240,10 +240,10 @@ class Request:
 
 
 class Engine:
-    """Continuous batching: `slots` cache slots of a backend and a FIFO queue of Requests. step() refills every free
-    slot with the next queued request (prefilled alone, batch 1, into that slot; its first token kept at once), then
-    advances every slot by one token in one forward (empty slots ride along at position -1), each row sampled with
-    its own request's parameters (greedy rows are a plain argmax). A request that ends frees its slot at once.
+    """Continuous batching: `slots` cache slots of a backend and a FIFO queue of Requests. step() refills the free
+    slots with the next queued requests (prefilled together, each row into its slot; their first tokens kept at once),
+    then advances every busy slot by one token in one forward (rows = busy slots), each row sampled with its own
+    request's parameters (greedy rows are a plain argmax). A request that ends frees its slot at once.
     add() and cancel() go between steps: one thread owns the engine (server.py feeds it from its HTTP side).
     With more than one slot the backend's forward must accept batch_index [B, 1] (rows -> cache slots)."""
 
@@ -285,45 +285,47 @@ class Engine:
 
     def _sample(self, logits, reqs) -> list[int]:
         greedy = logits.argmax(-1).tolist()
-        return [g if r is None or r.temperature <= 0 else
+        return [g if r.temperature <= 0 else
                 int(sample(logits[b:b + 1], r.temperature, r.top_k, r.top_p, r.generator)[0])
                 for b, (g, r) in enumerate(zip(greedy, reqs))]
 
     def step(self):
-        n = len(self.req)
-        index = (lambda s: torch.tensor(s, device=self.device).view(-1, 1)) if n > 1 else (lambda s: None)
-        for slot in range(n):
-            if self.req[slot] is None and self.queue:
-                r = self.req[slot] = self.queue.popleft()
-                self.pos[slot] = len(r.ids)
-                logits = prefill(self.backend, [r.ids], self.device, chunk=self.chunk, batch_index=index([slot]))
-                self._accept(slot, self._sample(logits, [r])[0])
-        if all(r is None for r in self.req):
+        index = (lambda s: torch.tensor(s, device=self.device).view(-1, 1)) if len(self.req) > 1 else (lambda s: None)
+        new = [s for s, r in enumerate(self.req) if r is None][:len(self.queue)]
+        if new:  # refill the free slots: the new prompts go in together (padded), each into its own slot
+            for s in new:
+                self.req[s] = self.queue.popleft()
+                self.pos[s] = len(self.req[s].ids)
+            logits = prefill(self.backend, [self.req[s].ids for s in new], self.device, chunk=self.chunk,
+                             batch_index=index(new))
+            for s, t in zip(new, self._sample(logits, [self.req[s] for s in new])):
+                self._accept(s, t)
+        live = [s for s, r in enumerate(self.req) if r is not None]
+        if not live:
             return
-        extra = {} if n == 1 else {"batch_index": index(list(range(n)))}
-        logits = self.backend.forward(torch.tensor(self.tok, device=self.device).view(-1, 1),
-                                      torch.tensor([[p] for p in self.pos], device=self.device), **extra)
-        nxt = self._sample(logits[:, -1], self.req)
+        extra = {} if len(self.req) == 1 else {"batch_index": index(live)}
+        logits = self.backend.forward(torch.tensor([[self.tok[s]] for s in live], device=self.device),
+                                      torch.tensor([[self.pos[s]] for s in live], device=self.device), **extra)
         self.steps += 1
-        for slot in range(n):
-            if self.req[slot] is not None:
-                self.pos[slot] += 1
-                self._accept(slot, nxt[slot])
+        for s, t in zip(live, self._sample(logits[:, -1], [self.req[s] for s in live])):
+            self.pos[s] += 1
+            self._accept(s, t)
 
 
 def generate_continuous(backend, prompts: list[list[int]], max_new_tokens: int, device, full_batch_size: int, *,
                         temperature=0.0, top_k=None, top_p=None, stop_ids=(), generator=None,
                         on_token: Optional[Callable[[int, int], None]] = None, prefill_chunk: Optional[int] = None):
     """Continuous batching of a fixed list of prompts on an Engine with full_batch_size slots. Returns (new token ids
-    per prompt, Emitter.stats(): the first token comes after the first prompt's prefill; later prefills fall in
-    decode_s)."""
+    per prompt, Emitter.stats(): the first tokens come after the first full_batch_size prompts' prefill; later
+    prefills fall in decode_s)."""
     engine = Engine(backend, device, full_batch_size, prefill_chunk)
     emit = Emitter(len(prompts), max_new_tokens, stop_ids, on_token, device)
     for i, p in enumerate(prompts):
         engine.add(Request(p, partial(emit.put, i), temperature, top_k, top_p, generator))
     while engine.busy():
         engine.step()
-    return emit.out, emit.stats(sum(map(len, prompts)), engine.steps, prefill_tokens=len(prompts[0]) if prompts else 0)
+    return emit.out, emit.stats(sum(map(len, prompts)), engine.steps,
+                                prefill_tokens=sum(map(len, prompts[:full_batch_size])))
 
 
 def weight_bytes(model) -> int:

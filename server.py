@@ -25,7 +25,6 @@ import sys
 import threading
 import time
 import uuid
-from functools import partial
 from pathlib import Path
 
 import torch
@@ -169,8 +168,13 @@ class Server:
     def run_engine(self):
         if self.threads:
             torch.set_num_threads(self.threads)  # OpenMP thread counts are per thread
-        warm = G.Emitter(1, 2, (), None, self.device)  # compiles (--compile) and warms up prefill and decode
-        self.engine.add(G.Request(self.tok.encode("Hello") or [0], partial(warm.put, 0)))
+        # warm-up: compiles (--compile) the decode step for 3, 2 and 1 rows (one static, one dynamic and one size-1
+        # graph cover every row count) before the first request, and warms up prefill
+        n = min(3, len(self.engine.req))
+        warm = G.Emitter(n, 4, (), None, self.device)
+        for i in range(n):
+            self.engine.add(G.Request(self.tok.encode("Hello") or [0], lambda t, i=i: warm.put(i, t) and
+                                      len(warm.out[i]) < 2 + i))
         while self.engine.busy():
             self.engine.step()
         self.ready.set()
@@ -382,6 +386,7 @@ def main(argv=None):
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((args.host, args.port))
+        sock.listen(2048)  # connections made before uvicorn runs wait in the backlog
     except (OSError, OverflowError) as e:
         raise ValueError(f"cannot listen on {args.host}:{args.port}: {e}") from None
     if args.threads:

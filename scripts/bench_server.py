@@ -1,0 +1,137 @@
+# server.py under load: N concurrent clients (the real `openai` client, one thread each) send the same fixed-length
+# greedy completion (ignore_eos, so every request produces exactly max_tokens) to a server started on a free port of
+# this machine; per N: aggregate tok/s, per-request TTFT p50 / p95 and decode tok/s per request. The __main__ also runs
+# generate.py batch 1 on the same backend flags for the comparison (bench.py --rows server calls bench_server()).
+#
+#   python scripts/bench_server.py --compile --threads 2 --full_batch_size 8        # flags after ours go to server.py
+#   python scripts/bench_server.py --clients 1,4,8 --max_tokens 128 --pte smollm2.pte
+import argparse
+import json
+import math
+import re
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PROMPT = ("Write a short story about a robot who learns to paint. The robot lives in a small town by the sea and "
+          "every morning it watches the fishing boats leave the harbour.")
+
+
+def start_server(args_for_server: list, timeout: float = 900):
+    """server.py on 127.0.0.1 and a free port; returns (process, base URL) once it answers /health."""
+    cmd = [sys.executable, str(REPO / "server.py"), "--host", "127.0.0.1", "--port", "0", *map(str, args_for_server)]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    found: list = []
+    threading.Thread(target=lambda: found.extend(iter(proc.stdout.readline, "")), daemon=True).start()
+    deadline = time.time() + timeout
+    while not any("http://" in line for line in found):
+        if proc.poll() is not None or time.time() > deadline:
+            proc.kill()
+            raise RuntimeError(f"server.py {' '.join(map(str, args_for_server))} did not start")
+        time.sleep(0.1)
+    url = re.search(r"http://[^ /]+/", next(line for line in found if "http://" in line)).group(0)
+    with urllib.request.urlopen(url + "health", timeout=30) as r:
+        assert json.loads(r.read())["status"] == "ok"
+    return proc, url
+
+
+def _one(client, model, prompt, max_tokens) -> dict:
+    t0 = time.perf_counter()
+    first, tokens = None, 0
+    stream = client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
+                                       stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].text and first is None:
+            first = time.perf_counter()
+        if chunk.usage:
+            tokens = chunk.usage.completion_tokens
+    end = time.perf_counter()
+    first = first or end
+    return dict(t0=t0, ttft=first - t0, end=end, tokens=tokens,
+                decode_tok_s=(tokens - 1) / (end - first) if tokens > 1 and end > first else 0.0)
+
+
+def _pct(xs, q):  # nearest-rank percentile
+    xs = sorted(xs)
+    return xs[max(0, math.ceil(q * len(xs)) - 1)]
+
+
+def bench_server(args_for_server: list, clients=(1, 4, 8), max_tokens: int = 64, prompt: str = PROMPT) -> list:
+    """Start server.py with these flags (give --full_batch_size >= max(clients) for continuous batching of them all),
+    warm it up, then for each N in clients run N concurrent greedy completions of exactly max_tokens tokens.
+    Returns one dict per N: clients, completion_tokens (all requests), wall_s, aggregate_tok_s (all tokens / wall),
+    ttft_p50_s, ttft_p95_s, decode_tok_s (median over requests of each one's tokens after the first / its time after
+    the first)."""
+    import openai
+    proc, url = start_server(args_for_server)
+    try:
+        client = openai.OpenAI(base_url=url + "v1", api_key="none", max_retries=0, timeout=3600)
+        model = client.models.list().data[0].id
+        _one(client, model, prompt, max_tokens)  # warm-up
+        rows = []
+        for n in clients:
+            results: list = [None] * n
+            start = threading.Barrier(n)
+
+            def run(i):
+                start.wait()
+                results[i] = _one(client, model, prompt, max_tokens)
+            threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            wall = max(r["end"] for r in results) - min(r["t0"] for r in results)
+            total = sum(r["tokens"] for r in results)
+            ttfts = [r["ttft"] for r in results]
+            rows.append(dict(clients=n, completion_tokens=total, wall_s=wall, aggregate_tok_s=total / wall,
+                             ttft_p50_s=statistics.median(ttfts), ttft_p95_s=_pct(ttfts, 0.95),
+                             decode_tok_s=statistics.median(r["decode_tok_s"] for r in results)))
+        return rows
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def generate_batch1(args_for_generate: list, max_tokens: int = 64, prompt: str = PROMPT) -> dict:
+    """generate.py batch 1 on the same backend flags, greedy, exactly max_tokens: its decode and TTFT figures."""
+    r = subprocess.run([sys.executable, str(REPO / "generate.py"), *map(str, args_for_generate), "--prompt", prompt,
+                        "--temperature", "0", "--max_new_tokens", str(max_tokens), "--ignore_eos"],
+                       cwd=REPO, capture_output=True, text=True)
+    m = re.search(r"TTFT ([\d.]+) ms .*decode ([\d.]+) tok/s", r.stderr)
+    if r.returncode or not m:
+        raise RuntimeError(f"generate.py failed: {r.stderr[-500:]}")
+    return dict(ttft_s=float(m.group(1)) / 1000, decode_tok_s=float(m.group(2)))
+
+
+def main():
+    p = argparse.ArgumentParser(description="Benchmark server.py with N concurrent clients; other flags go to server.py.")
+    p.add_argument("--clients", default="1,4,8", help="comma-separated client counts")
+    p.add_argument("--max_tokens", type=int, default=64)
+    args, server_args = p.parse_known_args()
+    clients = [int(c) for c in args.clients.split(",")]
+    if "--full_batch_size" not in server_args:
+        server_args += ["--full_batch_size", str(max(clients))]
+    i = server_args.index("--full_batch_size")
+    base = generate_batch1(server_args[:i] + server_args[i + 2:], args.max_tokens)
+    rows = bench_server(server_args, clients, args.max_tokens)
+    print(f"server.py {' '.join(server_args)}; {args.max_tokens} greedy tokens per request")
+    print("| clients | aggregate tok/s | x generate.py batch 1 | TTFT p50 | TTFT p95 | decode tok/s per request |")
+    print("|---|---|---|---|---|---|")
+    print(f"| generate.py batch 1 | {base['decode_tok_s']:.1f} | 1.00 | {base['ttft_s'] * 1000:.0f} ms | | "
+          f"{base['decode_tok_s']:.1f} |")
+    for r in rows:
+        print(f"| {r['clients']} | {r['aggregate_tok_s']:.1f} | {r['aggregate_tok_s'] / base['decode_tok_s']:.2f} | "
+              f"{r['ttft_p50_s'] * 1000:.0f} ms | {r['ttft_p95_s'] * 1000:.0f} ms | {r['decode_tok_s']:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
