@@ -191,7 +191,11 @@ class Server:
                         self.engine.cancel(failed.request)
                 continue
             if kind == "add":
-                self.engine.add(job.request)  # the HTTP side checked the prompt length
+                try:
+                    self.engine.add(job.request)  # the HTTP side checked the prompt length already
+                except ValueError as e:
+                    job.failed = str(e)
+                    job.end("cancelled")
             else:
                 self.engine.cancel(job.request)
 

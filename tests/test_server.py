@@ -365,18 +365,21 @@ def test_engine_one_slot_without_batch_index_and_mixed_sampling(tiny, cpu):
 
 # ------------------------------------------------------------------------------------------------- default model
 def test_default_model_end_to_end_matches_generate_cli(capsys):
+    """The default model: a completion and a chat reply, each among 8 concurrent requests on 8 slots, are the text
+    generate.py prints for the same prompt / message."""
     from common import default_checkpoint
     default_checkpoint()
     prompt, message = "Once upon a time", "What is the capital of France?"
-    srv = ServerProcess("--full_batch_size", 4, "--max_seq_length", 512, "--threads", 2)
+    srv = ServerProcess("--full_batch_size", 8, "--max_seq_length", 512, "--threads", 2)
     try:
         assert srv.model == "SmolLM2-135M-Instruct"
-        with ThreadPoolExecutor(4) as ex:  # among other requests
-            futs = [ex.submit(completion, srv, prompt, max_tokens=24, temperature=0),
-                    ex.submit(chat, srv, [{"role": "user", "content": message}], True, max_tokens=24, temperature=0),
-                    ex.submit(completion, srv, "The weather today", max_tokens=24, temperature=0),
-                    ex.submit(chat, srv, [{"role": "user", "content": "Hi"}], max_tokens=24, temperature=0)]
-            got = [f.result() for f in futs]
+        others = [lambda p=p: completion(srv, p, max_tokens=24, temperature=0) for p in PROMPTS[1:4]] + \
+            [lambda m=m: chat(srv, [{"role": "user", "content": m}], max_tokens=24, temperature=0)
+             for m in ("Hi", "Tell me a joke", "What is 2 + 2?")]
+        mine = [lambda: completion(srv, prompt, max_tokens=24, temperature=0),
+                lambda: chat(srv, [{"role": "user", "content": message}], True, max_tokens=24, temperature=0)]
+        with ThreadPoolExecutor(8) as ex:
+            got = list(ex.map(lambda f: f(), mine + others))
     finally:
         srv.stop()
     out = cli_text(capsys, "--prompt", prompt, "--temperature", 0, "--max_new_tokens", 24)
