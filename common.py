@@ -181,7 +181,7 @@ OUTPUT_DIRS = ("output_dir", "checkpoint_dir")  # a folder to create or fill: no
 
 
 def _show(v) -> str:
-    return format(v, "g") if isinstance(v, float) else repr(v) if isinstance(v, str) else str(v)
+    return format(v, "g") if isinstance(v, float) else str(v)[:40]
 
 
 def _check_onnx(path: Path) -> Optional[str]:
@@ -204,7 +204,7 @@ def check_flag(flag: str, dest: str, value) -> Optional[str]:
     for v in value if isinstance(value, list) else [value]:
         if dest in NUMBER_RULES and isinstance(v, (int, float)):
             what, ok = NUMBER_RULES[dest]
-            if not (math.isfinite(v) and ok(v)):
+            if not ((isinstance(v, int) or math.isfinite(v)) and ok(v)):
                 return f"{flag} must be {what}, got {_show(v)}"
         if dest in INPUT_PATHS:
             p = Path(v)
