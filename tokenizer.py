@@ -33,6 +33,9 @@ TOKENIZER_FILES = tuple(dict.fromkeys(_HF_FILES + TIKTOKEN_FILES))
 # The regex ByteLevel(use_regex=True) splits with (GPT-2's, `regex` module syntax): `pattern` of such a tokenizer,
 # written into tokenizer.bin for the C++ encoder. Split-regex tokenizers (Llama 3, Qwen2) carry theirs in the file.
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+# Falcon's pre-tokenizer pipeline (Punctuation, ByteLevel with GPT-2's regex, Digits, Split [0-9]{3}): no one regex;
+# BPETokenizer.pattern names it with this string (tokenizer.bin's C++ encoder implements it)
+FALCON_PIPELINE = "falcon: Punctuation(Contiguous) + ByteLevel(GPT-2 regex) + Digits(contiguous) + [0-9][0-9][0-9]"
 # tokens that end a turn / the text in the supported model families; those present become stop ids
 END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|endoftext|>", "<|end_of_text|>", "<|end|>", "<end_of_turn>",
               "<eos>")
@@ -320,6 +323,11 @@ def _parse_pre_tokenizer(pt) -> tuple:
     steps = pt.get("pretokenizers", []) if pt and pt.get("type") == "Sequence" else [pt] if pt else []
     if not any(s.get("type") == "ByteLevel" for s in steps):  # e.g. Llama 2's Metaspace / no pre_tokenizer
         raise _NotByteLevel("not a byte-level BPE tokenizer.json (no ByteLevel pre_tokenizer)")
+    falcon = [{"type": "Punctuation", "behavior": "Contiguous"}, {"type": "ByteLevel", "use_regex": True},
+              {"type": "Digits", "individual_digits": False},
+              {"type": "Split", "pattern": {"Regex": "[0-9][0-9][0-9]"}, "behavior": "Isolated", "invert": False}]
+    if len(steps) == 4 and all(all(s.get(k, True) == v for k, v in f.items()) for s, f in zip(steps, falcon)):
+        return (None if steps[1].get("add_prefix_space") else FALCON_PIPELINE), False, False
     pattern, digits, prefix, other = None, False, False, False
     for s in steps:
         t = s.get("type")

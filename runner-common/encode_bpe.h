@@ -1,6 +1,6 @@
 // Byte-level BPE encoding for the C++ tokenizer (header-only, C++17), as tokenizer.py's BPE encoder: optional digit
 // split, then the GPT-2 / Llama 3 (= cl100k) / Qwen2 / o200k (Phi-4-mini) pre-tokenizer regex written out by hand as
-// its alternatives in order
+// its alternatives in order (Falcon: punctuation runs first, then GPT-2's regex, then digit runs in 3-digit groups)
 // (contractions, letters, numbers, other symbols, whitespace with the \s+(?!\S) look-ahead) over tokenizer.bin's
 // Unicode class tables; each pre-token's bytes start as single-byte tokens and the lowest-rank pair is merged
 // everywhere until none applies (ignore_merges: a pre-token that is itself a token stays whole).
@@ -93,7 +93,7 @@ inline size_t pretoken(const Tokenizer& t, const std::vector<uint32_t>& c, size_
       return k - i;
     }
   }
-  if (t.pre == PRE_GPT2) {
+  if (t.pre == PRE_GPT2 || t.pre == PRE_FALCON) {
     if (x == '\'') {
       size_t n = contraction(t, c, i, b, false);
       if (n) return n;
@@ -196,6 +196,39 @@ inline void bpe_word(const Tokenizer& t, const std::string& word, std::vector<in
   out.insert(out.end(), ids.begin(), ids.end());
 }
 
+// GPT-2's byte -> printable character map (tokenizer.py's bytes_to_unicode): what a byte-level string is made of
+inline uint32_t byte_char(unsigned b) {
+  auto printable = [](unsigned x) { return (x >= 0x21 && x <= 0x7E) || (x >= 0xA1 && x <= 0xAC) || x >= 0xAE; };
+  if (printable(b)) return b;
+  uint32_t n = 0;
+  for (unsigned x = 0; x < b; x++) n += !printable(x);
+  return 256 + n;
+}
+
+// Falcon's steps after ByteLevel, on one pre-token's bytes: Digits (runs of bytes whose byte-level character is
+// \p{N}: 0-9 and the bytes shown as ² ³ ¹ ¼ ½ ¾) apart from the rest, then each [0-9][0-9][0-9] on its own.
+inline void falcon_digits(const Tokenizer& t, const std::string& w, std::vector<int>& out) {
+  auto digit = [](char c) { return c >= '0' && c <= '9'; };
+  size_t a = 0;
+  while (a < w.size()) {
+    const bool num = t.N.has(byte_char(uint8_t(w[a])));
+    size_t b = a;
+    while (b < w.size() && t.N.has(byte_char(uint8_t(w[b]))) == num) b++;
+    size_t start = a;
+    for (size_t i = a; num && i + 3 <= b;) {
+      if (digit(w[i]) && digit(w[i + 1]) && digit(w[i + 2])) {
+        if (i > start) bpe_word(t, w.substr(start, i - start), out);
+        bpe_word(t, w.substr(i, 3), out);
+        start = i += 3;
+      } else {
+        i++;
+      }
+    }
+    if (b > start) bpe_word(t, w.substr(start, b - start), out);
+    a = b;
+  }
+}
+
 // Ordinary text (no special tokens in it) -> ids appended to out.
 inline void encode_bpe(const Tokenizer& t, const std::string& input, std::vector<int>& out) {
   std::string text = input;
@@ -216,11 +249,19 @@ inline void encode_bpe(const Tokenizer& t, const std::string& input, std::vector
   auto words = [&](size_t a, size_t b) {
     for (size_t i = a; i < b;) {
       size_t n = pretoken(t, cps, i, b);
-      bpe_word(t, text.substr(offs[i], offs[i + n] - offs[i]), out);
+      if (t.pre == PRE_FALCON) falcon_digits(t, text.substr(offs[i], offs[i + n] - offs[i]), out);
+      else bpe_word(t, text.substr(offs[i], offs[i + n] - offs[i]), out);
       i += n;
     }
   };
-  if (t.flags & F_DIGITS_SPLIT) {  // every \p{N} character is its own chunk
+  if (t.pre == PRE_FALCON) {  // Punctuation(Contiguous): runs of punctuation apart from the rest
+    for (size_t a = 0; a < cps.size();) {
+      size_t b = a;
+      while (b < cps.size() && t.P.has(cps[b]) == t.P.has(cps[a])) b++;
+      words(a, b);
+      a = b;
+    }
+  } else if (t.flags & F_DIGITS_SPLIT) {  // every \p{N} character is its own chunk
     size_t start = 0;
     for (size_t i = 0; i < cps.size(); i++) {
       if (t.N.has(cps[i])) {

@@ -38,7 +38,7 @@ enum Flags {
   F_DIGITS_SPLIT = 1, F_NFC = 2, F_IGNORE_MERGES = 4, F_ADD_PREFIX_SPACE = 8, F_SP_ADD_DUMMY_PREFIX = 16,
   F_SP_REMOVE_EXTRA_WS = 32, F_SP_BYTE_FALLBACK = 64, F_SP_NOT_BPE = 128, F_SP_NOT_IDENTITY = 256, F_ALL = 511
 };
-enum Pre { PRE_NONE = 0, PRE_GPT2 = 1, PRE_LLAMA3 = 2, PRE_QWEN2 = 3, PRE_O200K = 4 };
+enum Pre { PRE_NONE = 0, PRE_GPT2 = 1, PRE_LLAMA3 = 2, PRE_QWEN2 = 3, PRE_O200K = 4, PRE_FALCON = 5 };
 enum ChatKind {
   CHAT_NONE = 0, CHAT_CHATML = 1, CHAT_LLAMA2 = 2, CHAT_LLAMA3 = 3, CHAT_ZEPHYR = 4, CHAT_GEMMA = 5, CHAT_PHI3 = 6,
   CHAT_PHI4 = 7, CHAT_MISTRAL = 8, CHAT_LAST = CHAT_MISTRAL
@@ -72,6 +72,7 @@ struct Tokenizer {
   std::unordered_map<uint64_t, std::pair<int, int>> merges;   // merge_key(left, right) -> (rank, result)
   RangeTable L, N, S, pyspace;                                // \p{L}, \p{N}, \s, Python's str.isspace
   RangeTable U, W;  // o200k: [\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}] and [\p{Ll}\p{Lm}\p{Lo}\p{M}]
+  RangeTable P;     // Falcon: \p{P} and ASCII punctuation (the Punctuation pre-tokenizer)
   std::array<std::vector<uint32_t>, 8> casefold;              // (?i:) matches of s t r e v m l d
   std::string unk_surface = " \xE2\x81\x87 ";
   // derived at load
@@ -188,7 +189,7 @@ inline void read_section(Tokenizer& t, const std::string& tag, Reader& r, bool* 
     t.chat_kind = r.in_range(CHAT_NONE, CHAT_LAST, "chat kind");
     t.flags = r.in_range(0, F_ALL, "flags");
     t.unk_id = r.id(t, "unk id", true);
-    t.pre = r.in_range(PRE_NONE, PRE_O200K, "pre-tokenizer");
+    t.pre = r.in_range(PRE_NONE, PRE_FALCON, "pre-tokenizer");
     r.in_range(0, 0, "reserved field");
     *info = true;
   } else if (tag == "STOP") {
@@ -239,6 +240,8 @@ inline void read_section(Tokenizer& t, const std::string& tag, Reader& r, bool* 
     read_ranges(r, t.N);
   } else if (tag == "UNIS") {
     read_ranges(r, t.S);
+  } else if (tag == "UNIP") {
+    read_ranges(r, t.P);
   } else if (tag == "UNIU") {
     read_ranges(r, t.U);
   } else if (tag == "UNIW") {
@@ -269,7 +272,7 @@ inline void read_extension(Tokenizer& t, const std::string& d, size_t off) {
     Reader r{d, h.pos, h.pos + len, t.path, "tokenizer.bin section " + name};
     h.pos += len;
     static const std::set<std::string> known{"INFO", "STOP", "TYPE", "BYTE", "SPEC", "CHAT", "PYSP", "PIEC",
-                                             "UNKS", "MERG", "UNIL", "UNIN", "UNIS", "UNIU", "UNIW",
+                                             "UNKS", "MERG", "UNIL", "UNIN", "UNIS", "UNIU", "UNIW", "UNIP",
                                              "CASE"};
     if (known.count(tag) && !seen.insert(tag).second) r.fail("tokenizer.bin has two " + name + " sections");
     read_section(t, tag, r, &info);
@@ -280,15 +283,17 @@ inline void read_extension(Tokenizer& t, const std::string& d, size_t off) {
     h.fail("byte-level BPE tokenizer.bin lacks its Unicode tables");
   if (t.kind == BPE && t.pre == PRE_NONE) h.fail("byte-level BPE tokenizer.bin without a pre-tokenizer");
   if (t.kind == SENTENCEPIECE && t.pre != PRE_NONE) h.fail("SentencePiece tokenizer.bin with a BPE pre-tokenizer");
-  if (t.kind == BPE && t.pre != PRE_GPT2 && !seen.count("CASE"))
+  if (t.kind == BPE && t.pre != PRE_GPT2 && t.pre != PRE_FALCON && !seen.count("CASE"))
     h.fail("tokenizer.bin lacks the case-folding table its pre-tokenizer needs");
   if (t.kind == BPE && t.pre == PRE_O200K && (t.U.ranges.empty() || t.W.ranges.empty()))
     h.fail("tokenizer.bin lacks the letter-case tables its o200k pre-tokenizer needs");
+  if (t.kind == BPE && t.pre == PRE_FALCON && t.P.ranges.empty())
+    h.fail("tokenizer.bin lacks the punctuation table its Falcon pre-tokenizer needs");
 }
 
 // The lookup tables the encoders use.
 inline void derive_tables(Tokenizer& t) {
-  t.L.finish(), t.N.finish(), t.S.finish(), t.U.finish(), t.W.finish(), t.pyspace.finish();
+  t.L.finish(), t.N.finish(), t.S.finish(), t.U.finish(), t.W.finish(), t.P.finish(), t.pyspace.finish();
   std::stable_sort(t.specials.begin(), t.specials.end(),
                    [](auto& a, auto& b) { return a.first.size() > b.first.size(); });
   t.specials_by_byte.assign(256, {});

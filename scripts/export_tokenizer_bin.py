@@ -23,7 +23,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 from common import cli, write_atomic  # noqa: E402
 from gguf_tokenizer import LLAMA3_PATTERN, O200K_PATTERN, QWEN2_PATTERN  # noqa: E402
-from tokenizer import GPT2_PATTERN, bytes_to_unicode, load_tokenizer  # noqa: E402
+from tokenizer import FALCON_PIPELINE, GPT2_PATTERN, bytes_to_unicode, load_tokenizer  # noqa: E402
 
 EXT_MAGIC = b"LLTOKEXT"
 FOOTER_MAGIC = b"LLTOKEND"
@@ -31,8 +31,9 @@ VERSION = 1
 
 KIND_SENTENCEPIECE, KIND_BPE = 1, 2
 # pre-tokenizer regexes the C++ encoder implements by hand
-PRE_NONE, PRE_GPT2, PRE_LLAMA3, PRE_QWEN2, PRE_O200K = 0, 1, 2, 3, 4
-PRE_KINDS = {GPT2_PATTERN: PRE_GPT2, LLAMA3_PATTERN: PRE_LLAMA3, QWEN2_PATTERN: PRE_QWEN2, O200K_PATTERN: PRE_O200K}
+PRE_NONE, PRE_GPT2, PRE_LLAMA3, PRE_QWEN2, PRE_O200K, PRE_FALCON = 0, 1, 2, 3, 4, 5
+PRE_KINDS = {GPT2_PATTERN: PRE_GPT2, LLAMA3_PATTERN: PRE_LLAMA3, QWEN2_PATTERN: PRE_QWEN2, O200K_PATTERN: PRE_O200K,
+             FALCON_PIPELINE: PRE_FALCON}
 CHAT_NONE, CHAT_CHATML, CHAT_LLAMA2, CHAT_LLAMA3, CHAT_ZEPHYR = 0, 1, 2, 3, 4
 CHAT_GEMMA, CHAT_PHI3, CHAT_PHI4, CHAT_MISTRAL = 5, 6, 7, 8
 CHAT_NAMES = {CHAT_NONE: "none", CHAT_CHATML: "chatml", CHAT_LLAMA2: "llama2", CHAT_LLAMA3: "llama3",
@@ -316,7 +317,7 @@ def bpe_export(tok, log, chat):
     if pre < 0:
         raise ExportError(f"pre-tokenizer {tok.pattern[:300]!r} is not one the C++ encoder implements "
                           f"(ByteLevel's GPT-2 regex, with or without individual digits; the Llama 3 / cl100k, "
-                          f"Qwen2 and o200k Split regexes)")
+                          f"Qwen2 and o200k Split regexes; Falcon's pipeline)")
     model = json.loads(tok.hf.to_str())["model"]
     vocab = model["vocab"]  # byte-level-unicode token string -> id
     id_to_token = {i: t for t, i in vocab.items()}
@@ -377,6 +378,8 @@ def bpe_export(tok, log, chat):
     if pre in (PRE_LLAMA3, PRE_QWEN2, PRE_O200K):
         fold = casefold_table()
         sections.append((b"CASE", b"".join(_i32s(f) for f in fold)))
+    if pre == PRE_FALCON:
+        sections.append((b"UNIP", _range_section(regex_class_ranges(r"[\p{P}!-/:-@\[-`{-~]"))))
     if pre == PRE_O200K:
         sections.append((b"UNIU", _range_section(regex_class_ranges(r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]"))))
         sections.append((b"UNIW", _range_section(regex_class_ranges(r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]"))))
