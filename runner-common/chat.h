@@ -2,9 +2,10 @@
 // against the model's Jinja template (render_chat there) and stored as tokenizer.bin's chat kind: chatml (SmolLM2,
 // Qwen; with the template's default system prompt), llama2 ([INST], <<SYS>>), llama3 (header ids), zephyr, gemma
 // (<start_of_turn>; Gemma 3 folds a system message into the first user turn), phi3 / phi4 (<|role|> ... <|end|>),
-// mistral (v0.1 / Mixtral [INST]). A template that refuses a system message (Gemma 1/2, Mistral) is refused here too.
+// mistral (v0.1 / Mixtral [INST]), smollm3 (reasoning modes, today's date). A template that refuses a system message (Gemma 1/2, Mistral) is refused here too.
 #pragma once
 
+#include <ctime>
 #include <string>
 #include <vector>
 
@@ -22,6 +23,49 @@ inline std::string token_text(const Tokenizer& t, int id) {
     if (s.second == id) return s.first;
   if (t.kind == BPE && id >= 0 && id < t.n_vocab) return t.pieces[id];
   return "";
+}
+
+// Python's str.replace(a, "") (every occurrence, left to right) and str.rstrip()
+inline std::string py_remove(std::string s, const std::string& a) {
+  for (size_t p = s.find(a); p != std::string::npos; p = s.find(a, p)) s.erase(p, a.size());
+  return s;
+}
+inline std::string py_rstrip(const Tokenizer& t, const std::string& s) {
+  std::vector<uint32_t> cps = utf8_to_cps(s);
+  while (!cps.empty() && t.pyspace.has(cps.back())) cps.pop_back();
+  return cps_to_utf8(cps);
+}
+
+// SmolLM3's template: a metadata system block (today's date, the reasoning mode /think or /no_think that the system
+// message may name, its text as custom instructions or the mode's default ones; /system_override: that text alone),
+// then ChatML turns; in /no_think mode assistant turns start with an empty <think></think>.
+inline std::string render_smollm3(const Tokenizer& t, const std::vector<Message>& messages, bool add_generation_prompt) {
+  bool think = true, has_system = !messages.empty() && messages[0].role == "system";
+  std::string custom, out;
+  if (has_system) {
+    const std::string& s = messages[0].content;
+    think = s.find("/no_think") != std::string::npos ? false : s.find("/think") != std::string::npos ? true : think;
+    custom = py_rstrip(t, py_remove(py_remove(s, "/no_think"), "/think"));
+  }
+  if (has_system && messages[0].content.find("/system_override") != std::string::npos) {
+    out = "<|im_start|>system\n" + py_rstrip(t, py_remove(custom, "/system_override")) + "<|im_end|>\n";
+  } else {
+    char today[64];
+    std::time_t now = std::time(nullptr);
+    std::strftime(today, sizeof today, "%d %B %Y", std::localtime(&now));
+    out = std::string("<|im_start|>system\n## Metadata\n\nKnowledge Cutoff Date: June 2025\nToday Date: ") + today +
+          "\nReasoning Mode: " + (think ? "/think" : "/no_think") + "\n\n## Custom Instructions\n\n" +
+          (!custom.empty() ? custom : think ? t.default_system : t.default_system_no_think) + "\n\n";
+  }
+  const std::string open = think ? "" : "<think>\n\n</think>\n";
+  for (auto& m : messages) {
+    if (m.role == "user" || m.role == "tool") out += "<|im_start|>user\n" + m.content + "<|im_end|>\n";
+    else if (m.role == "assistant")
+      out += "<|im_start|>assistant\n" + open + m.content.substr(std::min(m.content.find_first_not_of('\n'),
+                                                                         m.content.size())) + "<|im_end|>\n";
+  }
+  if (add_generation_prompt) out += "<|im_start|>assistant\n" + open;
+  return out;
 }
 
 // Python's str.strip()
@@ -88,6 +132,9 @@ inline std::string render_chat(const Tokenizer& t, const std::vector<Message>& m
       out += add_generation_prompt ? "<|assistant|>" + nl : eos;
       break;
     }
+    case CHAT_SMOLLM3:
+      out = render_smollm3(t, messages, add_generation_prompt);
+      break;
     case CHAT_MISTRAL:
       out = bos;
       for (auto& m : messages) out += m.role == "user" ? "[INST] " + m.content + " [/INST]" : m.content + eos;

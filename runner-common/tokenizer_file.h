@@ -41,11 +41,12 @@ enum Flags {
 enum Pre { PRE_NONE = 0, PRE_GPT2 = 1, PRE_LLAMA3 = 2, PRE_QWEN2 = 3, PRE_O200K = 4, PRE_FALCON = 5 };
 enum ChatKind {
   CHAT_NONE = 0, CHAT_CHATML = 1, CHAT_LLAMA2 = 2, CHAT_LLAMA3 = 3, CHAT_ZEPHYR = 4, CHAT_GEMMA = 5, CHAT_PHI3 = 6,
-  CHAT_PHI4 = 7, CHAT_MISTRAL = 8, CHAT_LAST = CHAT_MISTRAL
+  CHAT_PHI4 = 7, CHAT_MISTRAL = 8, CHAT_SMOLLM3 = 9, CHAT_LAST = CHAT_SMOLLM3
 };
 
 inline const char* chat_kind_name(int k) {
-  static const char* names[] = {"none", "chatml", "llama2", "llama3", "zephyr", "gemma", "phi3", "phi4", "mistral"};
+  static const char* names[] = {"none",  "chatml", "llama2", "llama3",  "zephyr",
+                                "gemma", "phi3",   "phi4",   "mistral", "smollm3"};
   return k >= 0 && k <= CHAT_LAST ? names[k] : "unknown";
 }
 
@@ -60,7 +61,7 @@ struct Tokenizer {
   std::vector<int> stop_ids{2};
   int flags = 0, pre = PRE_NONE;
   int chat_kind = CHAT_LLAMA2;
-  std::string default_system;
+  std::string default_system, default_system_no_think;  // chatml's default system prompt; SmolLM3's two defaults
   bool has_default_system = false;
   bool no_system = false;  // the template refuses a system message (Gemma 1/2, Mistral v0.1)
   // the tables (part A, TYPE, BYTE, SPEC, PIEC, UNKS, MERG, UNIL/UNIN/UNIS, PYSP, CASE)
@@ -215,6 +216,7 @@ inline void read_section(Tokenizer& t, const std::string& tag, Reader& r, bool* 
     t.default_system = r.blob();
     t.has_default_system = r.in_range(0, 1, "has-default-system flag");
     if (r.pos < r.end) t.no_system = r.in_range(0, 1, "no-system flag");  // absent in older files
+    if (r.pos < r.end) t.default_system_no_think = r.blob();
   } else if (tag == "PYSP") {
     read_ranges(r, t.pyspace);
   } else if (tag == "PIEC") {

@@ -12,6 +12,7 @@ merge ranks, the pre-tokenizer kind and the Unicode class tables (\\p{L}, \\p{N}
 kind. runner-common/README.md documents the layout.
 """
 import argparse
+import datetime
 import json
 import math
 import struct
@@ -35,9 +36,11 @@ PRE_NONE, PRE_GPT2, PRE_LLAMA3, PRE_QWEN2, PRE_O200K, PRE_FALCON = 0, 1, 2, 3, 4
 PRE_KINDS = {GPT2_PATTERN: PRE_GPT2, LLAMA3_PATTERN: PRE_LLAMA3, QWEN2_PATTERN: PRE_QWEN2, O200K_PATTERN: PRE_O200K,
              FALCON_PIPELINE: PRE_FALCON}
 CHAT_NONE, CHAT_CHATML, CHAT_LLAMA2, CHAT_LLAMA3, CHAT_ZEPHYR = 0, 1, 2, 3, 4
-CHAT_GEMMA, CHAT_PHI3, CHAT_PHI4, CHAT_MISTRAL = 5, 6, 7, 8
+CHAT_GEMMA, CHAT_PHI3, CHAT_PHI4, CHAT_MISTRAL, CHAT_SMOLLM3 = 5, 6, 7, 8, 9
 CHAT_NAMES = {CHAT_NONE: "none", CHAT_CHATML: "chatml", CHAT_LLAMA2: "llama2", CHAT_LLAMA3: "llama3",
-              CHAT_ZEPHYR: "zephyr", CHAT_GEMMA: "gemma", CHAT_PHI3: "phi3", CHAT_PHI4: "phi4", CHAT_MISTRAL: "mistral"}
+              CHAT_ZEPHYR: "zephyr", CHAT_GEMMA: "gemma", CHAT_PHI3: "phi3", CHAT_PHI4: "phi4", CHAT_MISTRAL: "mistral",
+              CHAT_SMOLLM3: "smollm3"}
+SMOLLM3_HEAD = "<|im_start|>system\n## Metadata\n\nKnowledge Cutoff Date: June 2025\nToday Date: "
 # INFO flags
 F_DIGITS_SPLIT, F_NFC, F_IGNORE_MERGES, F_ADD_PREFIX_SPACE = 1, 2, 4, 8
 F_SP_ADD_DUMMY_PREFIX, F_SP_REMOVE_EXTRA_WS, F_SP_BYTE_FALLBACK, F_SP_NOT_BPE, F_SP_NOT_IDENTITY = 16, 32, 64, 128, 256
@@ -138,9 +141,29 @@ def casefold_table() -> list:
 
 # ----------------------------------------------------------------------------------------------------------- chat
 def render_chat(kind: int, messages, add_generation_prompt=True, default_system=None, bos="", eos=""):
-    """The renderings the C++ runner implements (runner-common/chat.h). Used to check a template's kind."""
+    """The renderings the C++ runner implements (runner-common/chat.h). Used to check a template's kind.
+    default_system: chatml's default system prompt; smollm3's (think, no_think) default instructions."""
     out = ""
-    if kind == CHAT_GEMMA:  # Gemma 3 folds a system message into the first user turn (Gemma 1/2 refuse one)
+    if kind == CHAT_SMOLLM3:  # reasoning mode from /think, /no_think in the system message; today's date
+        mode, system = "/think", messages[0]["content"] if messages and messages[0]["role"] == "system" else None
+        if system is not None:
+            mode = "/no_think" if "/no_think" in system else "/think" if "/think" in system else mode
+            custom = system.replace("/no_think", "").replace("/think", "").rstrip()
+        if system is not None and "/system_override" in system:
+            out = "<|im_start|>system\n" + custom.replace("/system_override", "").rstrip() + "<|im_end|>\n"
+        else:
+            today = datetime.datetime.now().strftime("%d %B %Y")
+            out = SMOLLM3_HEAD + today + "\nReasoning Mode: " + mode + "\n\n## Custom Instructions\n\n" + \
+                ((custom if system is not None and custom else default_system[mode != "/think"]) + "\n\n")
+        think = "" if mode == "/think" else "<think>\n\n</think>\n"
+        for m in messages:
+            if m["role"] in ("user", "tool"):
+                out += "<|im_start|>user\n" + m["content"] + "<|im_end|>\n"
+            elif m["role"] == "assistant":
+                out += "<|im_start|>assistant\n" + think + m["content"].lstrip("\n") + "<|im_end|>\n"
+        if add_generation_prompt:
+            out += "<|im_start|>assistant\n" + think
+    elif kind == CHAT_GEMMA:  # Gemma 3 folds a system message into the first user turn (Gemma 1/2 refuse one)
         prefix, msgs = "", messages
         if msgs and msgs[0]["role"] == "system":
             prefix, msgs = msgs[0]["content"] + "\n\n", msgs[1:]
@@ -210,6 +233,12 @@ _PROBES += [
      {"role": "user", "content": "é 🤖"}],
     [{"role": "system", "content": " sys \n"}, {"role": "user", "content": "u"}, {"role": "assistant", "content": " a"},
      {"role": "user", "content": "v "}, {"role": "assistant", "content": "w"}, {"role": "user", "content": "x"}],
+    [{"role": "system", "content": "/no_think"}, {"role": "user", "content": "q"}],  # (SmolLM3's reasoning modes)
+    [{"role": "system", "content": "Terse. /no_think "}, {"role": "user", "content": "q"},
+     {"role": "assistant", "content": "\n\na "}, {"role": "user", "content": "r"}],
+    [{"role": "system", "content": "/think Exact."}, {"role": "user", "content": "q"}, {"role": "assistant", "content": "a"},
+     {"role": "user", "content": "r"}],
+    [{"role": "system", "content": "Only this. /system_override \n"}, {"role": "user", "content": "q"}],
 ]
 
 
@@ -232,12 +261,18 @@ def detect_chat(tok):
                           "reproduce it (export with --no_chat to leave chat out of tokenizer.bin)")
     bos = tok.token_text(tok.bos_id) or ""
     eos = tok.token_text(tok.eos_id) or ""
-    default_system = None
+    default_system = smollm3 = None
     head = "<|im_start|>system\n"
     if want[0].startswith(head) and "<|im_end|>\n" in want[0]:
         default_system = want[0][len(head):want[0].index("<|im_end|>\n")]
+    mark, user = "## Custom Instructions\n\n", "\n\n<|im_start|>user\n"
+    defaults = [w[w.find(mark) + len(mark):w.find(user)] for w in (want[0], want[6]) if w and mark in w and user in w]
+    if want[0].startswith(SMOLLM3_HEAD) and len(defaults) == 2:  # its default instructions, /think and /no_think
+        smollm3 = tuple(defaults)
     for kind in CHAT_NAMES:
-        ds = default_system if kind == CHAT_CHATML else None
+        ds = default_system if kind == CHAT_CHATML else smollm3 if kind == CHAT_SMOLLM3 else None
+        if kind == CHAT_SMOLLM3 and ds is None:
+            continue
         if kind != CHAT_NONE and all(w is None or render_chat(kind, p, True, ds, bos, eos) == w
                                      for p, w in zip(_PROBES, want)):
             return kind, ds, no_system
@@ -249,6 +284,7 @@ def detect_chat(tok):
 # ----------------------------------------------------------------------------------------------------------- export
 def _sections_common(tok, n_vocab, kind, flags, unk_id, pre, types, byte_ids, chat) -> list:
     bos = tok.bos_id if tok.bos_id is not None else -1
+    system = chat[1] if isinstance(chat[1], tuple) else (chat[1] or "", "")  # (default system, SmolLM3's no-think one)
     info = struct.pack("<10i", n_vocab, kind, bos, tok.eos_id, int(bool(tok.add_bos)), chat[0], flags,
                        -1 if unk_id is None else unk_id, pre, 0)
     specials = sorted(tok.special_tokens.items(), key=lambda kv: kv[1])
@@ -256,8 +292,8 @@ def _sections_common(tok, n_vocab, kind, flags, unk_id, pre, types, byte_ids, ch
                                                         for t, i in specials)
     sections = [(b"INFO", info), (b"STOP", _i32s(sorted(tok.stop_ids))), (b"TYPE", bytes(types)),
                 (b"BYTE", struct.pack("<256i", *byte_ids)), (b"SPEC", spec),
-                (b"CHAT", struct.pack("<i", chat[0]) + _blob((chat[1] or "").encode("utf-8")) +
-                 struct.pack("<ii", int(chat[1] is not None), int(chat[2]))),
+                (b"CHAT", struct.pack("<i", chat[0]) + _blob(system[0].encode("utf-8")) +
+                 struct.pack("<ii", int(chat[1] is not None), int(chat[2])) + _blob(system[1].encode("utf-8"))),
                 (b"PYSP", _range_section(python_space_ranges()))]
     return sections
 

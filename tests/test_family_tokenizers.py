@@ -370,7 +370,7 @@ def tiktoken_family(name: str, d: Path):
 
 SP_FAMILIES = ["gemma", "gemma3", "phi3", "mistral"]
 BPE_FAMILIES = ["starcoder2", "smollm3", "phi4", "gpt2", "neox", "falcon"]
-CHAT = {"gemma": "gemma", "gemma3": "gemma", "phi3": "phi3", "phi4": "phi4", "mistral": "mistral", "smollm3": None,
+CHAT = {"gemma": "gemma", "gemma3": "gemma", "phi3": "phi3", "phi4": "phi4", "mistral": "mistral", "smollm3": "smollm3",
         "starcoder2": "none", "gpt2": "none", "neox": "none", "falcon": "none"}
 
 
@@ -395,8 +395,7 @@ def tiktokens(tmp_path_factory):
 def bins(dirs, tiktokens, tmp_path_factory):
     root = tmp_path_factory.mktemp("family_bins")
     all_dirs = {**dirs, **{n: d for n, (d, _) in tiktokens.items()}}
-    return {n: export_bin(d, root / f"{n}.bin", *(["--no_chat"] if CHAT.get(n, "none") is None else []))
-            for n, d in all_dirs.items()}
+    return {n: export_bin(d, root / f"{n}.bin") for n, d in all_dirs.items()}
 
 
 # ------------------------------------------------------------------------------------------ references
@@ -532,10 +531,16 @@ def hf_render(d: Path, conv):
 @pytest.mark.parametrize("name", ["gemma", "gemma3", "phi3", "mistral", "smollm3", "phi4", "starcoder2"])
 def test_chat_templates(tool, dirs, bins, name):
     """tokenizer.py's rendering == transformers' apply_chat_template with the same template; tokenizer.bin's chat
-    kind renders the same text in C++, refuses what the template refuses, or (SmolLM3) export refuses the template."""
+    kind renders the same text in C++ and refuses what the template refuses (a system message: Gemma 1/2, Mistral)."""
     d = dirs[name]
     tok = T.load_tokenizer(d)
-    for conv in CONVS:
+    convs = CONVS + [
+        [{"role": "system", "content": "/think Be exact. "}, {"role": "user", "content": "q"},
+         {"role": "assistant", "content": "\n\nthought"}, {"role": "user", "content": "again"}],
+        [{"role": "system", "content": "Just this./system_override \n "}, {"role": "user", "content": "q"}],
+        [{"role": "system", "content": "/no_think"}, {"role": "user", "content": "q"}],
+        [{"role": "system", "content": ""}, {"role": "user", "content": "empty system"}]]
+    for conv in convs:
         want = hf_render(d, conv)
         if CHAT[name] == "none":  # StarCoder2: no template at all, in Python and in C++
             with pytest.raises(ValueError, match="no chat template"):
@@ -548,20 +553,30 @@ def test_chat_templates(tool, dirs, bins, name):
         except ValueError:
             got = "TemplateError"
         assert got == want, (name, conv)
-        if CHAT[name] is None:
-            continue
         rc, out, err = c_chat(tool, bins[name], conv)
         if got == "TemplateError":
             assert rc == 1 and "system message" in err, (name, conv, err)
         else:
             assert rc == 0 and out == got, (name, conv, err)
-    if CHAT[name] is None:  # the runner cannot render it: export refuses, in one line, unless --no_chat
-        with pytest.raises(E.ExportError, match="none of the renderings"):
-            E.build(tok)
-        rc, out, err = c_chat(tool, bins[name], CONVS[0])
-        assert rc == 1 and "no chat template" in err
-    elif CHAT[name] != "none":
+    if CHAT[name] != "none":
         assert E.CHAT_NAMES[E.detect_chat(tok)[0]] == CHAT[name]
+
+
+def test_unrenderable_chat_template_is_refused(dirs, tmp_path):
+    """A template none of the C++ renderings reproduces: tokenizer.bin export refuses it in one line (never wrong
+    chat text), and --no_chat writes the file without chat."""
+    import shutil
+    import subprocess
+    d = tmp_path / "odd"
+    shutil.copytree(dirs["gpt2"], d)
+    tpl = "{% for m in messages %}{{ m['role'] | upper }}: {{ m['content'] }}\n{% endfor %}ASSISTANT:"
+    (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": tpl}))
+    cmd = [sys.executable, str(REPO / "scripts" / "export_tokenizer_bin.py"), str(d), "-o", str(tmp_path / "t.bin")]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    assert r.returncode == 1 and r.stderr.startswith("error: ") and len(r.stderr.strip().splitlines()) == 1
+    assert "none of the renderings" in r.stderr and "--no_chat" in r.stderr and not (tmp_path / "t.bin").exists()
+    r = subprocess.run(cmd + ["--no_chat"], capture_output=True, text=True)
+    assert r.returncode == 0 and "chat template none" in r.stderr and (tmp_path / "t.bin").exists()
 
 
 # ------------------------------------------------------------------------------------------ tests: tokenizer.bin
