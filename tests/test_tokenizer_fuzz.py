@@ -339,7 +339,7 @@ def regressions(bins: dict):
     out += [("llama3 file without its CASE section", no_case, "encode", b"don't"),
             ("merge result 0x7fffffff", assemble(part_a, merg), "encode", b"the the the hello world"),
             ("unk_id out of range", set_info(sm, 7, n + 5), "encode", b"\xff\xfe hello"),
-            ("unknown chat kind", set_info(sm, 5, 9), "chat", b"user\x1fhi"),
+            ("unknown chat kind", set_info(sm, 5, 10), "chat", b"user\x1fhi"),  # (9 = smollm3, the last)
             ("footer offset near 2^64", sm[:-16] + struct.pack("<Q", (1 << 64) - 8) + b"LLTOKEND", "info", b""),
             ("footer offset 2^64-1", sm[:-16] + struct.pack("<Q", (1 << 64) - 1) + b"LLTOKEND", "info", b"")]
     return out
