@@ -83,10 +83,10 @@ class _RotaryLinear(nn.Module):
     is exact): slices on the dynamic length do not lower to XNNPACK, a linear with a constant weight does. One
     instance serves every layer; its weight is a buffer, so export sees model state rather than a lifted constant."""
 
-    def __init__(self, d: int, device=None):
+    def __init__(self, d: int, device=None, rotary_dim: Optional[int] = None):
         super().__init__()
-        h = d // 2
-        r = torch.zeros(d, d)  # x @ r == rotate_half(x) == cat(-x[..., h:], x[..., :h])
+        h = (rotary_dim or d) // 2
+        r = torch.zeros(d, d)  # x @ r == rotate_half(x) == cat(-x[..., h:2h], x[..., :h]) (+ zeros past 2h: sin 0)
         r[torch.arange(h) + h, torch.arange(h)] = -1.0
         r[torch.arange(h), torch.arange(h) + h] = 1.0
         self.register_buffer("weight", r.t().contiguous().to(device), persistent=False)  # linear() multiplies by W^T
@@ -149,7 +149,7 @@ def export_swaps(model, int8_dynamic: bool = True):
         portable kernels would dequantize every weight on every call. For the portable backend they stay weight-only."""
     import model as model_py
     import quantize
-    rope = _RotaryLinear(model.config.head_dim, model.norm.weight.device)
+    rope = _RotaryLinear(model.config.head_dim, model.norm.weight.device, model.config.rotary_dim)
 
     def replacement(m):
         if isinstance(m, model_py.KVCache):

@@ -57,7 +57,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from common import checkpoint_file, cli, copy_tokenizer_files, has_tokenizer, resolve_checkpoint
-from model import Transformer, load_model, precompute_rope
+from model import Transformer, load_model
 
 FP16_MAX = float(np.finfo(np.float16).max)  # 65504
 
@@ -127,18 +127,20 @@ class RetainedStateWrapper(nn.Module):
 
 
 @contextlib.contextmanager
-def retained_state(model: Transformer, continuous_batching: bool, rope_len: int):
+def retained_state(model: Transformer, continuous_batching: bool, rope_len: int, longrope_len: Optional[int] = None):
     """Yield the export wrapper around `model` with its swap points taken over (every layer.attention.kv_cache ->
-    RetainedStateKVCache, the LM head -> LastPositionHead, a rotary table covering every position the graph may run
-    at, ctx_len <= rope_len), and put the model's own modules back on exit: nothing is copied (the wrapper uses the
-    model's weight tensors) and afterwards the model runs eagerly as before."""
-    saved = ([layer.attention.kv_cache for layer in model.layers], model.output, getattr(model, "rope", None),
-             model.max_batch_size, model.max_seq_length)
+    RetainedStateKVCache, the LM head -> LastPositionHead, rotary tables covering every position the graph may run
+    at, ctx_len <= rope_len; Phi-3's longrope factors chosen for a cache of longrope_len, default rope_len), and put
+    the model's own modules back on exit: nothing is copied (the wrapper uses the model's weight tensors) and
+    afterwards the model runs eagerly as before."""
+    tables = ("rope", "rope_local")
+    saved = ([layer.attention.kv_cache for layer in model.layers], model.output,
+             {t: getattr(model, t) for t in tables if hasattr(model, t)}, model.max_batch_size, model.max_seq_length)
     caches = [RetainedStateKVCache() for _ in model.layers]
     for layer, cache in zip(model.layers, caches):
         layer.attention.kv_cache = cache
     model.output = LastPositionHead(model.output)
-    model.register_buffer("rope", precompute_rope(model.config, rope_len, torch.float32), persistent=False)
+    model.set_rope(rope_len, torch.float32, longrope_len=longrope_len)
     model.max_batch_size = -1
     try:
         yield RetainedStateWrapper(model, continuous_batching, caches).eval()
@@ -146,9 +148,11 @@ def retained_state(model: Transformer, continuous_batching: bool, rope_len: int)
         for layer, cache in zip(model.layers, saved[0]):
             layer.attention.kv_cache = cache
         model.output = saved[1]
-        del model.rope
-        if saved[2] is not None:
-            model.register_buffer("rope", saved[2], persistent=False)
+        for t in tables:
+            if hasattr(model, t):
+                delattr(model, t)
+        for t, v in saved[2].items():
+            model.register_buffer(t, v, persistent=False)
         model.max_batch_size, model.max_seq_length = saved[3], saved[4]
 
 
@@ -316,7 +320,7 @@ def export(checkpoint_path, output_dir, *, ctx_len: Optional[int] = None, max_ct
         raw = tmp / "raw"
         raw.mkdir()
         log(f"exporting {ck_file} to ONNX ({'dynamo' if dynamo else 'TorchScript'} exporter) ...")
-        with torch.no_grad(), retained_state(model, cb, max_ctx) as wrapper:
+        with torch.no_grad(), retained_state(model, cb, max_ctx, longrope_len=ctx) as wrapper:
             used_opset = _torch_export(wrapper, _example_inputs(cfg, cb), raw / "model.onnx", cfg.n_layer, cb,
                                        opset, dynamo)
         import onnx

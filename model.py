@@ -404,9 +404,10 @@ def longrope_attention_factor(args: ModelArgs) -> float:
     return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
 
 
-def precompute_rope(args: ModelArgs, seq_len: int, dtype=torch.float32, local: bool = False) -> Tensor:
+def precompute_rope(args: ModelArgs, seq_len: int, dtype=torch.float32, local: bool = False,
+                    longrope_len: Optional[int] = None) -> Tensor:
     """[2, seq_len, head_dim]: cos and sin in the half-split layout; dims past rotary_dim get cos 1, sin 0."""
-    inv_freq = rope_frequencies(args, local=local, seq_len=seq_len)
+    inv_freq = rope_frequencies(args, local=local, seq_len=longrope_len or seq_len)
     t = torch.arange(seq_len, dtype=torch.float32)
     freqs = torch.outer(t, inv_freq)
     emb = torch.cat((freqs, freqs), dim=-1)          # half-split layout
@@ -448,13 +449,14 @@ def softcapped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: f
     """softmax(cap * tanh(q k^T * scale / cap) + mask) v (Gemma 2), grouped-query without copying the cache:
     q [B, H, T, D], k/v [B, Hkv, S, D], mask additive or bool [B or 1, 1, T, S] -> [B, H, T, D]."""
     B, H, T, D = q.shape
-    Hkv, S = k.shape[1], k.shape[2]
-    s = torch.matmul(q.reshape(B, Hkv, -1, D), k.transpose(-1, -2)) * scale   # [B, Hkv, r*T, S]
-    s = (torch.tanh(s / cap) * cap).view(B, Hkv, H // Hkv, T, S)
+    Hkv = k.shape[1]
+    qg = q.view(B, Hkv, H // Hkv, T, D)                                     # query heads grouped by their KV head
+    s = torch.matmul(qg, k.unsqueeze(2).transpose(-1, -2)) * scale         # [B, Hkv, r, T, S]
+    s = torch.tanh(s / cap) * cap
     m = mask.unsqueeze(1)
     s = s.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else s + m
-    p = torch.softmax(s.float(), dim=-1).to(q.dtype).view(B, Hkv, -1, S)
-    return torch.matmul(p, v).view(B, H, T, D)
+    p = torch.softmax(s.float(), dim=-1).to(q.dtype)
+    return torch.matmul(p, v.unsqueeze(2)).view(B, H, T, D)
 
 
 class Attention(nn.Module):
@@ -591,9 +593,11 @@ class Transformer(nn.Module):
                                                self.config.head_dim, dtype).to(device)
         self.set_rope(max_seq_length, dtype, device)
 
-    def set_rope(self, seq_len: int, dtype=torch.float32, device=None):
-        """(Re)make the rope tables for positions 0..seq_len-1: `rope` and, with a local base, `rope_local`."""
-        self.register_buffer("rope", precompute_rope(self.config, seq_len, dtype).to(device), persistent=False)
+    def set_rope(self, seq_len: int, dtype=torch.float32, device=None, longrope_len: Optional[int] = None):
+        """(Re)make the rope tables for positions 0..seq_len-1: `rope` and, with a local base, `rope_local`.
+        longrope_len (default seq_len): the cache length that picks Phi-3's short or long factors."""
+        self.register_buffer("rope", precompute_rope(self.config, seq_len, dtype, longrope_len=longrope_len).to(device),
+                             persistent=False)
         if self.config.rope_local_base is not None:
             self.register_buffer("rope_local", precompute_rope(self.config, seq_len, dtype, local=True).to(device),
                                  persistent=False)
