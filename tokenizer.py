@@ -36,6 +36,8 @@ GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|
 # Falcon's pre-tokenizer pipeline (Punctuation, ByteLevel with GPT-2's regex, Digits, Split [0-9]{3}): no one regex;
 # BPETokenizer.pattern names it with this string (tokenizer.bin's C++ encoder implements it)
 FALCON_PIPELINE = "falcon: Punctuation(Contiguous) + ByteLevel(GPT-2 regex) + Digits(contiguous) + [0-9][0-9][0-9]"
+# Unicode White_Space: what an added token's lstrip / rstrip takes in (as the `tokenizers` library does)
+WHITE_SPACE = "\t\n\x0b\x0c\r \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"
 # tokens that end a turn / the text in the supported model families; those present become stop ids
 END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|endoftext|>", "<|end_of_text|>", "<|end|>", "<end_of_turn>",
               "<eos>")
@@ -158,13 +160,13 @@ class StreamDecoder:
 
 class BPETokenizer(Tokenizer):
     """Byte-level BPE: a `tokenizers.Tokenizer` (self.hf). pattern / digits_split / add_prefix_space / nfc /
-    ignore_merges / unk_id describe its pipeline for tokenizer.bin's exporter."""
+    ignore_merges / unk_id / strip (added token -> 1 lstrip | 2 rstrip) describe its pipeline for tokenizer.bin."""
     kind = "bpe"
 
     def __init__(self, hf, pattern: str, digits_split=False, add_prefix_space=False, nfc=False, ignore_merges=False,
-                 unk_id=None, **meta):
+                 unk_id=None, strip=None, **meta):
         self.hf, self.pattern, self.digits_split, self.add_prefix_space = hf, pattern, digits_split, add_prefix_space
-        self.nfc, self.ignore_merges, self.unk_id = nfc, ignore_merges, unk_id
+        self.nfc, self.ignore_merges, self.unk_id, self.strip = nfc, ignore_merges, unk_id, dict(strip or {})
         super().__init__(**meta)
 
     def token_text(self, i):
@@ -186,8 +188,8 @@ class SentencePieceTokenizer(Tokenizer):
     kind = "sentencepiece"
 
     def __init__(self, sp, add_bos: bool = True, chat_template: Optional[str] = None, stop_ids=(), added=None,
-                 eos: Optional[str] = None):
-        self.sp = sp
+                 eos: Optional[str] = None, strip=None, prefix_first_only=False):
+        self.sp, self.strip, self.prefix_first_only = sp, dict(strip or {}), prefix_first_only
         n = sp.get_piece_size()
         special = {sp.id_to_piece(i): i for i in range(n) if sp.is_control(i) or sp.is_unknown(i)}
         special = {t: i for t, i in special.items() if t}
@@ -202,7 +204,21 @@ class SentencePieceTokenizer(Tokenizer):
                          special_tokens=special, chat_template=chat_template, stop_ids=[*stop_ids, *user.values()])
         self._control = next((i for i in range(n) if sp.is_control(i)), None)  # what an added token decodes as
         alts = sorted(self.special_tokens, key=len, reverse=True)  # longest first = leftmost-longest match
-        self._special_rx = re.compile("|".join(map(re.escape, alts))) if alts else None
+        ws = f"[{''.join(WHITE_SPACE)}]*"  # lstrip / rstrip: the token takes in the whitespace before / after it
+        self._special_rx = re.compile("|".join(f"(?P<t{k}>{ws if self.strip.get(t, 0) & 1 else ''}{re.escape(t)}"
+                                               f"{ws if self.strip.get(t, 0) & 2 else ''})" for k, t in enumerate(alts)))\
+            if alts else None
+        self._alts = alts
+        self._sp_first = sp
+        if prefix_first_only:  # legacy=False: the dummy prefix only at the very start, and not before a space
+            from sentencepiece import SentencePieceProcessor, sentencepiece_model_pb2 as pb
+            m = pb.ModelProto()
+            m.ParseFromString(sp.serialized_model_proto())
+            m.normalizer_spec.add_dummy_prefix = False
+            self._sp_rest = SentencePieceProcessor()
+            self._sp_rest.LoadFromSerializedProto(m.SerializeToString())
+        else:
+            self._sp_rest = sp
 
     def token_text(self, i):
         n = self.sp.get_piece_size()
@@ -210,11 +226,16 @@ class SentencePieceTokenizer(Tokenizer):
 
     def _encode(self, text: str) -> list:
         ids, pos = [], 0
+
+        def plain(a, b):
+            lead_space = self.prefix_first_only and text[:1] in (" ", "\u2581")  # Metaspace adds no second one
+            sp = self._sp_rest if a > 0 or lead_space else self.sp
+            return sp.encode(text[a:b]) if b > a else []
         for m in self._special_rx.finditer(text) if self._special_rx else ():
-            ids += self.sp.encode(text[pos:m.start()]) if m.start() > pos else []
-            ids.append(self.special_tokens[m.group()])
+            ids += plain(pos, m.start())
+            ids.append(self.special_tokens[self._alts[int(m.lastgroup[1:])]])
             pos = m.end()
-        return ids + (self.sp.encode(text[pos:]) if pos < len(text) else [])
+        return ids + plain(pos, len(text))
 
     def decode(self, ids) -> str:  # control tokens (<s>, </s>) always decode to ""; added tokens decode as they do
         n, ctrl = self.sp.get_piece_size(), self._control
@@ -284,8 +305,15 @@ def _from_files(files: dict, where: Path) -> Tokenizer:
         except _NotByteLevel as e:
             if "tokenizer.model" not in files:
                 raise ValueError(str(e)) from None
-            j = json.loads(read("tokenizer.json"))  # the added tokens a SentencePiece model lacks (Phi-3)
-            meta["added"].update({t["content"]: int(t["id"]) for t in j.get("added_tokens", []) if "content" in t})
+            j = json.loads(read("tokenizer.json"))  # the added tokens a SentencePiece model lacks (Phi-3) ...
+            for t in j.get("added_tokens", []):
+                if "content" in t:
+                    meta["added"][t["content"]] = int(t["id"])
+                    meta["strip"][t["content"]] = int(bool(t.get("lstrip"))) | 2 * int(bool(t.get("rstrip")))
+            # ... and where it puts the dummy prefix: Prepend normalizer = every piece of text (legacy), Metaspace
+            # prepend_scheme "first" = the start of the text only
+            pre = j.get("pre_tokenizer") or {}
+            meta["legacy"] = not (pre.get("type") == "Metaspace" and pre.get("prepend_scheme") == "first")
     return _load_sentencepiece(read("tokenizer.model", "bytes"), label("tokenizer.model"), meta)
 
 
@@ -306,13 +334,15 @@ def _hf_metadata(files: dict, read) -> dict:
         tpl = read("chat_template.json", "json").get("chat_template", tpl)
     gen_eos = gen.get("eos_token_id")
     gen_eos = [gen_eos] if isinstance(gen_eos, int) else list(gen_eos or [])
-    added = {}
+    added, strip = {}, {}
     for i, t in (cfg.get("added_tokens_decoder") or {}).items():
         if str(i).isdigit() and _token_name(t):
             added[_token_name(t)] = int(i)
+            if isinstance(t, dict):
+                strip[_token_name(t)] = int(bool(t.get("lstrip"))) | 2 * int(bool(t.get("rstrip")))
     return dict(bos=_token_name(cfg.get("bos_token")), eos=_token_name(cfg.get("eos_token")),
                 add_bos=cfg.get("add_bos_token"), chat_template=tpl, gen_bos=gen.get("bos_token_id"), gen_eos=gen_eos,
-                added=added)
+                added=added, strip=strip, legacy=cfg.get("legacy", True))
 
 
 def _parse_pre_tokenizer(pt) -> tuple:
@@ -372,6 +402,8 @@ def _load_bpe(text: str, path: str, meta: dict) -> BPETokenizer:
     try:
         vocab = {str(t): int(i) for t, i in model["vocab"].items()}
         special = {t["content"]: int(t["id"]) for t in j.get("added_tokens", [])}
+        strip = {t["content"]: int(bool(t.get("lstrip"))) | 2 * int(bool(t.get("rstrip"))) for t in j["added_tokens"]} \
+            if special else {}
     except (ValueError, TypeError, KeyError, AttributeError) as e:
         raise ValueError(f"{path}: malformed vocab/added_tokens ({e})") from None
     from tokenizers import Tokenizer as HFTokenizer, decoders
@@ -405,9 +437,16 @@ def _load_bpe(text: str, path: str, meta: dict) -> BPETokenizer:
         pre = json.dumps(j.get("pre_tokenizer"))
         pattern = f"(pre_tokenizer {pre[:150]}, normalizer {json.dumps(norm)[:100]})"  # no regex: the exporter refuses
     return BPETokenizer(hf, pattern, digits_split=digits, add_prefix_space=prefix, nfc=bool(norms),
-                        ignore_merges=bool(model.get("ignore_merges")), unk_id=tid(model.get("unk_token")),
+                        ignore_merges=bool(model.get("ignore_merges")), unk_id=tid(model.get("unk_token")), strip=strip,
                         vocab_size=max(everything.values(), default=-1) + 1, special_tokens=special, bos_id=bos,
                         eos_id=eos, add_bos=bool(add_bos), chat_template=meta["chat_template"], stop_ids=meta["gen_eos"])
+
+
+def sp_dummy_prefix(sp) -> bool:
+    from sentencepiece import sentencepiece_model_pb2 as pb
+    m = pb.ModelProto()
+    m.ParseFromString(sp.serialized_model_proto())
+    return m.normalizer_spec.add_dummy_prefix
 
 
 def _load_sentencepiece(data: bytes, path: str, meta: dict) -> SentencePieceTokenizer:
@@ -423,7 +462,8 @@ def _load_sentencepiece(data: bytes, path: str, meta: dict) -> SentencePieceToke
                          f"({str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__})") from None
     return SentencePieceTokenizer(sp, add_bos=True if meta["add_bos"] is None else bool(meta["add_bos"]),
                                   chat_template=meta["chat_template"], stop_ids=meta["gen_eos"], added=meta["added"],
-                                  eos=meta["eos"])
+                                  eos=meta["eos"], strip=meta["strip"],
+                                  prefix_first_only=not meta["legacy"] and sp_dummy_prefix(sp))
 
 
 def main(argv=None):

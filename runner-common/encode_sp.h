@@ -13,8 +13,9 @@
 
 namespace llm {
 
-// Ordinary text (no special tokens in it) -> ids appended to out.
-inline void encode_sp(const Tokenizer& t, const std::string& input, std::vector<int>& out) {
+// Ordinary text (no special tokens in it) -> ids appended to out; dummy: add the dummy prefix (tokenizer.h decides:
+// the model's flag, and with F_SP_PREFIX_FIRST only for text at the start of the input).
+inline void encode_sp(const Tokenizer& t, const std::string& input, std::vector<int>& out, bool dummy) {
   // '▁' (U+2581) in the input is SentencePiece's escaped space; the token table stores spaces
   std::string text;
   for (size_t i = 0; i < input.size(); i++) {
@@ -33,7 +34,7 @@ inline void encode_sp(const Tokenizer& t, const std::string& input, std::vector<
     text = s;
   }
   if (text.empty()) return;
-  if (t.flags & F_SP_ADD_DUMMY_PREFIX) text = " " + text;
+  if (dummy) text = " " + text;
 
   // symbols: a doubly linked list over the text; a frozen symbol (user-defined piece) never merges
   struct Sym {

@@ -36,7 +36,9 @@ enum TokenType { T_NORMAL = 0, T_SPECIAL = 1, T_BYTE = 2, T_UNKNOWN = 3, T_UNUSE
 constexpr uint8_t T_BYTELEVEL = 0x80;  // BPE: the vocab string is byte-level (whole-word lookups may hit it)
 enum Flags {
   F_DIGITS_SPLIT = 1, F_NFC = 2, F_IGNORE_MERGES = 4, F_ADD_PREFIX_SPACE = 8, F_SP_ADD_DUMMY_PREFIX = 16,
-  F_SP_REMOVE_EXTRA_WS = 32, F_SP_BYTE_FALLBACK = 64, F_SP_NOT_BPE = 128, F_SP_NOT_IDENTITY = 256, F_ALL = 511
+  F_SP_REMOVE_EXTRA_WS = 32, F_SP_BYTE_FALLBACK = 64, F_SP_NOT_BPE = 128, F_SP_NOT_IDENTITY = 256,
+  F_SP_PREFIX_FIRST = 512,  // legacy=False: the dummy prefix only at the start of the text, not before a space
+  F_ALL = 1023
 };
 enum Pre { PRE_NONE = 0, PRE_GPT2 = 1, PRE_LLAMA3 = 2, PRE_QWEN2 = 3, PRE_O200K = 4, PRE_FALCON = 5 };
 enum ChatKind {
@@ -70,6 +72,7 @@ struct Tokenizer {
   std::vector<uint8_t> types;  // TokenType, | T_BYTELEVEL
   int byte_ids[256];           // SentencePiece: byte-fallback piece of each byte; BPE: the token of each byte; -1 none
   std::vector<std::pair<std::string, int>> specials;          // literal text -> id, longest first
+  std::unordered_map<int, int> strip;                         // special id -> 1 lstrip | 2 rstrip (STRP)
   std::unordered_map<uint64_t, std::pair<int, int>> merges;   // merge_key(left, right) -> (rank, result)
   RangeTable L, N, S, pyspace;                                // \p{L}, \p{N}, \s, Python's str.isspace
   RangeTable U, W;  // o200k: [\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}] and [\p{Ll}\p{Lm}\p{Lo}\p{M}]
@@ -211,6 +214,12 @@ inline void read_section(Tokenizer& t, const std::string& tag, Reader& r, bool* 
       t.specials.emplace_back(r.blob(), id);
       if (t.specials.back().first.empty()) r.fail(r.where + ": special token with empty text");
     }
+  } else if (tag == "STRP") {
+    uint32_t n = r.count(8);
+    for (uint32_t i = 0; i < n; i++) {
+      int id = r.id(t, "lstrip/rstrip token id");
+      t.strip[id] = r.in_range(0, 3, "lstrip/rstrip flags");
+    }
   } else if (tag == "CHAT") {
     t.chat_kind = r.in_range(CHAT_NONE, CHAT_LAST, "chat kind");
     t.default_system = r.blob();
@@ -274,7 +283,7 @@ inline void read_extension(Tokenizer& t, const std::string& d, size_t off) {
     Reader r{d, h.pos, h.pos + len, t.path, "tokenizer.bin section " + name};
     h.pos += len;
     static const std::set<std::string> known{"INFO", "STOP", "TYPE", "BYTE", "SPEC", "CHAT", "PYSP", "PIEC",
-                                             "UNKS", "MERG", "UNIL", "UNIN", "UNIS", "UNIU", "UNIW", "UNIP",
+                                             "UNKS", "MERG", "UNIL", "UNIN", "UNIS", "UNIU", "UNIW", "UNIP", "STRP",
                                              "CASE"};
     if (known.count(tag) && !seen.insert(tag).second) r.fail("tokenizer.bin has two " + name + " sections");
     read_section(t, tag, r, &info);

@@ -44,6 +44,7 @@ SMOLLM3_HEAD = "<|im_start|>system\n## Metadata\n\nKnowledge Cutoff Date: June 2
 # INFO flags
 F_DIGITS_SPLIT, F_NFC, F_IGNORE_MERGES, F_ADD_PREFIX_SPACE = 1, 2, 4, 8
 F_SP_ADD_DUMMY_PREFIX, F_SP_REMOVE_EXTRA_WS, F_SP_BYTE_FALLBACK, F_SP_NOT_BPE, F_SP_NOT_IDENTITY = 16, 32, 64, 128, 256
+F_SP_PREFIX_FIRST = 512
 # TYPE values (one byte per token)
 T_NORMAL, T_SPECIAL, T_BYTE, T_UNKNOWN, T_UNUSED, T_USER, T_HOLE = 0, 1, 2, 3, 4, 5, 6
 T_BYTELEVEL = 0x80  # BPE: the vocab string is made of byte-level characters (an ignore_merges lookup may hit it)
@@ -295,6 +296,9 @@ def _sections_common(tok, n_vocab, kind, flags, unk_id, pre, types, byte_ids, ch
                 (b"CHAT", struct.pack("<i", chat[0]) + _blob(system[0].encode("utf-8")) +
                  struct.pack("<ii", int(chat[1] is not None), int(chat[2])) + _blob(system[1].encode("utf-8"))),
                 (b"PYSP", _range_section(python_space_ranges()))]
+    strip = sorted((tok.special_tokens[t], f) for t, f in tok.strip.items() if f and t in tok.special_tokens)
+    if strip:  # added tokens that take in the whitespace before (1) / after (2) them
+        sections.append((b"STRP", struct.pack("<i", len(strip)) + b"".join(struct.pack("<ii", i, f) for i, f in strip)))
     return sections
 
 
@@ -321,6 +325,8 @@ def sentencepiece_sections(tok, entries, log, chat) -> list:
     flags = 0
     if ns.add_dummy_prefix:
         flags |= F_SP_ADD_DUMMY_PREFIX
+    if tok.prefix_first_only:
+        flags |= F_SP_PREFIX_FIRST
     if ns.remove_extra_whitespaces:
         flags |= F_SP_REMOVE_EXTRA_WS
     if ts.byte_fallback or any(b >= 0 for b in byte_ids):

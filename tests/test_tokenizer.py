@@ -337,11 +337,21 @@ def test_sentencepiece_matches_library(sp_model, tmp_path):
     tok = T.load_tokenizer(tmp_path)
     check_sp(tok, sp)
     assert tok.sp.get_piece_size() == tok.vocab_size == 400
-    # Llama 2 style checkpoint: a SentencePiece-flavoured tokenizer.json next to tokenizer.model -> the latter is used
+    # Llama 2 style checkpoint: a SentencePiece-flavoured tokenizer.json next to tokenizer.model -> the latter is used,
+    # with the dummy prefix where the json puts it: Llama 2's Prepend normalizer = sentencepiece's own behaviour
     llama2_json = {"model": {"type": "BPE", "vocab": {"<unk>": 0}, "merges": [], "byte_fallback": True},
-                   "pre_tokenizer": {"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": "first"}}
+                   "normalizer": {"type": "Sequence", "normalizers": [
+                       {"type": "Prepend", "prepend": "\u2581"},
+                       {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"}]}, "pre_tokenizer": None}
     (tmp_path / "tokenizer.json").write_text(json.dumps(llama2_json))
     check_sp(T.load_tokenizer(tmp_path), sp)
+    assert not T.load_tokenizer(tmp_path).prefix_first_only
+    # legacy=false conversions (Metaspace, prepend_scheme "first"): the prefix only at the start of the text
+    llama2_json.update(normalizer=None, pre_tokenizer={"type": "Metaspace", "replacement": "\u2581",
+                                                       "prepend_scheme": "first", "split": False})
+    (tmp_path / "tokenizer.json").write_text(json.dumps(llama2_json))
+    tok = T.load_tokenizer(tmp_path)
+    assert tok.prefix_first_only and tok.encode("a<s>b c", bos=False) == sp.encode("a") + [1] + sp.encode("b c")[1:]
     bad(tmp_path / "tokenizer.json", match="byte-level")
     (tmp_path / "tokenizer.json").unlink()
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"add_bos_token": False, "chat_template": CHATML}))
