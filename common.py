@@ -184,60 +184,57 @@ def _show(v) -> str:
     return format(v, "g") if isinstance(v, float) else str(v)[:40]
 
 
-def _check_onnx(path: Path) -> Optional[str]:
+def _check_onnx(path: Path) -> None:
     path = path / "model.onnx" if path.is_dir() else path
     if not path.is_file():
-        return f"ONNX graph not found: {path}"
+        raise FileNotFoundError(f"ONNX graph not found: {path}")
     import onnx
     try:
         m = onnx.load(str(path), load_external_data=False)
     except Exception as e:  # protobuf's DecodeError and friends: whatever the bytes were, they are no graph
-        return f"{path} is not an ONNX graph ({first_line(e, 200)})"
+        raise ValueError(f"{path} is not an ONNX graph ({first_line(e, 200)})") from None
     if not (m.ir_version and m.graph.input):  # protobuf reads an empty file (and some junk) as an empty message
-        return f"{path} is not an ONNX graph (no IR version or no graph inputs)"
-    return None
+        raise ValueError(f"{path} is not an ONNX graph (no IR version or no graph inputs)")
 
 
-def check_flag(flag: str, dest: str, value) -> Optional[str]:
-    """What is wrong with one parsed flag value, as the text of an `error:` line, or None. The rules are the tables
-    above, looked up by argparse dest; flag is the option as the user wrote it (for the message)."""
+def check_flag(flag: str, dest: str, value) -> None:
+    """Check one parsed flag value against the tables above (looked up by argparse dest; flag is the option as the
+    user wrote it, for the message): FileNotFoundError for an input that is not there, ValueError for the rest, so
+    that in-process callers get exceptions and cli() prints them as one `error:` line."""
     for v in value if isinstance(value, list) else [value]:
         if dest in NUMBER_RULES and isinstance(v, (int, float)):
             what, ok = NUMBER_RULES[dest]
             if not ((isinstance(v, int) or math.isfinite(v)) and ok(v)):
-                return f"{flag} must be {what}, got {_show(v)}"
+                raise ValueError(f"{flag} must be {what}, got {_show(v)}")
         if dest in INPUT_PATHS:
             p = Path(v)
             if not p.exists():
-                return f"{INPUT_PATHS[dest]} not found: {p}"
+                raise FileNotFoundError(f"{INPUT_PATHS[dest]} not found: {p}")
             if dest in ONNX_PATHS:
-                problem = _check_onnx(p)
-                if problem:
-                    return problem
+                _check_onnx(p)
         if dest in OUTPUT_FILES:
             p = Path(v)
             if p.is_dir():
-                return f"{flag} {p} is a folder; name the file to write"
-            folder = p.parent
-            if not folder.is_dir():
-                return f"{flag} {p}: folder {folder} does not exist"
-            if not os.access(folder, os.W_OK):
-                return f"{flag} {p}: folder {folder} is not writable"
+                raise ValueError(f"{flag} {p} is a folder; name the file to write")
+            if not p.parent.is_dir():
+                raise ValueError(f"{flag} {p}: folder {p.parent} does not exist")
+            if not os.access(p.parent, os.W_OK):
+                raise ValueError(f"{flag} {p}: folder {p.parent} is not writable")
         if dest in OUTPUT_DIRS:
             p = Path(v)
             existing = next((a for a in (p, *p.parents) if a.exists()), Path("."))
             if not existing.is_dir():
-                return f"{flag} {p}: {existing} is a file, not a folder"
+                raise ValueError(f"{flag} {p}: {existing} is a file, not a folder")
             if not os.access(existing, os.W_OK):
-                return f"{flag} {p}: folder {existing} is not writable"
-    return None
+                raise ValueError(f"{flag} {p}: folder {existing} is not writable")
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse.ArgumentParser for every script: a bad command line is one `error: ...` line and exit code 1 (as every
-    other failure under cli(), no usage dump), and parsing checks each flag the parser defines with check_flag() —
-    before the script loads anything. A script opts in by building its parser with common.ArgumentParser; its
-    subcommands' parsers are of this class too."""
+    """argparse.ArgumentParser for every script. Parsing checks each flag the parser defines with check_flag(), before
+    the script loads anything; a violation is an exception (one `error:` line, exit 1, under cli()). argparse's own
+    errors (unknown flag, a value that is no number, a bad choice) are also one `error: ...` line with exit code 1,
+    without the usage dump. A script opts in by building its parser with common.ArgumentParser; its subcommands'
+    parsers are of this class too."""
 
     def error(self, message):
         fail(message)
@@ -248,10 +245,8 @@ class ArgumentParser(argparse.ArgumentParser):
         for action in sorted(self._actions, key=lambda a: a.dest not in NUMBER_RULES):
             value = getattr(ns, action.dest, None) if action.dest != argparse.SUPPRESS else None
             if value is not None and not isinstance(value, bool):
-                flag = max(action.option_strings, key=len) if action.option_strings else action.dest
-                problem = check_flag(flag, action.dest, value)
-                if problem:
-                    fail(problem)
+                check_flag(max(action.option_strings, key=len) if action.option_strings else action.dest,
+                           action.dest, value)
         return ns, extras
 
 

@@ -19,7 +19,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(REPO))
-from common import ArgumentParser, fail  # noqa: E402
+from common import ArgumentParser, cli, fail  # noqa: E402
 from convert_checkpoint import ConvertError, convert  # noqa: E402
 
 DEFAULT_NAME = "SmolLM2-135M-Instruct"
@@ -114,4 +114,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    cli(main)
