@@ -624,6 +624,25 @@ def test_tokenizer_bin_families(tool, dirs, tiktokens, bins, name):
         assert streamed == py_stream(tok, s), (name, s)
 
 
+def test_tokenizer_bin_lstrip_rstrip(tool, dirs, tmp_path):
+    """Added tokens that take in the whitespace around them (tokenizer.json lstrip / rstrip) in a byte-level BPE
+    tokenizer: C++ through tokenizer.bin == the library."""
+    import shutil
+    from tokenizers import Tokenizer
+    d = tmp_path / "strip"
+    shutil.copytree(dirs["phi4"], d)
+    j = json.loads((d / "tokenizer.json").read_text())
+    for t in j["added_tokens"]:
+        t["rstrip"], t["lstrip"] = t["content"] in ("<|end|>", "<|user|>"), t["content"] in ("<|user|>", "<|tool|>")
+    (d / "tokenizer.json").write_text(json.dumps(j))
+    lib = Tokenizer.from_file(str(d / "tokenizer.json"))
+    tok = T.load_tokenizer(d)
+    b = export_bin(d, tmp_path / "t.bin")
+    texts = family_texts(tok.special_tokens) + ["a \u3000\n<|user|> \t\n b<|end|>\n\n c <|tool|><|end|> \u2028"]
+    for t, got in zip(texts, c_encode(tool, b, texts, 0)):
+        assert got == lib.encode(t, add_special_tokens=False).ids == tok.encode(t), t
+
+
 def test_tokenizer_bin_refuses_unimplemented_pre_tokenizers(dirs, tmp_path):
     """A byte-level pipeline the C++ encoder lacks (Falcon's, with isolated punctuation) runs in Python (the library
     runs it) and tokenizer.bin export refuses it: one error line, no file."""
