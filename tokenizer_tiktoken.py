@@ -102,3 +102,23 @@ def salesforce_encoding(tokenizer_class: str, base):
         idx += 1
     return tiktoken.Encoding(name=f"{base.name}-{tokenizer_class}", pat_str=base._pat_str, mergeable_ranks=ranks,
                              special_tokens=special)
+
+
+def convert_salesforce(src_dir, out_dir, base=None) -> list:
+    """When src_dir's tokenizer_config.json names a CodeGen2.5 / XGen tokenizer class (SALESFORCE), write its
+    tokenizer.tiktoken + tiktoken_config.json into out_dir and return their names; else []. The base encoding's ranks
+    come from tiktoken (tiktoken.get_encoding: downloaded once, or from $TIKTOKEN_CACHE_DIR) unless `base` is given."""
+    cfg_path = Path(src_dir) / "tokenizer_config.json"
+    cls = json.loads(cfg_path.read_text()).get("tokenizer_class") if cfg_path.is_file() else None
+    if cls not in SALESFORCE:
+        return []
+    if base is None:
+        import tiktoken
+        print(f"{cls}: building its tiktoken tokenizer on tiktoken's {SALESFORCE[cls][0]} ranks", file=sys.stderr)
+        try:
+            base = tiktoken.get_encoding(SALESFORCE[cls][0])
+        except Exception as e:  # no network and no cached copy
+            raise ValueError(f"{cls} needs tiktoken's {SALESFORCE[cls][0]} ranks, which could not be had "
+                             f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); set "
+                             f"TIKTOKEN_CACHE_DIR to a folder holding them") from None
+    return save_tiktoken(salesforce_encoding(cls, base), out_dir, eos_token="<|endoftext|>")

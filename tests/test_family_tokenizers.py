@@ -367,7 +367,7 @@ def tiktoken_family(name: str, d: Path):
                              pat_str=TT.TIKTOKEN_R50K if gpt2 else TT.TIKTOKEN_CL100K)
     enc = TT.salesforce_encoding("CodeGen25Tokenizer" if gpt2 else "Xgen15BTokenizer", base)
     TT.save_tiktoken(enc, d, eos_token="<|endoftext|>")
-    return enc
+    return enc, base
 
 
 SP_FAMILIES = ["gemma", "gemma3", "phi3", "mistral"]
@@ -390,7 +390,7 @@ def dirs(tmp_path_factory):
 @pytest.fixture(scope="module")
 def tiktokens(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiktoken")
-    return {n: (root / n, tiktoken_family(n, root / n)) for n in ("codegen25", "xgen")}
+    return {n: (root / n, *tiktoken_family(n, root / n)) for n in ("codegen25", "xgen")}  # (dir, encoding, base)
 
 
 @pytest.fixture(scope="module")
@@ -495,7 +495,7 @@ def test_bpe_families_python(dirs, name):
 @pytest.mark.parametrize("name", ["codegen25", "xgen"])
 def test_tiktoken_families_python(tiktokens, name):
     """tokenizer.tiktoken + tiktoken_config.json: encode/decode equal to the tiktoken package."""
-    d, enc = tiktokens[name]
+    d, enc, _ = tiktokens[name]
     tok = T.load_tokenizer(d)
     assert tok.kind == "bpe" and tok.vocab_size == enc.n_vocab and not tok.add_bos
     assert tok.pattern == (T.GPT2_PATTERN if name == "codegen25" else G.LLAMA3_PATTERN)
@@ -588,7 +588,7 @@ def test_unrenderable_chat_template_is_refused(dirs, tmp_path):
 # ------------------------------------------------------------------------------------------ tests: tokenizer.bin
 def reference_for(name, dirs, tiktokens):
     if name in tiktokens:
-        d, enc = tiktokens[name]
+        d, enc, _ = tiktokens[name]
         return (lambda t: enc.encode(t, allowed_special="all")), enc.decode, T.load_tokenizer(d)
     tok = T.load_tokenizer(dirs[name])
     if tok.kind == "sentencepiece":
@@ -662,10 +662,26 @@ def test_tokenizer_bin_refuses_unimplemented_pre_tokenizers(dirs, tmp_path):
     assert "not one the C++ encoder implements" in r.stderr and not (tmp_path / "t.bin").exists()
 
 
+def test_convert_salesforce(tiktokens, tmp_path):
+    """What convert_checkpoint does for a CodeGen2.5 / XGen repository (tokenizer_config.json's tokenizer_class, no
+    ranks shipped): the recipe on the base encoding, written as tokenizer.tiktoken + tiktoken_config.json."""
+    src, out = tmp_path / "src", tmp_path / "out"
+    src.mkdir()
+    out.mkdir()
+    (src / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "CodeGen25Tokenizer"}))
+    _, enc, base = tiktokens["codegen25"]
+    assert TT.convert_salesforce(src, out, base) == ["tokenizer.tiktoken", "tiktoken_config.json"]
+    tok = T.load_tokenizer(out)
+    for t in family_texts(enc._special_tokens)[:80]:
+        assert tok.encode(t) == enc.encode(t, allowed_special="all"), t
+    (src / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "LlamaTokenizer"}))
+    assert TT.convert_salesforce(src, tmp_path / "none", base) == []
+
+
 def test_tiktoken_text_file_roundtrip(tiktokens):
     """tokenizer.tiktoken is tiktoken's own format: tiktoken.load reads back the ranks we wrote."""
     from tiktoken.load import load_tiktoken_bpe
-    d, enc = tiktokens["xgen"]
+    d, enc, _ = tiktokens["xgen"]
     assert load_tiktoken_bpe(str(d / "tokenizer.tiktoken")) == enc._mergeable_ranks
     line = (d / "tokenizer.tiktoken").read_text().splitlines()[0].split()
     assert base64.b64decode(line[0]) in enc._mergeable_ranks
