@@ -83,6 +83,17 @@ GGUF_NAMES = dict(tok="token_embd.weight", norm="output_norm.weight", output="ou
                   o="blk.{}.attn_output.weight", gate="blk.{}.ffn_gate.weight", up="blk.{}.ffn_up.weight",
                   down="blk.{}.ffn_down.weight", attn_norm="blk.{}.attn_norm.weight",
                   ffn_norm="blk.{}.ffn_norm.weight")
+GGUF_ARCHS = ("llama", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3", "starcoder2")
+GGUF_FAMILY_NAMES = {  # what differs from llama's names
+    "gemma2": dict(post_attn_norm="blk.{}.post_attention_norm.weight", post_ffn_norm="blk.{}.post_ffw_norm.weight"),
+    "phi3": dict(qkv="blk.{}.attn_qkv.weight", gate_up="blk.{}.ffn_up.weight"),
+    "starcoder2": dict(gate="blk.{}.ffn_up.weight", gate_bias="blk.{}.ffn_up.bias", down_bias="blk.{}.ffn_down.bias",
+                       o_bias="blk.{}.attn_output.bias", attn_norm_bias="blk.{}.attn_norm.bias",
+                       ffn_norm_bias="blk.{}.ffn_norm.bias", norm_bias="output_norm.bias"),
+    "moe": dict(router="blk.{}.ffn_gate_inp.weight", experts_gate="blk.{}.ffn_gate_exps.weight",
+                experts_up="blk.{}.ffn_up_exps.weight", experts_down="blk.{}.ffn_down_exps.weight"),
+}
+GGUF_FAMILY_NAMES["gemma3"] = GGUF_FAMILY_NAMES["gemma2"]
 
 
 class ConvertError(Exception):
@@ -276,8 +287,8 @@ def load_gguf(path: Path) -> Source:
         raise ConvertError(f"cannot read {path}: not a valid GGUF file ({type(e).__name__}: {_oneline(e)})") from None
     meta = {k: f.contents() for k, f in r.fields.items() if not k.startswith("tokenizer.ggml.")}
     arch = meta.get("general.architecture")
-    if arch not in ("llama", "qwen2", "qwen3"):
-        raise ConvertError(f"unsupported GGUF architecture {arch!r} (supported: llama, qwen2, qwen3)")
+    if arch not in GGUF_ARCHS:
+        raise ConvertError(f"unsupported GGUF architecture {arch!r} (supported: {', '.join(GGUF_ARCHS)})")
     infos = {t.name: t for t in r.tensors}
 
     def load(t):
@@ -296,20 +307,28 @@ def load_gguf(path: Path) -> Source:
 
     if "token_embd.weight" not in infos:
         raise ConvertError(f"{path} has no token_embd.weight tensor")
-    if meta.get(f"{arch}.rope.scaling.type", "none") not in ("none", "") and "rope_freqs.weight" not in infos:
-        raise ConvertError(f"unsupported GGUF rope scaling {meta[f'{arch}.rope.scaling.type']!r}")
+    scaling_type = meta.get(f"{arch}.rope.scaling.type", "none")
+    if scaling_type not in ("none", "", "linear") and "rope_freqs.weight" not in infos:
+        raise ConvertError(f"GGUF {arch}: unsupported rope scaling {scaling_type!r}")
     dim, n_head = int(m("embedding_length")), int(m("attention.head_count"))
+    n_layer = int(m("block_count"))
+    head_dim = int(m("attention.key_length", dim // n_head))
     vocab = int(infos["token_embd.weight"].shape[1])
     if int(meta.get(f"{arch}.vocab_size", vocab)) != vocab:
         raise ConvertError(f"GGUF vocab_size {meta[f'{arch}.vocab_size']} != token_embd rows {vocab}")
-    args = ModelArgs(block_size=int(m("context_length", 2048)), vocab_size=vocab, n_layer=int(m("block_count")),
+    fam = dict(_gguf_family(arch, meta, infos, n_layer, dim, n_head, head_dim, load, m))
+    args = ModelArgs(block_size=int(m("context_length", 2048)), vocab_size=vocab, n_layer=n_layer,
                      n_head=n_head, dim=dim, intermediate_size=int(m("feed_forward_length")),
                      n_local_heads=int(m("attention.head_count_kv", n_head)),
-                     head_dim=int(m("attention.key_length", dim // n_head)), rope_base=float(m("rope.freq_base", 1e4)),
-                     norm_eps=float(m("attention.layer_norm_rms_epsilon", 1e-5)),
-                     attn_bias="blk.0.attn_q.bias" in infos, qk_norm="blk.0.attn_q_norm.weight" in infos)
+                     head_dim=head_dim, rope_base=float(m("rope.freq_base", 1e4)),
+                     norm_eps=float(m("attention.layer_norm_epsilon" if arch == "starcoder2"
+                                      else "attention.layer_norm_rms_epsilon", 1e-5)),
+                     attn_bias="blk.0.attn_q.bias" in infos, qk_norm="blk.0.attn_q_norm.weight" in infos, **fam)
     if "rope_freqs.weight" in infos:  # llama.cpp stores Llama-3.1 rope scaling as per-frequency factors
         args = _match_rope_freqs(args, load(infos["rope_freqs.weight"]))
+    names = dict(GGUF_NAMES, **GGUF_FAMILY_NAMES.get(arch, {}))
+    if args.n_experts:
+        names.update(GGUF_FAMILY_NAMES["moe"])
 
     def write_tokenizer(out_dir):
         try:
@@ -317,8 +336,55 @@ def load_gguf(path: Path) -> Source:
         except (ImportError, ValueError, NotImplementedError) as e:
             print(f"warning: tokenizer not written ({_oneline(e)})", file=sys.stderr)
 
-    return Source(args, GGUF_NAMES, {k: (lambda t=t: load(t)) for k, t in infos.items()}, torch.float32,
-                  permute=arch == "llama", tokenizer=write_tokenizer, ignore=("rope_freqs.weight",))
+    return Source(args, names, {k: (lambda t=t: load(t)) for k, t in infos.items()}, torch.float32,
+                  permute=arch == "llama", tokenizer=write_tokenizer,
+                  ignore=("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"))
+
+
+def _gguf_family(arch, meta, infos, n_layer, dim, n_head, head_dim, load, m):
+    """ModelArgs fields of the family blocks, from the GGUF metadata llama.cpp's convert_hf_to_gguf.py writes (norm
+    weights of the Gemma architectures already hold 1 + w there; their Q/K, Phi-3's and StarCoder2's are in the
+    half-split rotary layout, only arch llama is permuted)."""
+    get = lambda key: meta.get(f"{arch}.{key}")  # noqa: E731
+    if arch.startswith("gemma"):
+        yield from dict(mlp_act="gelu_tanh", embed_scale=True).items()
+        if arch != "gemma":  # llama.cpp's attention scale: 1/sqrt(head_dim), 1/sqrt(dim / n_head) for the 27B models
+            big = (arch, n_layer) in (("gemma2", 46), ("gemma3", 62))
+            scale = get("attention.scale") or ((dim / n_head) ** -0.5 if big else None)
+            yield from dict(sandwich_norm=True, attn_scale=float(scale) if scale else None).items()
+    if arch == "gemma2":
+        yield from dict(attn_softcap=get("attn_logit_softcapping"), final_softcap=get("final_logit_softcapping"),
+                        sliding_window=get("attention.sliding_window") or 4096,
+                        sliding_layers=list(range(0, n_layer, 2))).items()
+    if arch == "gemma3":
+        pattern = get("attention.sliding_window_pattern") or 6
+        sliding = ([i for i, s in enumerate(pattern) if s] if isinstance(pattern, list)
+                   else [i for i in range(n_layer) if (i + 1) % int(pattern)])
+        yield from dict(sliding_window=get("attention.sliding_window"), sliding_layers=sliding,
+                        rope_local_base=float(get("rope.freq_base_swa") or 10000.0)).items()
+        if get("rope.scaling.type") == "linear":
+            yield "rope_scaling", dict(rope_type="linear", factor=float(get("rope.scaling.factor")))
+    elif get("rope.scaling.type") == "linear":
+        raise ConvertError(f"GGUF {arch}: linear rope scaling is only implemented for gemma3")
+    if arch == "phi3":
+        yield "rotary_dim", int(get("rope.dimension_count") or head_dim)
+        if get("attention.sliding_window"):
+            yield "sliding_window", int(get("attention.sliding_window"))
+        if "rope_factors_long.weight" in infos:
+            yield "rope_scaling", dict(
+                rope_type="longrope", short_factor=load(infos["rope_factors_short.weight"]).tolist(),
+                long_factor=load(infos["rope_factors_long.weight"]).tolist(),
+                original_max_position_embeddings=int(m("rope.scaling.original_context_length")),
+                attention_factor=float(get("rope.scaling.attn_factor") or 1.0), factor=None)
+    if arch == "starcoder2":  # every StarCoder2 release attends over a 4096-token window (absent from its GGUFs)
+        yield from dict(norm_type="layer", mlp_act="gelu_tanh", mlp_gated=False, mlp_bias=True, attn_out_bias=True,
+                        sliding_window=int(get("attention.sliding_window") or 4096)).items()
+    elif arch != "phi3" and get("attention.sliding_window"):
+        yield "sliding_window", int(get("attention.sliding_window"))
+    if get("expert_count"):
+        if arch != "llama":
+            raise ConvertError(f"GGUF {arch}: mixture of experts is only implemented for Mixtral (arch llama)")
+        yield from dict(n_experts=int(get("expert_count")), n_experts_per_tok=int(get("expert_used_count"))).items()
 
 
 def _match_rope_freqs(args, factors):
@@ -457,14 +523,17 @@ def _experts(get, has, i, args) -> dict:
     """Mixtral: router + per-expert w1/w3/w2, from per-expert tensors or transformers 5's fused [E, ...] ones."""
     p = f"layers.{i}.feed_forward."
     sd = {p + "gate.weight": get("router", i) if has("router", i) else get("router_alt", i)}
-    fused = has("experts_gate_up", i)
+    fused, stacked = has("experts_gate_up", i), has("experts_gate", i)  # [E, 2I, D] (transformers 5), [E, I, D] (GGUF)
     if fused:
-        gate_up, down = get("experts_gate_up", i), get("experts_down", i)
+        gate, up = get("experts_gate_up", i).chunk(2, dim=1)
+    elif stacked:
+        gate, up = get("experts_gate", i), get("experts_up", i)
+    if fused or stacked:
+        down = get("experts_down", i)
     for e in range(args.n_experts):
         q = f"{p}experts.{e}."
-        if fused:
-            sd[q + "w1.weight"], sd[q + "w3.weight"] = gate_up[e].chunk(2)
-            sd[q + "w2.weight"] = down[e]
+        if fused or stacked:
+            sd[q + "w1.weight"], sd[q + "w3.weight"], sd[q + "w2.weight"] = gate[e], up[e], down[e]
         else:
             sd[q + "w1.weight"] = get("expert_gate", i, e=e)
             sd[q + "w3.weight"] = get("expert_up", i, e=e)

@@ -2,6 +2,8 @@
 # each family's transformers class is saved with save_pretrained, converted by scripts/convert_checkpoint.py (the CLI a
 # user runs) and must give the same logits (prefill and every decode step, within 1e-4) and the same 32 greedy tokens
 # (a batch of two prompts of different lengths). Sliding-window families run past their window (8 tokens here).
+import math
+
 import pytest
 import torch
 from conftest import hf_greedy, run_cli
@@ -13,7 +15,6 @@ WINDOW = 8
 VOCAB = 320  # = conftest.make_bpe_tokenizer's vocabulary, so test_families_backends can use these models with it
 BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False)
-_rot = 8 // 2  # Phi-3's longrope factors: one per rotary frequency (head_dim 16 * partial 0.5 / 2)
 FAMILIES = {  # name: (transformers config class, model class, config overrides)
     "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(head_dim=24, tie_word_embeddings=True)),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM",
@@ -24,7 +25,8 @@ FAMILIES = {  # name: (transformers config class, model class, config overrides)
                     layer_types=["sliding_attention", "full_attention"],
                     rope_parameters={"full_attention": dict(rope_type="linear", factor=4.0, rope_theta=100000.0),
                                      "sliding_attention": dict(rope_type="default", rope_theta=1000.0)})),
-    "phi3": ("Phi3Config", "Phi3ForCausalLM",  # Phi-4-mini's partial rotary + Phi-3-128k's longrope, and a window
+    # Phi-4-mini's partial rotary + Phi-3-128k's longrope (one factor per rotary frequency: 16 * 0.5 / 2), a window
+    "phi3": ("Phi3Config", "Phi3ForCausalLM",
              dict(pad_token_id=0, sliding_window=WINDOW, original_max_position_embeddings=64,
                   rope_parameters=dict(rope_type="longrope", rope_theta=10000.0, partial_rotary_factor=0.5,
                                        short_factor=[1.0, 1.5, 2.0, 3.0], long_factor=[1.0, 4.0, 9.0, 16.0]))),
@@ -34,7 +36,6 @@ FAMILIES = {  # name: (transformers config class, model class, config overrides)
                                                             num_experts_per_tok=2)),
     "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", dict(sliding_window=WINDOW, tie_word_embeddings=True)),
 }
-assert _rot == 4
 
 
 def family_hf(name: str, seed: int = 0):
@@ -130,3 +131,109 @@ def test_named_configs_of_the_families():
     assert ModelArgs.from_name("Mistral-7B-Instruct-v0.1-hf").sliding_window == 4096
     assert ModelArgs.from_name("Mixtral-8x7B-Instruct-v0.1").n_experts == 8
     assert ModelArgs.from_name("gemma-3-1b-it").sliding_layers[:6] == [0, 1, 2, 3, 4, 6]
+
+
+# ---------------------------------------------------------------- GGUF, named as llama.cpp's convert_hf_to_gguf.py does
+GGUF_CASES = {  # family -> (GGUF arch, config overrides: llama.cpp stores no query_pre_attn_scalar / layer pattern)
+    "gemma": ("gemma", {}),
+    "gemma2": ("gemma2", dict(query_pre_attn_scalar=16)),
+    "gemma3": ("gemma3", dict(query_pre_attn_scalar=16, layer_types=None, rope_parameters=None)),  # pattern 6
+    "phi3": ("phi3", {}),
+    "starcoder2": ("starcoder2", dict(sliding_window=4096)),  # what every StarCoder2 release uses; GGUF omits it
+    "mixtral": ("llama", {}),
+}
+_GG = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+       "self_attn.o_proj": "attn_output", "self_attn.qkv_proj": "attn_qkv", "mlp.gate_proj": "ffn_gate",
+       "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down", "mlp.gate_up_proj": "ffn_up", "mlp.c_fc": "ffn_up",
+       "mlp.c_proj": "ffn_down", "input_layernorm": "attn_norm", "self_attn.q_norm": "attn_q_norm",
+       "self_attn.k_norm": "attn_k_norm", "mlp.gate": "ffn_gate_inp"}
+
+
+def write_family_gguf(hf, arch: str, path):
+    """The tiny transformers model as an F32 GGUF: metadata keys and tensor names of llama.cpp's converter (Gemma
+    norms stored as 1 + w, Q/K permuted to adjacent pairs for arch llama, experts stacked [E, ...])."""
+    import gguf
+    import numpy as np
+    c, sd = hf.config, {k: v.float() for k, v in hf.state_dict().items()}
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    rope = c.rope_parameters.get("full_attention", c.rope_parameters)
+    w.add_rope_freq_base(float(rope["rope_theta"]))
+    if arch == "starcoder2":
+        w.add_layer_norm_eps(c.norm_epsilon)
+    else:
+        w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    post = {"gemma2": "post_attention_norm", "gemma3": "post_attention_norm"}
+    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "model.norm.bias": "output_norm.bias", "lm_head.weight": "output.weight"}
+    for i in range(c.num_hidden_layers):
+        layer = dict(_GG)
+        layer["post_attention_layernorm"] = post.get(arch, "ffn_norm")
+        layer.update({"pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"})
+        for hf_name, g in layer.items():
+            for suffix in ("weight", "bias"):
+                names[f"model.layers.{i}.{hf_name}.{suffix}"] = f"blk.{i}.{g}.{suffix}"
+    if arch == "gemma2":
+        w.add_sliding_window(c.sliding_window)
+        w.add_attn_logit_softcapping(c.attn_logit_softcapping)
+        w.add_final_logit_softcapping(c.final_logit_softcapping)
+    if arch == "gemma3":
+        w.add_sliding_window(c.sliding_window)
+    if arch == "phi3":
+        w.add_sliding_window(c.sliding_window)
+        w.add_rope_dimension_count(int(head_dim * rope["partial_rotary_factor"]))
+        orig = c.original_max_position_embeddings
+        w.add_rope_scaling_orig_ctx_len(orig)
+        w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(c.max_position_embeddings / orig) / math.log(orig)))
+        w.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+        w.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
+    if arch == "llama" and getattr(c, "num_local_experts", 0):
+        w.add_expert_count(c.num_local_experts)
+        w.add_expert_used_count(c.num_experts_per_tok)
+        for i in range(c.num_hidden_layers):
+            x = f"model.layers.{i}.mlp.experts."  # transformers 5 holds the experts fused: [E, 2I, D], [E, D, I]
+            gate, up = sd.pop(x + "gate_up_proj").chunk(2, dim=1)
+            for t, theirs in ((gate, "ffn_gate_exps"), (up, "ffn_up_exps"), (sd.pop(x + "down_proj"), "ffn_down_exps")):
+                w.add_tensor(f"blk.{i}.{theirs}.weight", t.contiguous().numpy())
+    for hf_name, t in sd.items():
+        if hf_name == "lm_head.weight" and c.tie_word_embeddings:
+            continue
+        g = names[hf_name]
+        if arch.startswith("gemma") and hf_name.endswith("norm.weight"):
+            t = t + 1
+        if arch == "llama" and (".q_proj." in hf_name or ".k_proj." in hf_name):  # HF half-split -> adjacent pairs
+            n = c.num_attention_heads if ".q_proj." in hf_name else c.num_key_value_heads
+            t = t.reshape(n, 2, head_dim // 2, -1).transpose(1, 2).reshape(t.shape)
+        w.add_tensor(g, t.numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("name", list(GGUF_CASES))
+@torch.no_grad()
+def test_gguf_of_each_family(name, tmp_path, one_thread):
+    arch, over = GGUF_CASES[name]
+    cfg_cls, model_cls, kw = FAMILIES[name]
+    saved = FAMILIES[name]
+    FAMILIES[name] = (cfg_cls, model_cls, {k: v for k, v in dict(kw, **over).items() if v is not None})
+    try:
+        hf = family_hf(name, seed=4)
+    finally:
+        FAMILIES[name] = saved
+    write_family_gguf(hf, arch, tmp_path / "m.gguf")
+    r = run_cli("scripts/convert_checkpoint.py", tmp_path / "m.gguf", "--output_dir", tmp_path / "out")
+    assert r.returncode == 0, r.stderr
+    model = load_model(tmp_path / "out" / "model.pth")
+    model.setup_caches(1, 48)
+    ids = torch.randint(0, VOCAB, (1, 40), generator=torch.Generator().manual_seed(3))
+    assert (model(ids, torch.arange(40)) - hf(ids).logits).abs().max() <= 1e-4
