@@ -396,7 +396,7 @@ def tiktokens(tmp_path_factory):
 @pytest.fixture(scope="module")
 def bins(dirs, tiktokens, tmp_path_factory):
     root = tmp_path_factory.mktemp("family_bins")
-    all_dirs = {**dirs, **{n: d for n, (d, _) in tiktokens.items()}}
+    all_dirs = {**dirs, **{n: v[0] for n, v in tiktokens.items()}}
     return {n: export_bin(d, root / f"{n}.bin") for n, d in all_dirs.items()}
 
 
