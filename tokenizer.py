@@ -1,12 +1,13 @@
 # Tokenizers for LLaMA-family checkpoints, read from a Hugging Face tokenizer.json, a SentencePiece tokenizer.model,
 # or the vocabulary embedded in a GGUF file. The libraries do the tokenizing:
 #
-#   * BPETokenizer (SmolLM2, Llama 3, Qwen2.5/3): byte-level BPE through the `tokenizers` library (tokenizer.json as
-#     shipped, of the shape tokenizer.bin's C++ encoder also implements: see _parse_pre_tokenizer).
-#     Also tiktoken-format ranks (CodeGen2.5, XGen: tokenizer.tiktoken + tiktoken_config.json), turned into the same
-#     kind of tokenizer.json by tokenizer_tiktoken.py (imported lazily).
+#   * BPETokenizer (SmolLM2/3, Llama 3, Qwen2.5/3, StarCoder2, Phi-4-mini, GPT-2, GPT-NeoX/MPT, Falcon): byte-level
+#     BPE through the `tokenizers` library (tokenizer.json as shipped; _parse_pre_tokenizer tells tokenizer.bin's
+#     exporter which of the C++ encoder's pre-tokenizers it is). Also tiktoken-format ranks (CodeGen2.5, XGen:
+#     tokenizer.tiktoken + tiktoken_config.json), turned into the same kind of tokenizer.json by tokenizer_tiktoken.py.
 #   * SentencePieceTokenizer (Llama 2, TinyLlama, Mistral, Mixtral, Codestral, Gemma 1/2/3, Phi-3): the sentencepiece
-#     library, plus the added tokens past the model's pieces that tokenizer_config.json names (Phi-3's <|user|>...).
+#     library, plus the added tokens past the model's pieces that tokenizer_config.json names (Phi-3's <|user|>...),
+#     their lstrip / rstrip, and legacy=false's dummy prefix (only at the start of the text).
 #   * A *.gguf is first turned into those files in memory by scripts/gguf_tokenizer.py (imported lazily; it imports
 #     nothing from here).
 #

@@ -12,6 +12,7 @@
 #   GPT-2, GPT-NeoX/MPT  ByteLevel GPT-2 regex (NeoX: NFC normalizer, whitespace-run added tokens)
 #   Falcon               Punctuation + ByteLevel + Digits + 3-digit Split
 #   CodeGen2.5, XGen     tiktoken ranks (GPT-2 / cl100k regex) + whitespace-run ranks + FIM special tokens
+# (Over 500 lines because the published chat templates are data here: SmolLM3's alone is ~100 lines.)
 import base64
 import io
 import json
