@@ -173,11 +173,11 @@ INPUT_PATHS = {
     "checkpoint_path": "checkpoint", "draft_checkpoint_path": "draft checkpoint", "tokenizer_path": "tokenizer path",
     "prompts_file": "prompts file", "text_file": "text file", "calibration_file": "calibration file",
     "pte": ".pte", "aoti_package": "AOT Inductor package", "onnx": "ONNX graph", "onnx_path": "ONNX graph",
-    "qpc": "QPC", "gguf": "GGUF",
+    "qpc": "QPC", "gguf": "GGUF", "tokenizer": "tokenizer",
 }
 ONNX_PATHS = ("onnx", "onnx_path")  # also parsed (without external weights): a file that is no ONNX graph is refused
 OUTPUT_FILES = ("output_path", "output", "json")  # a file to write: its folder must exist, it must not be a folder
-OUTPUT_DIRS = ("output_dir", "checkpoint_dir")  # a folder to create or fill: not a file, nor under one
+OUTPUT_DIRS = ("output_dir", "out_dir", "checkpoint_dir")  # a folder to create or fill: not a file, nor under one
 
 
 def _show(v) -> str:
