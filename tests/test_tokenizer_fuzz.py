@@ -61,9 +61,13 @@ def build_tool() -> Path:
 
 def make_bins(root: Path) -> dict:
     """Real tokenizer.bin files from the fixtures test_tokenizer_bin.py uses (exported in parallel)."""
+    from test_family_tokenizers import make_family
     from test_tokenizer_bin import make_bpe_dir, make_sp_dir
     dirs = {"sp": make_sp_dir(root / "sp"), "smollm": make_bpe_dir(root / "smollm", "smollm"),
-            "llama3": make_bpe_dir(root / "llama3", "llama3")}
+            "llama3": make_bpe_dir(root / "llama3", "llama3"),  # and the sections the model families add:
+            "phi3": make_family("phi3", root / "phi3"),  # added tokens past the model, STRP, the legacy=false flag
+            "phi4": make_family("phi4", root / "phi4"),  # o200k: UNIU / UNIW
+            "falcon": make_family("falcon", root / "falcon")}  # UNIP
     procs = {k: subprocess.Popen([sys.executable, str(REPO / "scripts" / "export_tokenizer_bin.py"), str(d), "-o",
                                   str(root / f"{k}.bin")], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
              for k, d in dirs.items()}
@@ -141,9 +145,13 @@ def fields(d: bytes) -> dict:
                 f["length"].append(q + 4)
                 q += 8 + u32(q + 4)
         elif tag == b"CHAT":
-            f["enum"] += [p, p + 8 + u32(p + 4)]
-            f["length"].append(p + 4)
-        elif tag in (b"PYSP", b"UNIL", b"UNIN", b"UNIS"):
+            f["enum"] += [p, p + 8 + u32(p + 4), p + 12 + u32(p + 4)]  # kind, has-default, no-system
+            f["length"] += [p + 4, p + 16 + u32(p + 4)]  # the two blobs
+        elif tag == b"STRP":
+            f["count"].append(p)
+            f["id"] += list(range(p + 4, pos, 8))
+            f["enum"] += list(range(p + 8, pos, 8))
+        elif tag in (b"PYSP", b"UNIL", b"UNIN", b"UNIS", b"UNIU", b"UNIW", b"UNIP"):
             f["count"].append(p)
             f["codepoint"] += list(range(p + 4, pos, 4))
         elif tag in (b"UNKS", b"PATT"):
