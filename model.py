@@ -1,3 +1,5 @@
+# Over 500 lines: besides the network (~300 lines) it holds ModelArgs' mapping of every family's Hugging Face
+# config.json and the named configs, which every stage and the tests read through ModelArgs.
 # One transformer for every supported family (Llama 2/3, Mistral/Codestral, Mixtral, TinyLlama, SmolLM2/3, Qwen2.5,
 # Qwen3, Gemma 1/2/3, Phi-3/Phi-4-mini, StarCoder2), gpt-fast style. Families differ by ModelArgs fields that pick
 # small named blocks (RMSNorm/LayerNorm, gated/plain MLP, MoEFeedForward, Rotary/NoRope, a per-layer sliding window,

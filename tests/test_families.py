@@ -97,6 +97,19 @@ def test_greedy_tokens_batch_of_two_prompts(name, converted, cpu, one_thread):
     assert out == expected
 
 
+@pytest.mark.parametrize("name", ["mistral", "gemma2"])
+@torch.no_grad()
+def test_caller_mask_keeps_the_sliding_window(name, converted):
+    """Callers that lay out the cache themselves (speculative / lookahead decoding) pass `mask`: sliding layers still
+    see only their window, so the plain causal mask gives transformers' logits past the window."""
+    d, hf = converted(name)
+    model = load_model(d / "model.pth")
+    model.setup_caches(1, 48)
+    ids = torch.randint(0, VOCAB, (1, 30), generator=torch.Generator().manual_seed(5))
+    causal = (torch.arange(48).view(1, 48) <= torch.arange(30).view(30, 1)).view(1, 1, 30, 48)
+    assert (model(ids, torch.arange(30), mask=causal) - hf(ids).logits).abs().max() <= 1e-4
+
+
 @torch.no_grad()
 def test_longrope_long_factors_past_the_pretraining_context(converted, one_thread):
     """A cache longer than original_max_position_embeddings (64) uses the long factors, as transformers does for a
