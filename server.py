@@ -162,6 +162,7 @@ class Server:
         self.inbox: queue.Queue = queue.Queue()
         self.live: set = set()  # jobs handed to the engine and not ended yet
         self.ready = threading.Event()
+        self.startup_error: Exception | None = None
         self.created = int(time.time())
 
     # ---- the engine thread: the only one that touches the model
@@ -172,12 +173,17 @@ class Server:
         # graph cover every row count) before the first request, and warms up prefill
         n = min(3, len(self.engine.req))
         warm = G.Emitter(n, 4, (), None, self.device)
-        for i in range(n):
-            self.engine.add(G.Request(self.tok.encode("Hello") or [0], lambda t, i=i: warm.put(i, t) and
-                                      len(warm.out[i]) < 2 + i))
-        while self.engine.busy():
-            self.engine.step()
+        try:
+            for i in range(n):
+                self.engine.add(G.Request(self.tok.encode("Hello") or [0], lambda t, i=i: warm.put(i, t) and
+                                          len(warm.out[i]) < 2 + i))
+            while self.engine.busy():
+                self.engine.step()
+        except Exception as e:  # noqa: BLE001 - reported by main() as one error line
+            self.startup_error = e
         self.ready.set()
+        if self.startup_error:
+            return
         while True:
             try:
                 kind, job = self.inbox.get(block=not self.engine.busy())
@@ -402,6 +408,8 @@ def main(argv=None):
     threading.Thread(target=srv.run_engine, name="engine", daemon=True).start()
     while not srv.ready.wait(0.5):
         pass
+    if srv.startup_error:
+        raise RuntimeError(f"the warm-up failed: {type(srv.startup_error).__name__}: {srv.startup_error}")
     host, port = sock.getsockname()[:2]
     url = f"http://{f'[{host}]' if ':' in host else host}:{port}/"
     print(f"serving {srv.name} ({srv.how}; context {srv.context} tokens) at {url}  (OpenAI API: {url}v1)", flush=True)

@@ -35,8 +35,13 @@ def start_server(args_for_server: list, timeout: float = 900):
             raise RuntimeError(f"server.py {' '.join(map(str, args_for_server))} did not start")
         time.sleep(0.1)
     url = re.search(r"http://[^ /]+/", next(line for line in found if "http://" in line)).group(0)
-    with urllib.request.urlopen(url + "health", timeout=30) as r:
-        assert json.loads(r.read())["status"] == "ok"
+    try:
+        with urllib.request.urlopen(url + "health", timeout=30) as r:
+            if json.loads(r.read())["status"] != "ok":
+                raise RuntimeError("server.py is not ready")
+    except BaseException:
+        proc.kill()
+        raise
     return proc, url
 
 
