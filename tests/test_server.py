@@ -361,6 +361,20 @@ def test_engine_one_slot_without_batch_index_and_mixed_sampling(tiny, cpu):
         engine.step()
     assert emit.out[0::2] == want
     assert emit.out[1::2] != want
+    # the queue is served in order; a request cancelled while it waits never runs, one cancelled in its slot stops
+    engine, first, ends = G.Engine(G.TorchBackend(model, 1, 64), cpu, 1), [], {}
+    reqs = [G.Request(p, lambda t, i=i: first.append(i) or True, on_end=lambda why, i=i: ends.setdefault(i, why))
+            for i, p in enumerate(prompts + prompts[:1])]
+    for r in reqs:
+        engine.add(r)
+    engine.cancel(reqs[1])
+    for _ in range(3):
+        engine.step()
+    engine.cancel(reqs[0])
+    while engine.busy():
+        engine.step()
+    assert ends == {1: "cancelled", 0: "cancelled", 2: "length", 3: "length"}
+    assert first == [0] * 4 + [2] * (64 - len(prompts[2])) + [3] * (64 - len(prompts[0]))
 
 
 # ------------------------------------------------------------------------------------------------- default model
