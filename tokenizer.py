@@ -468,8 +468,8 @@ def _load_sentencepiece(data: bytes, path: str, meta: dict) -> SentencePieceToke
 
 
 def main(argv=None):
-    import argparse
-    ap = argparse.ArgumentParser(description="Encode a text and decode it back (a quick look at a tokenizer).")
+    from common import ArgumentParser  # flags checked before anything loads
+    ap = ArgumentParser(description="Encode a text and decode it back (a quick look at a tokenizer).")
     ap.add_argument("path", help="checkpoint directory, tokenizer.json, tokenizer.model or *.gguf")
     ap.add_argument("text")
     a = ap.parse_args(argv)

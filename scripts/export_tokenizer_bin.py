@@ -11,7 +11,6 @@ exact encoder needs and llama2.c's format lacks: token types, special tokens, BO
 merge ranks, the pre-tokenizer kind and the Unicode class tables (\\p{L}, \\p{N}, \\s) it uses, and the chat template
 kind. runner-common/README.md documents the layout.
 """
-import argparse
 import datetime
 import json
 import math
@@ -22,7 +21,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
-from common import cli, write_atomic  # noqa: E402
+from common import ArgumentParser, cli, write_atomic  # noqa: E402
 from gguf_tokenizer import LLAMA3_PATTERN, O200K_PATTERN, QWEN2_PATTERN  # noqa: E402
 from tokenizer import FALCON_PIPELINE, GPT2_PATTERN, bytes_to_unicode, load_tokenizer  # noqa: E402
 
@@ -458,7 +457,7 @@ def build(tok, llama2c_only: bool = False, log=lambda *a: None, with_chat: bool 
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description="Write tokenizer.bin (llama2.c format + extension) for the C++ runners.")
+    p = ArgumentParser(description="Write tokenizer.bin (llama2.c format + extension) for the C++ runners.")
     p.add_argument("tokenizer", type=Path, help="checkpoint directory, tokenizer.json, tokenizer.model or *.gguf")
     p.add_argument("-o", "--output", type=Path, default=Path("tokenizer.bin"))
     p.add_argument("--llama2c", action="store_true",

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from common import cli, write_atomic  # noqa: E402
+from common import ArgumentParser, cli, write_atomic  # noqa: E402
 
 # Pre-tokenizer regexes of the Llama 3 and Qwen2 tokenizer.json files (a Split step before ByteLevel); GPT-2 style
 # vocabularies use ByteLevel's built-in regex instead (tokenizer.GPT2_PATTERN spells it out).
@@ -190,8 +190,7 @@ def save_tokenizer_from_gguf(gguf_path, out_dir) -> list:
 
 
 def main(argv=None):
-    import argparse
-    ap = argparse.ArgumentParser(description="Write a GGUF file's tokenizer as Hugging Face tokenizer files.")
+    ap = ArgumentParser(description="Write a GGUF file's tokenizer as Hugging Face tokenizer files.")
     ap.add_argument("gguf", type=Path)
     ap.add_argument("out_dir", type=Path)
     a = ap.parse_args(argv)
