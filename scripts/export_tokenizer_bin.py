@@ -464,9 +464,7 @@ def main(argv=None):
                    help="SentencePiece only: write exactly llama2.c's tokenizer.bin (no extension)")
     p.add_argument("--no_chat", action="store_true",
                    help="leave the chat template out (for a template the C++ runner cannot render, e.g. SmolLM3's)")
-    args = p.parse_args(argv)
-    if not args.output.parent.is_dir():
-        raise FileNotFoundError(f"output directory does not exist: {args.output.parent}")
+    args = p.parse_args(argv)  # (common.ArgumentParser: the tokenizer exists, the output's folder too)
     tok = load_tokenizer(args.tokenizer)
     log = lambda *a: print(*a, file=sys.stderr)  # noqa: E731
     try:
