@@ -324,6 +324,10 @@ def export_pte(model, output_path, max_seq_length: int = DEFAULT_MAX_SEQ_LENGTH,
         constant_methods["get_prefill_chunk"] = int(prefill_chunk)
     et, summary = lower(progs, backend, constant_methods)
     t2 = time.perf_counter()
+    missing = _ops_without_kernel(et)
+    if missing:  # e.g. an op some family's block needs and nothing lowers: refuse here, not at load time
+        raise ValueError(f"{cfg.family or 'this model'}: the {backend} .pte needs operator(s) {', '.join(missing)} that "
+                         f"ExecuTorch has no kernel for, so it could not run; nothing was written")
     with atomic_path(output_path) as tmp, open(tmp, "wb") as f:
         et.write_to_file(f)
     size = output_path.stat().st_size
@@ -337,6 +341,20 @@ def export_pte(model, output_path, max_seq_length: int = DEFAULT_MAX_SEQ_LENGTH,
         f"{', quantized ' + quantization.get('mode', '') if quantization else ''})")
     return dict(path=str(output_path), size=size, methods=list(progs), summary=summary,
                 export_s=t1 - t0, lower_s=t2 - t1)
+
+
+def _ops_without_kernel(et) -> list:
+    """Operators the program calls outside any delegate that this ExecuTorch runtime (portable + optimized + quantized
+    kernels, what runner-et links) has no kernel for. Empty when the runtime cannot be imported to ask."""
+    try:
+        from executorch.extension.pybindings import portable_lib
+        import executorch.kernels.quantized  # noqa: F401 - registers the quantized_decomposed kernels
+        kernels = set(portable_lib._get_operator_names())
+    except Exception:  # noqa: BLE001
+        return []
+    needed = {f"{op.name}.{op.overload}" if op.overload else op.name
+              for plan in et.executorch_program.execution_plan for op in plan.operators}
+    return sorted(n for n in needed if n not in kernels and n.split(".")[0] not in kernels)
 
 
 # ------------------------------------------------------------------------------------------------ running a .pte

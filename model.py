@@ -84,6 +84,7 @@ class ModelArgs:
     nope_layers: Optional[list] = None  # layer indices without rotary embedding (SmolLM3)
     n_experts: int = 0                # mixture of experts (Mixtral): 0 = one dense MLP
     n_experts_per_tok: int = 2
+    family: str = ""                  # the Hugging Face model_type it came from, for messages ("" = not recorded)
 
     def __post_init__(self):
         if self.n_local_heads == -1:
@@ -223,6 +224,7 @@ class ModelArgs:
             nope_layers=nope,
             n_experts=n_experts,
             n_experts_per_tok=int(c.get("num_experts_per_tok", 2)) if n_experts else 2,
+            family=family,
         )
 
 
