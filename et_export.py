@@ -12,7 +12,8 @@
 #     get_vocab_size, get_bos_id, get_eos_ids, use_kv_cache, enable_dynamic_shape (+ get_n_layers, get_max_batch_size,
 #     use_sdpa_with_kv_cache=False).
 #   * only standard ATen / quantized_decomposed ops and the XNNPACK delegate: no llama:: custom ops, so a standalone C++
-#     runner (portable + optimized + quantized kernels + XNNPACK) loads it.
+#     runner (portable + optimized + quantized kernels + XNNPACK) loads it. A program calling an operator ExecuTorch
+#     has no kernel for is refused at export with one line naming the operator(s) and the model family.
 #   * optional (`--prefill_chunk N`): extra methods `prefill` (tokens [1, N], fixed length) and `decode` (tokens
 #     [1, 1]) that share the weights and the KV cache with `forward`; get_prefill_chunk says N.
 #
