@@ -250,3 +250,21 @@ def test_gguf_of_each_family(name, tmp_path, one_thread):
     model.setup_caches(1, 48)
     ids = torch.randint(0, VOCAB, (1, 40), generator=torch.Generator().manual_seed(3))
     assert (model(ids, torch.arange(40)) - hf(ids).logits).abs().max() <= 1e-4
+
+
+def test_unimplemented_config_feature_is_refused_by_name(converted, tmp_path):
+    """A config feature model.py does not implement (here yarn rope scaling) is one error line naming the family and
+    the feature, never a silent conversion."""
+    import json
+    import shutil
+
+    from conftest import assert_clean_error
+    d, _ = converted("mistral")
+    src = tmp_path / "yarn"
+    shutil.copytree(d.parent / "mistral-hf", src)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["rope_parameters"] = dict(rope_type="yarn", factor=4.0, rope_theta=10000.0, original_max_position_embeddings=64)
+    (src / "config.json").write_text(json.dumps(cfg))
+    r = run_cli("scripts/convert_checkpoint.py", src, "--output_dir", tmp_path / "out")
+    assert_clean_error(r, "MistralForCausalLM.*yarn")
+    assert not (tmp_path / "out" / "model.pth").exists()
