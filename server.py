@@ -14,7 +14,6 @@
 # A Job keeps its tokens with generate.py's Emitter (stop ids, max_tokens), decodes them with tokenizer.py's streaming
 # decoder (never splitting a UTF-8 character) and cuts at stop strings, so a finished request frees its slot in the
 # same step. A client that goes away mid-request cancels it: its slot is free before the next step.
-import argparse
 import asyncio
 import inspect
 import json
@@ -30,7 +29,7 @@ from pathlib import Path
 import torch
 
 import generate as G
-from common import REPO, check_device, cli, resolve_checkpoint
+from common import REPO, ArgumentParser, check_device, cli, resolve_checkpoint
 
 DEFAULT_CONTEXT = 2048
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
@@ -374,7 +373,7 @@ def make_app(srv: Server):
 
 # ------------------------------------------------------------------------------------------------- CLI
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description="OpenAI-compatible server (chat, completions, a chat page) on any backend.")
+    p = ArgumentParser(description="OpenAI-compatible server (chat, completions, a chat page) on any backend.")
     G.add_backend_args(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0 = pick a free port (printed)")
