@@ -293,12 +293,14 @@ class QuantizedWeight(nn.Module):
         self._int4_cpu = None
         self._int8_words = None
         self._int4_words = None
-        if self.bits == 8 and self.qdata.device.type == "cpu" and self.in_features % 4 == 0:
-            # compiled decode reads int8 weights as int32 words (see fused_linear): byte j of word i holds
-            # q[:, j*K/4 + i] + 128. A plain attribute (not saved), rebuilt whenever the module moves.
+        if self.bits == 8 and self.qdata.device.type == "cpu" and self.in_features % 4 == 0 and self.out_features % 16 == 0:
+            # compiled decode reads int8 weights as int32 words in tiles of 16 output channels (see fused_linear):
+            # [N/16, K/4, 16], byte j of word [t, i, c] holds q[16t + c, j*K/4 + i] + 128. A plain attribute (not
+            # saved), rebuilt whenever the module moves.
             N, K = self.qdata.shape
-            u = (self.qdata.to(torch.int32) + 128).view(N, 4, K // 4)
-            self._int8_words = (u[:, 0] | (u[:, 1] << 8) | (u[:, 2] << 16) | (u[:, 3] << 24)).contiguous()
+            u = (self.qdata.to(torch.int32) + 128).view(N // 16, 16, 4, K // 4)
+            w = u[:, :, 0] | (u[:, :, 1] << 8) | (u[:, :, 2] << 16) | (u[:, :, 3] << 24)
+            self._int8_words = w.transpose(1, 2).contiguous()
         if self.bits == 4 and self.qdata.device.type == "cpu" and self.groupsize % 8 == 0 and self.out_features % 16 == 0:
             # compiled decode reads int4 weights as int32 words in tiles of 16 output channels (see fused_linear):
             # [N/16, K/G, G/8, 16], nibble j (bits 4j..4j+3) of word [t, g, i, c] holds q[16t + c, g*G + j*G/8 + i],
@@ -388,13 +390,15 @@ class QuantizedWeight(nn.Module):
             w = self._int8_words
             if w is None:
                 return (x.unsqueeze(-2) * self.qdata).sum(-1) * self.scales
-            # Four full-width int32 loads' worth of bytes per vector instead of a partial int8 load: at AVX2 Inductor
-            # loads 8 int8 lanes of a 32-lane vector through a stack buffer (store-forwarding stall per 8 weights,
-            # ~8x slower than AVX-512's masked load). x is split into 4 contiguous quarters, one per byte.
+            # Full-width int32 loads, vectorized along the 16 output channels of a tile (an outer reduction over the
+            # tile's contiguous K/4 word rows: no horizontal sums); at AVX2 a partial int8 load goes through a stack
+            # buffer (store-forwarding stall per 8 weights, ~8x slower than AVX-512's masked load). x is split into 4
+            # contiguous quarters, one per byte. (Two shifts would sign-extend a stored byte in one op less, but
+            # freezing folds `w << n` into four new weight copies.)
             K4 = self.in_features // 4
-            xq = x.reshape(*x.shape[:-1], 1, 4, K4)
-            t = sum(xq[..., j, :] * (((w >> (8 * j)) & 255) - 128) for j in range(4))
-            return t.sum(-1) * self.scales
+            xq = x.reshape(*x.shape[:-1], 1, 4, K4, 1)
+            t = sum(xq[..., j, :, :] * (((w >> (8 * j)) & 255) - 128) for j in range(4))
+            return t.sum(-2).reshape(*x.shape[:-1], self.out_features) * self.scales
         N, K, G = self.out_features, self.in_features, self.groupsize
         if self._int4_words is not None and x.numel() == K:
             # Vectorized along the 16 output channels of a tile (an outer reduction over the tile's K/8 word rows,
