@@ -25,7 +25,7 @@ from typing import Optional
 
 import torch
 
-from common import atomic_path, check_device, checkpoint_file, cli, first_line, write_atomic
+from common import INDUCTOR_CPU, atomic_path, check_device, checkpoint_file, cli, first_line, write_atomic
 
 METADATA_VERSION = "1"
 
@@ -94,6 +94,8 @@ def export(checkpoint_path, output_path, max_seq_length: int = 1024, dtype: Opti
         raise ValueError(f"tokenizer has {tok.vocab_size} tokens but the model only {model.config.vocab_size}")
 
     meta = package_metadata(model, tok, device, run_dtype, checkpoint_path)
+    if device == "cpu":  # Inductor's CPU kernels are specialised to this many OpenMP threads
+        meta["threads"] = str(torch.get_num_threads())
     if model.quantization:
         meta["quantization"] = json.dumps(model.quantization)
 
@@ -110,7 +112,7 @@ def export(checkpoint_path, output_path, max_seq_length: int = 1024, dtype: Opti
 
     configs = {"aot_inductor.metadata": meta}
     if device == "cpu":
-        configs["freezing"] = True  # weights become constants: folded and pre-packed for the CPU GEMM kernels
+        configs.update(INDUCTOR_CPU)
     # atomic_path's temporary path already has the final name (the package's archive folder is named after the file)
     t0 = time.perf_counter()
     with atomic_path(output_path) as tmp:
@@ -223,7 +225,13 @@ def main(argv=None):
                    help="default: the checkpoint's own dtype")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--so", action="store_true", help="write a plain shared library (weights inside) instead of a .pt2")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads the package's kernels are compiled for (default: torch's); run it with as many")
     args = p.parse_args(argv)
+    if args.threads is not None and args.threads < 1:
+        raise ValueError("--threads must be >= 1")
+    if args.threads:
+        torch.set_num_threads(args.threads)
     export(args.checkpoint_path, args.output_path, args.max_seq_length, args.dtype, args.device,
            args.tokenizer_path, args.so, log=lambda *a: print(*a, file=sys.stderr))
 

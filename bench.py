@@ -64,10 +64,12 @@ BUILD = {
     "{art}/fp32.pte": [PY, "et_export.py", "--checkpoint_path", "{ck}/model.pth", "--output_path", "{art}/fp32.pte"],
     "{art}/8da4w.g32.pte": [PY, "et_export.py", "--checkpoint_path", "{ck}/model_8da4w.g32.pth",
                             "--output_path", "{art}/8da4w.g32.pte"],
-    "{art}/fp32.s256.pt2": [PY, "aoti_export.py", "--checkpoint_path", "{ck}/model.pth", "--output_path",
-                            "{art}/fp32.s256.pt2", "--max_seq_length", "256"],
-    "{art}/int8.s256.pt2": [PY, "aoti_export.py", "--checkpoint_path", "{ck}/model_int8.pth",
-                            "--output_path", "{art}/int8.s256.pt2", "--max_seq_length", "256"],
+    # AOT Inductor's CPU kernels are compiled for a thread count ({j}: the bench's)
+    "{art}/fp32.s256.j{j}.pt2": [PY, "aoti_export.py", "--checkpoint_path", "{ck}/model.pth", "--output_path",
+                                 "{art}/fp32.s256.j{j}.pt2", "--max_seq_length", "256", "--threads", "{j}"],
+    "{art}/int8.s256.j{j}.pt2": [PY, "aoti_export.py", "--checkpoint_path", "{ck}/model_int8.pth",
+                                 "--output_path", "{art}/int8.s256.j{j}.pt2", "--max_seq_length", "256",
+                                 "--threads", "{j}"],
     "{art}/onnx/model.onnx": [PY, "export_onnx.py", "--checkpoint_path", "{ck}/model.pth", "--output_dir",
                               "{art}/onnx"],
     "{art}/tokenizer.bin": [PY, "scripts/export_tokenizer_bin.py", "{ck}", "-o", "{art}/tokenizer.bin"],
@@ -124,12 +126,12 @@ ROWS = {
     "compile bf16 int4 g32": gen("--compile", "--dtype", "bfloat16", "--checkpoint_path", "{ck}/model_int4.g32.pth",
                                  vs="compile fp32"),
     # exported programs, through generate.py (Python runtimes) and through the C++ runners
-    "aoti fp32": artifact_row("--aoti_package", "{art}/fp32.s256.pt2", "{ck}/model.pth", vs="compile fp32",
+    "aoti fp32": artifact_row("--aoti_package", "{art}/fp32.s256.j{j}.pt2", "{ck}/model.pth", vs="compile fp32",
                               peer="llama.cpp F32"),
-    "aoti int8": artifact_row("--aoti_package", "{art}/int8.s256.pt2", "{ck}/model_int8.pth", vs="aoti fp32"),
-    "runner-aoti fp32": runner("runner-aoti/build/run", "{art}/fp32.s256.pt2", "{ck}/model.pth", vs="compile fp32",
-                               peer="llama.cpp F32"),
-    "runner-aoti int8": runner("runner-aoti/build/run", "{art}/int8.s256.pt2", "{ck}/model_int8.pth",
+    "aoti int8": artifact_row("--aoti_package", "{art}/int8.s256.j{j}.pt2", "{ck}/model_int8.pth", vs="aoti fp32"),
+    "runner-aoti fp32": runner("runner-aoti/build/run", "{art}/fp32.s256.j{j}.pt2", "{ck}/model.pth",
+                               vs="compile fp32", peer="llama.cpp F32"),
+    "runner-aoti int8": runner("runner-aoti/build/run", "{art}/int8.s256.j{j}.pt2", "{ck}/model_int8.pth",
                                vs="runner-aoti fp32"),
     "pte fp32": artifact_row("--pte", "{art}/fp32.s256.pte", "{ck}/model.pth", vs="eager fp32"),
     "pte 8da4w g32": artifact_row("--pte", "{art}/8da4w.g32.s256.pte", "{ck}/model_8da4w.g32.pth", vs="pte fp32"),
@@ -254,7 +256,7 @@ def build(path_tpl, fill):
 def run_row(name, args, bw, nproc=1):
     row = ROWS[name]
     art = Path(args.checkpoint_dir) / "bench"
-    fill = lambda a: a.format(ck=args.checkpoint_dir, art=art)
+    fill = lambda a: a.format(ck=args.checkpoint_dir, art=art, j=torch.get_num_threads())
     if row["kind"] == "peer" and importlib.util.find_spec("llama_cpp") is None:
         print(f"[{name}] skipped: llama-cpp-python is not installed "
               f"(CMAKE_ARGS=\"-DGGML_NATIVE=ON\" pip install llama-cpp-python==0.3.36)", file=sys.stderr)

@@ -26,7 +26,7 @@ from typing import Callable, Optional
 import torch
 
 import tp  # tensor parallelism under torchrun
-from common import DEFAULT_CHECKPOINT, REPO, check_device, cli, peak_memory_mb, resolve_checkpoint
+from common import DEFAULT_CHECKPOINT, INDUCTOR_CPU, REPO, check_device, cli, peak_memory_mb, resolve_checkpoint
 from model import load_model
 
 
@@ -85,7 +85,8 @@ def configure_inductor(device: torch.device):
     import torch._inductor.config as cfg
     cfg.fx_graph_cache = True
     if device.type == "cpu":
-        cfg.freezing = True       # weights become constants: folded and packed for the CPU GEMM kernels
+        for k, v in INDUCTOR_CPU.items():  # shared with aoti_export.py (common.py says why)
+            setattr(cfg, k, v)
         cfg.cpp_wrapper = True    # C++ launcher: less Python per decode step
     else:
         cfg.coordinate_descent_tuning = True

@@ -293,24 +293,28 @@ class QuantizedWeight(nn.Module):
         self._int4_cpu = None
         self._int8_words = None
         self._int4_words = None
-        if self.bits == 8 and self.qdata.device.type == "cpu" and self.in_features % 4 == 0:
-            # compiled decode reads int8 weights as int32 words (see fused_linear): byte j of word i holds
-            # q[:, j*K/4 + i] + 128. A plain attribute (not saved), rebuilt whenever the module moves.
+        if self.bits == 8 and self.qdata.device.type == "cpu" and self.in_features % 4 == 0 and self.out_features % 16 == 0:
+            # compiled decode reads int8 weights as int32 words in tiles of 16 output channels (see fused_linear):
+            # [N/16, K/4, 16], byte j of word [t, i, c] holds q[16t + c, j*K/4 + i] + 128. A plain attribute (not
+            # saved), rebuilt whenever the module moves.
             N, K = self.qdata.shape
-            u = (self.qdata.to(torch.int32) + 128).view(N, 4, K // 4)
-            self._int8_words = (u[:, 0] | (u[:, 1] << 8) | (u[:, 2] << 16) | (u[:, 3] << 24)).contiguous()
-        if self.bits == 4 and self.qdata.device.type == "cpu" and self.groupsize % 8 == 0:
-            # compiled decode reads int4 weights as int32 words, transposed (see fused_linear): [K/G, G/8, N], nibble j
-            # (bits 4j..4j+3) of word [g, i, n] holds q[n, g*G + j*G/8 + i], so each word's 8 nibbles lie in one group;
-            # scales and zeros transposed too ([K/G, 1, N]). Plain attributes (not saved), rebuilt whenever the module
-            # moves: as many bytes as qdata, plus one float32 per group for each of scales and zeros.
+            u = (self.qdata.to(torch.int32) + 128).view(N // 16, 16, 4, K // 4)
+            w = u[:, :, 0] | (u[:, :, 1] << 8) | (u[:, :, 2] << 16) | (u[:, :, 3] << 24)
+            self._int8_words = w.transpose(1, 2).contiguous()
+        if self.bits == 4 and self.qdata.device.type == "cpu" and self.groupsize % 8 == 0 and self.out_features % 16 == 0:
+            # compiled decode reads int4 weights as int32 words in tiles of 16 output channels (see fused_linear):
+            # [N/16, K/G, G/8, 16], nibble j (bits 4j..4j+3) of word [t, g, i, c] holds q[16t + c, g*G + j*G/8 + i],
+            # so each word's 8 nibbles lie in one group and one tile's words are contiguous; scales and zeros tiled
+            # alike ([N/16, K/G, 1, 16]). Plain attributes (not saved), rebuilt whenever the module moves: as many
+            # bytes as qdata, plus one float32 per group for each of scales and zeros.
             N, K, G = self.out_features, self.in_features, self.groupsize
             q = unpack_int4(self.qdata, G).to(torch.int32).view(N, K // G, 8, G // 8)
             w = q[:, :, 0]
             for j in range(1, 8):
                 w = w | (q[:, :, j] << (4 * j))
-            self._int4_words = (w.permute(1, 2, 0).contiguous(), self.scales.t().unsqueeze(1).float().contiguous(),
-                                None if self.zeros is None else self.zeros.t().unsqueeze(1).float().contiguous())
+            tile = lambda t: t.reshape(N // 16, 16, *t.shape[1:]).movedim(1, -1).contiguous()
+            self._int4_words = (tile(w), tile(self.scales.float().unsqueeze(-1)),
+                                None if self.zeros is None else tile(self.zeros.float().unsqueeze(-1)))
         if (self.bits == 4 and self.qdata.device.type == "cpu" and self.scales.dtype == torch.bfloat16
                 and hasattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu")):
             s = self.scales
@@ -386,30 +390,34 @@ class QuantizedWeight(nn.Module):
             w = self._int8_words
             if w is None:
                 return (x.unsqueeze(-2) * self.qdata).sum(-1) * self.scales
-            # Four full-width int32 loads' worth of bytes per vector instead of a partial int8 load: at AVX2 Inductor
-            # loads 8 int8 lanes of a 32-lane vector through a stack buffer (store-forwarding stall per 8 weights,
-            # ~8x slower than AVX-512's masked load). x is split into 4 contiguous quarters, one per byte.
+            # Full-width int32 loads, vectorized along the 16 output channels of a tile (an outer reduction over the
+            # tile's contiguous K/4 word rows: no horizontal sums); at AVX2 a partial int8 load goes through a stack
+            # buffer (store-forwarding stall per 8 weights, ~8x slower than AVX-512's masked load). x is split into 4
+            # contiguous quarters, one per byte. (Two shifts would sign-extend a stored byte in one op less, but
+            # freezing folds `w << n` into four new weight copies.)
             K4 = self.in_features // 4
-            xq = x.reshape(*x.shape[:-1], 1, 4, K4)
-            t = sum(xq[..., j, :] * (((w >> (8 * j)) & 255) - 128) for j in range(4))
-            return t.sum(-1) * self.scales
+            xq = x.reshape(*x.shape[:-1], 1, 4, K4, 1)
+            t = sum(xq[..., j, :, :] * (((w >> (8 * j)) & 255) - 128) for j in range(4))
+            return t.sum(-2).reshape(*x.shape[:-1], self.out_features) * self.scales
         N, K, G = self.out_features, self.in_features, self.groupsize
         if self._int4_words is not None and x.numel() == K:
-            # Vectorized along the output channels (an outer reduction over the K/8 word rows): full-width loads of
-            # the int32 words and of the transposed scales / zeros, x broadcast from scalars. Reading nibbles per byte
-            # instead, Inductor loads 8 uint8 lanes of a 32-lane AVX2 vector through a stack buffer (~5x slower).
+            # Vectorized along the 16 output channels of a tile (an outer reduction over the tile's K/8 word rows,
+            # tiles in parallel): each tile's words are one contiguous stream, full-width loads of the words and of
+            # the tiled scales / zeros, x broadcast from scalars. Reading nibbles per byte instead, Inductor loads 8
+            # uint8 lanes of a 32-lane AVX2 vector through a stack buffer (~5x slower); with the words laid out
+            # [K/8, N], each tile walks memory with a stride of N words.
             # Two reductions of 4 nibbles each (one fused loop): 8 terms in one expression exceed Inductor's limits on
-            # inlined reads, and it would write the [K/8, N] products to memory first.
+            # inlined reads, and it would write the products to memory first.
             w, st, zt = self._int4_words
             x32 = x.reshape(K).float()  # float32 throughout (scales too): bfloat16 loads of 8 lanes are partial
             if _FORCE_STRIDE is not None:  # x in a buffer of its own: else its producer (an RMSNorm) is recomputed
                 x32 = _FORCE_STRIDE(x32, (1,))  # in the kernel for every vector of outputs (no gain at native ISA)
             xj = x32.view(K // G, 8, G // 8, 1).transpose(0, 1)              # [8, K/G, G/8, 1]: x of nibble j
-            y = sum((sum(xj[j] * ((w >> (4 * j)) & 15) for j in range(h, h + 4)) * st).sum((0, 1)) for h in (0, 4))
+            y = sum((sum(xj[j] * ((w >> (4 * j)) & 15) for j in range(h, h + 4)) * st).sum((1, 2)) for h in (0, 4))
             xs = group_sums(x32, G).unsqueeze(-1)                            # [K/G, 1]
             if zt is None or not offset:  # w = (q - 8) s; -8 on x's side (on the scales it would be folded anew)
                 xs, zt = -8 * xs, st
-            return (y + (xs * zt[:, 0]).sum(0)).reshape(*x.shape[:-1], N)           # + zero term
+            return (y + (xs * zt[:, :, 0]).sum(1)).reshape(*x.shape[:-1], N)        # + zero term
         xg = x.reshape(*x.shape[:-1], 1, K // G, 2, G // 2)        # [..., 1, K/G, 2, G/2]
         p = self.qdata.view(N, K // G, G // 2)                    # [N, K/G, G/2]
         x_hi, x_lo = xg[..., 0, :], xg[..., 1, :]
