@@ -14,7 +14,6 @@ vocab_size, max_seq_len, bos_id, eos_ids, tokenizer_kind, dtype, device, ... (se
 
 Float checkpoints and quantize.py checkpoints export the same way: model.load_model() rebuilds whichever it is.
 """
-import argparse
 import json
 import os
 import sys
@@ -25,7 +24,7 @@ from typing import Optional
 
 import torch
 
-from common import INDUCTOR_CPU, atomic_path, check_device, checkpoint_file, cli, first_line, write_atomic
+from common import INDUCTOR_CPU, ArgumentParser, atomic_path, check_device, checkpoint_file, cli, first_line, write_atomic
 
 METADATA_VERSION = "1"
 
@@ -216,7 +215,7 @@ class AOTIBackend:
 
 # ----------------------------------------------------------------------------------------------------------- CLI
 def main(argv=None):
-    p = argparse.ArgumentParser(description="Export a checkpoint to an AOT Inductor package (.pt2).")
+    p = ArgumentParser(description="Export a checkpoint to an AOT Inductor package (.pt2).")
     p.add_argument("--checkpoint_path", type=Path, required=True, help="model.pth (float or quantize.py output)")
     p.add_argument("--output_path", type=Path, required=True, help="the .pt2 to write (or .so with --so)")
     p.add_argument("--tokenizer_path", type=Path, default=None, help="default: the checkpoint's directory")
@@ -228,8 +227,6 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads the package's kernels are compiled for (default: torch's); run it with as many")
     args = p.parse_args(argv)
-    if args.threads is not None and args.threads < 1:
-        raise ValueError("--threads must be >= 1")
     if args.threads:
         torch.set_num_threads(args.threads)
     export(args.checkpoint_path, args.output_path, args.max_seq_length, args.dtype, args.device,

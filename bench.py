@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from common import DEFAULT_CHECKPOINT, REPO, cli, peak_memory_mb, write_atomic
+from common import DEFAULT_CHECKPOINT, REPO, ArgumentParser, cli, peak_memory_mb, write_atomic
 
 CK = DEFAULT_CHECKPOINT.parent
 PY = sys.executable
@@ -371,7 +371,7 @@ def table(results, bw):
 
 
 def main():
-    p = argparse.ArgumentParser(description="Benchmark generate.py's backends and modes and the C++ runners.")
+    p = ArgumentParser(description="Benchmark generate.py's backends and modes and the C++ runners.")
     p.add_argument("--rows", default=",".join(DEFAULT_ROWS),
                    help=f"comma-separated rows or groups ({', '.join(GROUPS)}); rows: {', '.join(ROWS)}")
     p.add_argument("--checkpoint_dir", default=str(CK))
@@ -386,10 +386,7 @@ def main():
     p.add_argument("--nproc", default="1", help="tensor-parallel world sizes (torchrun), e.g. 1,2,4")
     p.add_argument("--_child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("gen_args", nargs="*", help=argparse.SUPPRESS)
-    args = p.parse_args()
-    for flag in ("runs", "rounds", "max_new_tokens", "threads"):
-        if getattr(args, flag) is not None and getattr(args, flag) < 1:
-            raise ValueError(f"--{flag} must be >= 1")
+    args = p.parse_args()  # --runs, --rounds, --max_new_tokens, --threads, --json: common.py's rules
     if args._child:
         return child(args)
     if args.threads:  # rows inherit it through the environment

@@ -23,8 +23,9 @@ DEFAULT_CHECKPOINT = REPO / "checkpoints" / "SmolLM2-135M-Instruct" / "model.pth
 INDUCTOR_CPU = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP"}
 
 # every file tokenizer.py reads beside a checkpoint; converters and exporters copy exactly these
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
-                   "generation_config.json", "chat_template.jinja", "chat_template.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer.tiktoken", "tiktoken_config.json",
+                   "tokenizer_config.json", "special_tokens_map.json", "generation_config.json", "chat_template.jinja",
+                   "chat_template.json")
 
 
 def first_line(e: BaseException, limit: int = 300) -> str:
@@ -51,7 +52,7 @@ def default_checkpoint() -> Path:
 
 
 def has_tokenizer(d: Path) -> bool:
-    return d.is_dir() and any((d / f).is_file() for f in ("tokenizer.json", "tokenizer.model"))
+    return d.is_dir() and any((d / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "tokenizer.tiktoken"))
 
 
 def resolve_checkpoint(args) -> None:

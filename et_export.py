@@ -28,7 +28,6 @@
 #     softmax / bmm over head groups, so the cache is never copied per head and every piece lowers to XNNPACK (ATen's
 #     own SDPA decomposition adds NaN guards and copies that split the delegate);
 #   * reshapes on the dynamic length use -1 instead of a symbolic size (XNNPACK rejects symbolic reshapes).
-import argparse
 import contextlib
 import os
 import sys
@@ -40,7 +39,7 @@ import torch
 from torch import Tensor, nn
 
 import et_passes
-from common import atomic_path, cli, first_line, resolve_checkpoint
+from common import ArgumentParser, atomic_path, cli, first_line, resolve_checkpoint
 
 BACKENDS = ("xnnpack", "portable", "qnn", "coreml", "mps")
 DEFAULT_MAX_SEQ_LENGTH = 1024
@@ -437,7 +436,7 @@ class PTEBackend:
 
 # ------------------------------------------------------------------------------------------------ CLI
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description="Export a LLaMA-family checkpoint to an ExecuTorch .pte.")
+    p = ArgumentParser(description="Export a LLaMA-family checkpoint to an ExecuTorch .pte.")
     p.add_argument("--checkpoint_path", type=Path, default=None,
                    help="model.pth from scripts/convert_checkpoint.py or quantize.py "
                         "(default: checkpoints/SmolLM2-135M-Instruct/model.pth)")

@@ -37,7 +37,6 @@
 # forward (prefill of a padded batch + decode steps: greedy tokens equal, logits close) and only then moved into place.
 #
 # Imports model.py, common.py and tokenizer.py only; generate.py imports OnnxBackend from here lazily (a plugin).
-import argparse
 import contextlib
 import functools
 import json
@@ -56,7 +55,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from common import checkpoint_file, cli, copy_tokenizer_files, has_tokenizer, resolve_checkpoint
+from common import ArgumentParser, checkpoint_file, cli, copy_tokenizer_files, has_tokenizer, resolve_checkpoint
 from model import Transformer, load_model
 
 FP16_MAX = float(np.finfo(np.float16).max)  # 65504
@@ -507,8 +506,8 @@ class OnnxBackend:
 
 # ------------------------------------------------------------------------------------------------- CLI
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description="Export a model.py checkpoint to one ONNX graph (prefill + decode, "
-                                            "retained-state KV) and check it on ONNX Runtime.")
+    p = ArgumentParser(description="Export a model.py checkpoint to one ONNX graph (prefill + decode, "
+                                   "retained-state KV) and check it on ONNX Runtime.")
     p.add_argument("--checkpoint_path", type=Path, default=None,
                    help="model.pth from scripts/convert_checkpoint.py (default: the SmolLM2-135M-Instruct checkpoint)")
     p.add_argument("--output_dir", type=Path, default=Path("out"), help="where model.onnx (+ .data) go (default: out)")

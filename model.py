@@ -651,6 +651,17 @@ class Transformer(nn.Module):
         return logits.float()
 
 
+def _json_object(value, key: str, path) -> dict:
+    """A checkpoint's JSON field (_config, _quantization, config.json) as a dict, or one clear ValueError."""
+    try:
+        obj = json.loads(value) if isinstance(value, (str, bytes)) else None
+    except json.JSONDecodeError:
+        obj = None
+    if not isinstance(obj, dict):
+        raise ValueError(f"checkpoint {path}: {key} is not a JSON object string (got {type(value).__name__})")
+    return obj
+
+
 def load_model(checkpoint_path, device="cpu", dtype: Optional[torch.dtype] = None) -> Transformer:
     """Load a checkpoint written by scripts/convert_checkpoint.py or quantize.py, safely (weights_only, mmap).
 
@@ -667,18 +678,19 @@ def load_model(checkpoint_path, device="cpu", dtype: Optional[torch.dtype] = Non
     if not isinstance(sd, dict):
         raise ValueError(f"checkpoint {path} does not hold a state dict")
     if "_config" in sd:
-        args = ModelArgs.from_dict(json.loads(sd.pop("_config")))
+        args = ModelArgs.from_dict(_json_object(sd.pop("_config"), "_config", path))
     elif (path.parent / "config.json").is_file():
-        args = ModelArgs.from_dict(json.loads((path.parent / "config.json").read_text()))
+        args = ModelArgs.from_dict(_json_object((path.parent / "config.json").read_text(), "config.json", path))
     else:
         args = ModelArgs.from_name(path.parent.name)
     recipe = sd.pop("_quantization", None)
+    recipe = None if recipe is None else _json_object(recipe, "_quantization", path)
     with torch.device("meta"):
         model = Transformer(args)
     if recipe:
         import quantize  # only quantized checkpoints need it
-        model = quantize.apply_recipe(model, json.loads(recipe))
-    model.quantization = json.loads(recipe) if recipe else None
+        model = quantize.apply_recipe(model, recipe)
+    model.quantization = recipe or None
     if args.tie_embeddings:
         sd.pop("output.weight", None)
     missing, unexpected = model.load_state_dict(sd, strict=False, assign=True)

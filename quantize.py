@@ -33,7 +33,6 @@
 # generated kernel); with Inductor's freezing, a plain `F.linear(x, w_int8.to(x.dtype)) * s` would be constant-folded
 # back into a float32 weight. torch.export: plain dequantize + linear (int8/int4), or for 8da4w the torchao
 # quantize/dequantize_affine pattern that ExecuTorch's XNNPACK partitioner turns into its int8 x int4 GEMM.
-import argparse
 import logging
 import sys
 import time
@@ -45,10 +44,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from common import check_device, checkpoint_file, cli, default_checkpoint
+from common import GROUPSIZES, ArgumentParser, check_device, checkpoint_file, cli, default_checkpoint
 
 MODES = ("int8", "int4", "8da4w", "int4-gptq")
-GROUPSIZES = (32, 64, 128, 256)
 EMBEDDINGS = ("int8", "int4", "none")
 FORMAT_VERSION = 1
 
@@ -669,7 +667,7 @@ def _file_bytes(model) -> int:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description="Quantize a model.py checkpoint (writes model_<mode>[.g<G>].pth beside it).")
+    p = ArgumentParser(description="Quantize a model.py checkpoint (writes model_<mode>[.g<G>].pth beside it).")
     p.add_argument("--checkpoint_path", type=Path, default=None, help="float checkpoint (default: the default model)")
     p.add_argument("--mode", required=True, help=f"one of {', '.join(MODES)}")
     p.add_argument("--groupsize", type=int, default=32, help=f"int4 modes: one of {GROUPSIZES} (default 32)")

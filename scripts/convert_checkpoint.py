@@ -11,7 +11,6 @@ SRC (detected automatically) is one of
 Meta, llama2.c and GGUF (arch llama) store Q/K in the adjacent-pair rotary layout and are permuted into the
 Hugging Face half-split layout that model.py uses. Weights keep the source float dtype (GGUF: float32) unless --dtype.
 """
-import argparse
 import dataclasses
 import json
 import pickle
@@ -24,7 +23,7 @@ from tqdm import tqdm
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from common import copy_tokenizer_files, write_atomic  # noqa: E402
+from common import ArgumentParser, cli, copy_tokenizer_files, write_atomic  # noqa: E402
 from gguf_tokenizer import save_tokenizer_from_gguf  # noqa: E402  (scripts/, beside this file)
 from model import ModelArgs, Transformer, save_checkpoint  # noqa: E402
 
@@ -156,7 +155,11 @@ def _require(d: dict, keys, where):
 
 
 def _copy_tokenizer(src_dir: Path):
-    return lambda out_dir: copy_tokenizer_files(src_dir, out_dir)  # every file of common.TOKENIZER_FILES there
+    def write(out_dir):
+        copy_tokenizer_files(src_dir, out_dir)  # every file of common.TOKENIZER_FILES there
+        from tokenizer_tiktoken import convert_salesforce  # CodeGen2.5 / XGen: tiktoken ranks, built (no code run)
+        convert_salesforce(src_dir, out_dir)
+    return write
 
 
 def tensor_table(files) -> dict:
@@ -562,7 +565,7 @@ def convert(src, output_dir, dtype=None) -> Path:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("src", help="Hugging Face dir, Meta dir (params.json + consolidated.*.pth), llama2.c ckpt.pt, or .gguf")
     ap.add_argument("--output_dir", default=None, help="default: checkpoints/<name>")
     ap.add_argument("--name", default=None, help="model name (default: the source's directory or file name)")
@@ -583,4 +586,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    cli(main)
