@@ -171,6 +171,10 @@ GROUPS["peer"] = ["llama.cpp F32", "compile fp32", "aoti fp32", "runner-aoti fp3
                   "llama.cpp F16", "compile bf16", "llama.cpp Q8_0", "compile int8", "llama.cpp Q4_0",
                   "compile int4 g32", "runner-et 8da4w g32"]
 GROUPS["all"] = list(ROWS)
+# --rows server: server.py under 1, 4 and 8 concurrent clients (scripts/bench_server.py), next to the generate.py
+# batch-1 row of the same backend ("compile fp32") in the same run
+SERVER_ARGS = ["--compile", "--full_batch_size", "8", "--max_seq_length", "512"]
+GROUPS["server"] = ["compile fp32"]
 
 
 def measure_bandwidth(gib: float = 1.0, runs: int = 7) -> float:
@@ -412,10 +416,24 @@ def main():
     results = [merge_rounds(rs) for rs in zip(*rounds)]
     md = table(results, bw)
     print(md)
+    server = None
+    if "server" in args.rows.split(","):
+        sys.path.insert(0, str(REPO / "scripts"))
+        from bench_server import bench_server
+        server = bench_server([*SERVER_ARGS, "--checkpoint_path", str(Path(args.checkpoint_dir) / "model.pth"),
+                               "--threads", str(torch.get_num_threads())], max_tokens=args.max_new_tokens)
+        base = next((r.get("decode_tok_s") for r in results if r["name"] == "compile fp32"), None)
+        print(f"\nserver.py {' '.join(SERVER_ARGS)}, {args.max_new_tokens} greedy tokens per request\n")
+        print("| clients | aggregate tok/s | vs compile fp32 batch 1 | TTFT p50 ms | TTFT p95 ms | decode tok/s per request |")
+        print("|---|---|---|---|---|---|")
+        for r in server:
+            ratio = f"{r['aggregate_tok_s'] / base:.2f}x" if base else "-"
+            print(f"| {r['clients']} | {r['aggregate_tok_s']:.1f} | {ratio} | {1000 * r['ttft_p50_s']:.0f} | "
+                  f"{1000 * r['ttft_p95_s']:.0f} | {r['decode_tok_s']:.1f} |")
     out = dict(machine=dict(cpu_count=os.cpu_count(), threads=torch.get_num_threads(), bandwidth_gb_s=bw,
                             torch=torch.__version__, device=args.device),
                settings=dict(runs=args.runs, rounds=args.rounds, max_new_tokens=args.max_new_tokens, prompts=PROMPTS),
-               rows=results)
+               rows=results, server=server)
     write_atomic(args.json, json.dumps(out, indent=1))
 
 

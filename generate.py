@@ -14,7 +14,6 @@
 # generate_continuous and server.py share.
 # Deliberate lazy plugin imports (the only ones back to importers of this file): load_backend() imports the backend
 # classes of aoti_export / et_export / export_onnx / compile_qaic, make_decode_mode() imports speculative.py.
-import argparse
 import sys
 import time
 from collections import deque
@@ -26,7 +25,7 @@ from typing import Callable, Optional
 import torch
 
 import tp  # tensor parallelism under torchrun
-from common import DEFAULT_CHECKPOINT, INDUCTOR_CPU, REPO, check_device, cli, peak_memory_mb, resolve_checkpoint
+from common import DEFAULT_CHECKPOINT, INDUCTOR_CPU, REPO, ArgumentParser, check_device, cli, peak_memory_mb, resolve_checkpoint
 from model import load_model
 
 
@@ -342,7 +341,7 @@ def weight_bytes(model) -> int:
 
 
 # ----------------------------------------------------------------------------------------------------------- CLI
-def add_backend_args(p: argparse.ArgumentParser):
+def add_backend_args(p: ArgumentParser):
     """The flags that pick and size a backend (load_backend); server.py takes the same."""
     p.add_argument("--checkpoint_path", type=Path, default=None,
                    help=f"model.pth from scripts/convert_checkpoint.py or quantize.py (default: {DEFAULT_CHECKPOINT.relative_to(REPO)}, prepared on first use)")
@@ -365,7 +364,7 @@ def add_backend_args(p: argparse.ArgumentParser):
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description="Generate text with a LLaMA-family model on any backend.")
+    p = ArgumentParser(description="Generate text with a LLaMA-family model on any backend.")
     add_backend_args(p)
     p.add_argument("--prompt", default="Hello, my name is", help="several prompts separated by '|' run as one batch")
     p.add_argument("--prompts_file", type=Path, help="one prompt per line, run as one batch")
@@ -437,8 +436,6 @@ def main(argv=None) -> list[dict]:
     """Runs generate.py; returns each timed run's stats (bench.py reads them)."""
     args = parse_args(argv)
     check_device(args.device)
-    if args.threads is not None and args.threads < 1:
-        raise ValueError("--threads must be >= 1")
     if args.threads:  # OpenMP threads spinning on busy cores make every step slow: state the count with a timing
         torch.set_num_threads(args.threads)
     prompts = None if args.chat else read_prompts(args)
