@@ -248,7 +248,7 @@ def build(path_tpl, fill):
     if target.exists():
         return
     for dep in BUILD[path_tpl]:  # an artifact made from another one (the 8da4w .pte from its checkpoint)
-        if dep in BUILD:
+        if dep in BUILD and dep != path_tpl:  # (an export's command names its own output too)
             build(dep, fill)
     print(f"building {target} ...", file=sys.stderr)
     target.parent.mkdir(parents=True, exist_ok=True)

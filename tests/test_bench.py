@@ -34,3 +34,19 @@ def test_bench_rows_run_and_report(tmp_path):
     import bench  # a decoding-mode row runs the float target (its draft is what it adds)
     assert bench.ROWS["compile spec int4 k5"]["weights"] == "{ck}/model.pth"
     assert "| eager lookahead code |" in table and "eager fp32 code |" in table  # the ratio's reference row
+
+
+def test_build_makes_missing_artifacts_in_dependency_order(tmp_path, monkeypatch):
+    """bench.build: an artifact whose command names its own output (every export does) and an input artifact that is
+    itself missing: the input is built first, each once, and a present artifact is not rebuilt."""
+    import bench
+    log = tmp_path / "log"
+    monkeypatch.setattr(bench, "BUILD", {
+        "{art}/in.bin": ["sh", "-c", f"echo in >> {log}; touch {{art}}/in.bin"],
+        "{art}/out.bin": ["sh", "-c", f"test -f {{art}}/in.bin && echo out >> {log} && touch $0", "{art}/out.bin",
+                          "{art}/in.bin"],
+    })
+    fill = lambda a: a.format(art=tmp_path)
+    bench.build("{art}/out.bin", fill)
+    bench.build("{art}/out.bin", fill)
+    assert log.read_text().split() == ["in", "out"]
