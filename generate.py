@@ -471,6 +471,8 @@ def main(argv=None) -> list[dict]:
     log = (lambda *a: None) if args.quiet else (lambda *a: print(*a, file=sys.stderr))
     stream = len(ids) == 1 and not args.full_batch_size
     runs = ([-1] if args.compile else []) + list(range(args.num_samples))
+    if args.compile:
+        log("compiling with Inductor (a warm-up run; minutes the first time, cached for later runs) ...")
     results = []
     for i in runs:
         gen = torch.Generator().manual_seed(args.seed + max(i, 0))
@@ -497,13 +499,16 @@ def main(argv=None) -> list[dict]:
                 print(p + tok.decode(o) + "\n" + "-" * 40, flush=True)
         report(log, st, backend, device)
         results.append(st)
+    if isinstance(backend, TorchBackend) and not args.compile and device.type == "cpu":
+        log("hint: --compile decodes several times faster on CPU; --threads N (N <= free cores) keeps it steady")
     return results
 
 
 def report(log, st, backend, device):
     steps, model = st["decode_steps"], getattr(backend, "model", None)
     log(f"TTFT {st['ttft_s'] * 1000:.1f} ms | prefill {st['prefill_tok_s']:.1f} tok/s | "
-        f"decode {st['decode_tok_s']:.2f} tok/s ({steps} steps) | {st['new_tokens']} new tokens")
+        f"decode {st['decode_tok_s']:.2f} tok/s ({steps} steps) | {st['new_tokens']} new tokens | "
+        f"{torch.get_num_threads()} threads")
     bandwidth = ""
     if model is not None and st["decode_s"] > 0 and steps:
         gb = weight_bytes(model) / 1e9
