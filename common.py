@@ -18,9 +18,10 @@ REPO = Path(__file__).resolve().parent
 DEFAULT_CHECKPOINT = REPO / "checkpoints" / "SmolLM2-135M-Instruct" / "model.pth"
 
 # Inductor on CPU (torch.compile and AOT Inductor alike): weights become constants (folded and pre-packed), and
-# matrix products use Inductor's own C++ GEMM template (blocked, OpenMP-parallel over the output, epilogues fused)
-# rather than MKL's packed sgemm, which runs a one-row product (decode) on one thread whatever the thread count.
-INDUCTOR_CPU = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP"}
+# matrix products may use Inductor's own C++ GEMM template (blocked, OpenMP-parallel over the output, epilogues
+# fused) instead of MKL's packed sgemm, which runs a one-row product (decode) on one thread whatever the thread count.
+# Autotuning times both where both apply; ATen stays a choice because some products (batched ones) have no template.
+INDUCTOR_CPU = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
 
 # every file tokenizer.py reads beside a checkpoint; converters and exporters copy exactly these
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer.tiktoken", "tiktoken_config.json",
