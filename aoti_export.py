@@ -24,7 +24,8 @@ from typing import Optional
 
 import torch
 
-from common import INDUCTOR_CPU, ArgumentParser, atomic_path, check_device, checkpoint_file, cli, first_line, write_atomic
+from common import (INDUCTOR_CPU, ArgumentParser, atomic_path, check_device, checkpoint_file, cli, first_line,
+                    write_atomic)
 
 METADATA_VERSION = "1"
 

@@ -424,7 +424,8 @@ def main():
                                "--threads", str(torch.get_num_threads())], max_tokens=args.max_new_tokens)
         base = next((r.get("decode_tok_s") for r in results if r["name"] == "compile fp32"), None)
         print(f"\nserver.py {' '.join(SERVER_ARGS)}, {args.max_new_tokens} greedy tokens per request\n")
-        print("| clients | aggregate tok/s | vs compile fp32 batch 1 | TTFT p50 ms | TTFT p95 ms | decode tok/s per request |")
+        print("| clients | aggregate tok/s | vs compile fp32 batch 1 | TTFT p50 ms | TTFT p95 ms "
+              "| decode tok/s per request |")
         print("|---|---|---|---|---|---|")
         for r in server:
             ratio = f"{r['aggregate_tok_s'] / base:.2f}x" if base else "-"

@@ -291,7 +291,8 @@ class QuantizedWeight(nn.Module):
         self._int4_cpu = None
         self._int8_words = None
         self._int4_words = None
-        if self.bits == 8 and self.qdata.device.type == "cpu" and self.in_features % 4 == 0 and self.out_features % 16 == 0:
+        tiles = self.qdata.device.type == "cpu" and self.out_features % 16 == 0  # the word layouts' 16-channel tiles
+        if self.bits == 8 and tiles and self.in_features % 4 == 0:
             # compiled decode reads int8 weights as int32 words in tiles of 16 output channels (see fused_linear):
             # [N/16, K/4, 16], byte j of word [t, i, c] holds q[16t + c, j*K/4 + i] + 128. A plain attribute (not
             # saved), rebuilt whenever the module moves.
@@ -299,7 +300,7 @@ class QuantizedWeight(nn.Module):
             u = (self.qdata.to(torch.int32) + 128).view(N // 16, 16, 4, K // 4)
             w = u[:, :, 0] | (u[:, :, 1] << 8) | (u[:, :, 2] << 16) | (u[:, :, 3] << 24)
             self._int8_words = w.transpose(1, 2).contiguous()
-        if self.bits == 4 and self.qdata.device.type == "cpu" and self.groupsize % 8 == 0 and self.out_features % 16 == 0:
+        if self.bits == 4 and tiles and self.groupsize % 8 == 0:
             # compiled decode reads int4 weights as int32 words in tiles of 16 output channels (see fused_linear):
             # [N/16, K/G, G/8, 16], nibble j (bits 4j..4j+3) of word [t, g, i, c] holds q[16t + c, g*G + j*G/8 + i],
             # so each word's 8 nibbles lie in one group and one tile's words are contiguous; scales and zeros tiled
