@@ -25,7 +25,7 @@
 #     short or long factors from the table length (long when max_seq_length > original_max_position_embeddings: HF
 #     switches on the current sequence length, so the two agree for caches up to that length).
 #   * Gemma's RMSNorm (x * (1 + w)) is the plain RMSNorm with w + 1 stored by the converter (as llama.cpp does).
-#   * Positions other than rotary: GPT-2's learned absolute embeddings (Transformer.pos_embeddings, indexed by
+#   * Positions without rotary: GPT-2's learned absolute embeddings (Transformer.pos_embeddings, indexed by
 #     input_pos, so padded rows and per-row positions work as with rotary) and MPT's ALiBi, an additive bias
 #     -slope_h * (query position - key position) folded into the attention mask of every layer (the derived one or
 #     the caller's), so every exporter that runs this forward gets it for free. transformers' MPT biases by the key
@@ -96,7 +96,8 @@ class ModelArgs:
     n_experts: int = 0                # mixture of experts (Mixtral): 0 = one dense MLP
     n_experts_per_tok: int = 2
     norm_bias: bool = True            # LayerNorm's bias (MPT has none)
-    position: str = "rope"            # "rope" | "learned" (absolute position embeddings: GPT-2) | "alibi" (MPT)
+    learned_pos: bool = False         # + a learned embedding of each token's position (GPT-2); no rotary
+    alibi: bool = False               # ALiBi bias on the attention scores (MPT); no rotary
     alibi_bias_max: float = 8.0       # ALiBi slopes (alibi_slopes: MPT's formula)
     clip_qkv: Optional[float] = None  # q, k, v clamped to [-clip_qkv, clip_qkv] (MPT)
     parallel_attn: bool = False       # x + attn(norm(x)) + mlp(norm'(x)) (GPT-J, Falcon) instead of one after the other
@@ -120,8 +121,8 @@ class ModelArgs:
             raise ValueError(f"rotary_dim {self.rotary_dim} must be even and in 2..head_dim ({self.head_dim})")
         if self.norm_type not in ("rms", "layer") or self.mlp_act not in ACTIVATIONS:
             raise ValueError(f"unknown norm_type {self.norm_type!r} or mlp_act {self.mlp_act!r}")
-        if self.position not in ("rope", "learned", "alibi") or self.parallel_norms not in (1, 2):
-            raise ValueError(f"unknown position {self.position!r} or parallel_norms {self.parallel_norms}")
+        if self.parallel_norms not in (1, 2):
+            raise ValueError(f"parallel_norms must be 1 or 2, not {self.parallel_norms}")
 
     def is_sliding(self, layer: int) -> bool:
         return bool(self.sliding_window) and (self.sliding_layers is None or layer in self.sliding_layers)
@@ -312,7 +313,7 @@ class Attention(nn.Module):
         self.wo = nn.Linear(self.n_head * self.head_dim, args.dim, bias=args.attn_out_bias)
         self.q_norm = RMSNorm(self.head_dim, args.norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, args.norm_eps) if args.qk_norm else None
-        nope = layer in (args.nope_layers or ()) or args.position != "rope"
+        nope = layer in (args.nope_layers or ()) or args.learned_pos or args.alibi  # no rotary anywhere
         self.rope = NoRope() if nope else Rotary(args.rotary_dim if args.rotary_dim != args.head_dim else None)
         self.scale, self.softcap, self.clip_qkv = args.attn_scale, args.attn_softcap, args.clip_qkv
         self.kv_cache: Optional[KVCache] = None  # set by setup_caches()
@@ -424,8 +425,8 @@ class Transformer(nn.Module):
         self.config = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         # GPT-2's learned absolute positions; MPT's ALiBi slopes (a constant list: nothing to load)
-        self.pos_embeddings = nn.Embedding(args.block_size, args.dim) if args.position == "learned" else None
-        self.alibi = alibi_slopes(args) if args.position == "alibi" else None
+        self.pos_embeddings = nn.Embedding(args.block_size, args.dim) if args.learned_pos else None
+        self.alibi = alibi_slopes(args) if args.alibi else None
         self.layers = nn.ModuleList(TransformerBlock(args, i) for i in range(args.n_layer))
         self.norm = make_norm(args, args.dim)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=args.output_bias)

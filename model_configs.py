@@ -59,7 +59,7 @@ def _gpt2(c: dict) -> dict:
                 dim=d, intermediate_size=c.get("n_inner") or 4 * d, norm_eps=c.get("layer_norm_epsilon", 1e-5),
                 tie_embeddings=bool(c.get("tie_word_embeddings", True)), norm_type="layer",
                 mlp_act=_act(c.get("activation_function", "gelu_new"), "gpt2"), mlp_gated=False, mlp_bias=True,
-                attn_bias=True, attn_out_bias=True, position="learned",
+                attn_bias=True, attn_out_bias=True, learned_pos=True,
                 attn_scale=None if c.get("scale_attn_weights", True) else 1.0, family="gpt2")
 
 
@@ -107,7 +107,7 @@ def _mpt(c: dict) -> dict:
                 n_layer=c.get("n_layers") or c["num_hidden_layers"], n_head=n_head, dim=d,
                 intermediate_size=int(c.get("expansion_ratio", 4) * d), norm_eps=c.get("layer_norm_epsilon", 1e-5),
                 tie_embeddings=bool(c.get("tie_word_embeddings", True)), norm_type="layer", norm_bias=False,
-                mlp_act="gelu", mlp_gated=False, position="alibi", alibi_bias_max=float(a.get("alibi_bias_max", 8)),
+                mlp_act="gelu", mlp_gated=False, alibi=True, alibi_bias_max=float(a.get("alibi_bias_max", 8)),
                 clip_qkv=a.get("clip_qkv"), attn_scale=float(scale) if scale else None, family="mpt")
 
 
@@ -205,7 +205,7 @@ _gemma3 = dict(_gemma, norm_eps=1e-6, tie_embeddings=True, sandwich_norm=True, q
 _starcoder2 = dict(vocab_size=49152, block_size=16384, sliding_window=4096, tie_embeddings=True, norm_type="layer",
                    mlp_act="gelu_tanh", mlp_gated=False, mlp_bias=True, attn_bias=True, attn_out_bias=True)
 _gpt2 = dict(vocab_size=50257, block_size=1024, tie_embeddings=True, norm_type="layer",
-             mlp_act="gelu_tanh", mlp_gated=False, mlp_bias=True, attn_bias=True, attn_out_bias=True, position="learned")
+             mlp_act="gelu_tanh", mlp_gated=False, mlp_bias=True, attn_bias=True, attn_out_bias=True, learned_pos=True)
 _falcon = dict(vocab_size=65024, block_size=2048, tie_embeddings=True, norm_type="layer",
                mlp_act="gelu", mlp_gated=False, parallel_attn=True)
 transformer_configs = {
@@ -302,7 +302,7 @@ transformer_configs = {
                        parallel_norms=2, **_falcon),
     # MPT: ALiBi, LayerNorm without bias, exact-GELU MLP, no linear biases, tied output
     "mpt-7b": dict(n_layer=32, n_head=32, dim=4096, intermediate_size=16384, vocab_size=50432, block_size=2048,
-                   norm_type="layer", norm_bias=False, mlp_act="gelu", mlp_gated=False, position="alibi",
+                   norm_type="layer", norm_bias=False, mlp_act="gelu", mlp_gated=False, alibi=True,
                    tie_embeddings=True),
     # CodeGen2.5 / XGen: Llama networks with tiktoken tokenizers (tokenizer_tiktoken.py)
     "codegen25-7b-mono": dict(n_layer=32, n_head=32, dim=4096, intermediate_size=11008, vocab_size=51200,

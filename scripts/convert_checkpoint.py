@@ -1,15 +1,18 @@
 #!/usr/bin/env python
-"""Convert a LLaMA-family checkpoint into this repo's format: checkpoints/<NAME>/model.pth (+ config.json, tokenizer).
+"""Convert a checkpoint of a supported family into this repo's format: checkpoints/<NAME>/model.pth (+ config.json,
+tokenizer).
 
     python scripts/convert_checkpoint.py SRC [--output_dir checkpoints/NAME] [--name NAME] [--dtype bfloat16]
 
 SRC (detected automatically) is one of
-  * a Hugging Face directory: config.json + model*.safetensors or pytorch_model*.bin (single or sharded);
+  * a Hugging Face directory: config.json + model*.safetensors or pytorch_model*.bin (single or sharded) of any
+    architecture in HF_ARCHS (Llama-style families, GPT-2, GPT-J, Falcon, MPT; CodeGen2.5 / XGen are Llama);
   * a Meta directory: params.json + consolidated.NN.pth (model-parallel shards are merged);
   * a llama2.c training checkpoint ckpt.pt ({"model": state_dict, "model_args": {...}});
-  * a GGUF file (arch llama, qwen2 or qwen3; F32/F16/BF16 and quantized tensors are dequantized).
-Meta, llama2.c and GGUF (arch llama) store Q/K in the adjacent-pair rotary layout and are permuted into the
-Hugging Face half-split layout that model.py uses. Weights keep the source float dtype (GGUF: float32) unless --dtype.
+  * a GGUF file (an arch in GGUF_ARCHS; F32/F16/BF16 and quantized tensors are dequantized).
+Meta, llama2.c, GGUF (arch llama) and GPT-J (rotate_every_two, on its rotary_dim) store Q/K in the adjacent-pair
+rotary layout and are permuted into the Hugging Face half-split layout that model.py uses. Weights keep the source
+float dtype (GGUF: float32) unless --dtype.
 """
 import dataclasses
 import json
@@ -75,7 +78,8 @@ _LN = lambda key, name: {key: name + ".weight", key + "_bias": name + ".bias"}  
 HF_FAMILY_NAMES.update({
     # GPT-2: Conv1D weights are stored [in, out] (transposed here); fused c_attn is q, k, v rows
     "GPT2LMHeadModel": dict(tok="transformer.wte.weight", pos="transformer.wpe.weight", qkv=_T + "attn.c_attn.weight",
-                            qkv_bias=_T + "attn.c_attn.bias", o=_T + "attn.c_proj.weight", o_bias=_T + "attn.c_proj.bias",
+                            qkv_bias=_T + "attn.c_attn.bias", o=_T + "attn.c_proj.weight",
+                            o_bias=_T + "attn.c_proj.bias",
                             gate=_T + "mlp.c_fc.weight", gate_bias=_T + "mlp.c_fc.bias", down=_T + "mlp.c_proj.weight",
                             down_bias=_T + "mlp.c_proj.bias", **_LN("norm", "transformer.ln_f"),
                             **_LN("attn_norm", _T + "ln_1"), **_LN("ffn_norm", _T + "ln_2")),
@@ -86,14 +90,16 @@ HF_FAMILY_NAMES.update({
                             down_bias=_T + "mlp.fc_out.bias", output_bias="lm_head.bias",
                             **_LN("norm", "transformer.ln_f"), **_LN("attn_norm", _T + "ln_1")),
     # Falcon: fused query_key_value reordered to q, k, v rows (_falcon_qkv); norms named by the block layout (load_hf)
-    "FalconForCausalLM": dict(tok="transformer.word_embeddings.weight", qkv=_T + "self_attention.query_key_value.weight",
+    "FalconForCausalLM": dict(tok="transformer.word_embeddings.weight",
+                              qkv=_T + "self_attention.query_key_value.weight",
                               qkv_bias=_T + "self_attention.query_key_value.bias", o=_T + "self_attention.dense.weight",
                               o_bias=_T + "self_attention.dense.bias", gate=_T + "mlp.dense_h_to_4h.weight",
                               gate_bias=_T + "mlp.dense_h_to_4h.bias", down=_T + "mlp.dense_4h_to_h.weight",
                               down_bias=_T + "mlp.dense_4h_to_h.bias", **_LN("norm", "transformer.ln_f")),
     # MPT: fused Wqkv (q, k, v rows), LayerNorms without bias, no linear biases
     "MptForCausalLM": dict(tok="transformer.wte.weight", norm="transformer.norm_f.weight",
-                           qkv="transformer.blocks.{0}.attn.Wqkv.weight", o="transformer.blocks.{0}.attn.out_proj.weight",
+                           qkv="transformer.blocks.{0}.attn.Wqkv.weight",
+                           o="transformer.blocks.{0}.attn.out_proj.weight",
                            gate="transformer.blocks.{0}.ffn.up_proj.weight",
                            down="transformer.blocks.{0}.ffn.down_proj.weight",
                            attn_norm="transformer.blocks.{0}.norm_1.weight",
@@ -116,7 +122,9 @@ GGUF_NAMES = dict(tok="token_embd.weight", norm="output_norm.weight", output="ou
                   o="blk.{}.attn_output.weight", gate="blk.{}.ffn_gate.weight", up="blk.{}.ffn_up.weight",
                   down="blk.{}.ffn_down.weight", attn_norm="blk.{}.attn_norm.weight",
                   ffn_norm="blk.{}.ffn_norm.weight")
-GGUF_ARCHS = ("llama", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3", "starcoder2")
+GGUF_ARCHS = ("llama", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3", "starcoder2", "gpt2", "gptj", "falcon",
+              "mpt")
+GGUF_LAYER_NORM = ("starcoder2", "gpt2", "gptj", "falcon", "mpt")  # LayerNorm archs: attention.layer_norm_epsilon
 GGUF_FAMILY_NAMES = {  # what differs from llama's names
     "gemma2": dict(post_attn_norm="blk.{}.post_attention_norm.weight", post_ffn_norm="blk.{}.post_ffw_norm.weight"),
     "phi3": dict(qkv="blk.{}.attn_qkv.weight", gate_up="blk.{}.ffn_up.weight"),
@@ -127,6 +135,19 @@ GGUF_FAMILY_NAMES = {  # what differs from llama's names
                 experts_up="blk.{}.ffn_up_exps.weight", experts_down="blk.{}.ffn_down_exps.weight"),
 }
 GGUF_FAMILY_NAMES["gemma3"] = GGUF_FAMILY_NAMES["gemma2"]
+# GPT-2, GPT-J, Falcon, MPT as llama.cpp's convert_hf_to_gguf.py names them (GPT-2's Conv1D weights transposed there,
+# Falcon's query_key_value reordered there to q, k, v rows; GPT-J's q/k keep rotate_every_two: permuted here)
+_GB = {k: f"blk.{{}}.{t}.bias" for k, t in (("qkv_bias", "attn_qkv"), ("o_bias", "attn_output"),
+                                            ("gate_bias", "ffn_up"), ("down_bias", "ffn_down"),
+                                            ("attn_norm_bias", "attn_norm"), ("ffn_norm_bias", "ffn_norm"))}
+GGUF_FAMILY_NAMES.update({
+    "gpt2": dict(_GB, pos="position_embd.weight", qkv="blk.{}.attn_qkv.weight", gate="blk.{}.ffn_up.weight",
+                 norm_bias="output_norm.bias"),
+    "gptj": dict(_GB, gate="blk.{}.ffn_up.weight", norm_bias="output_norm.bias", output_bias="output.bias"),
+    "falcon": dict(_GB, qkv="blk.{}.attn_qkv.weight", gate="blk.{}.ffn_up.weight", ffn_norm="blk.{}.attn_norm_2.weight",
+                   ffn_norm_bias="blk.{}.attn_norm_2.bias", norm_bias="output_norm.bias"),
+    "mpt": dict(qkv="blk.{}.attn_qkv.weight", gate="blk.{}.ffn_up.weight"),
+})
 
 
 class ConvertError(Exception):
@@ -392,9 +413,10 @@ def load_gguf(path: Path) -> Source:
                      n_head=n_head, dim=dim, intermediate_size=int(m("feed_forward_length")),
                      n_local_heads=int(m("attention.head_count_kv", n_head)),
                      head_dim=head_dim, rope_base=float(m("rope.freq_base", 1e4)),
-                     norm_eps=float(m("attention.layer_norm_epsilon" if arch == "starcoder2"
+                     norm_eps=float(m("attention.layer_norm_epsilon" if arch in GGUF_LAYER_NORM
                                       else "attention.layer_norm_rms_epsilon", 1e-5)),
-                     attn_bias="blk.0.attn_q.bias" in infos, qk_norm="blk.0.attn_q_norm.weight" in infos, **fam)
+                     attn_bias="blk.0.attn_q.bias" in infos or "blk.0.attn_qkv.bias" in infos,
+                     qk_norm="blk.0.attn_q_norm.weight" in infos, **fam)
     if "rope_freqs.weight" in infos:  # llama.cpp stores Llama-3.1 rope scaling as per-frequency factors
         args = _match_rope_freqs(args, load(infos["rope_freqs.weight"]))
     names = dict(GGUF_NAMES, **GGUF_FAMILY_NAMES.get(arch, {}))
@@ -408,7 +430,7 @@ def load_gguf(path: Path) -> Source:
             print(f"warning: tokenizer not written ({_oneline(e)})", file=sys.stderr)
 
     return Source(args, names, {k: (lambda t=t: load(t)) for k, t in infos.items()}, torch.float32,
-                  permute=arch == "llama", tokenizer=write_tokenizer,
+                  permute=arch in ("llama", "gptj"), tokenizer=write_tokenizer,
                   ignore=("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"))
 
 
@@ -452,6 +474,22 @@ def _gguf_family(arch, meta, infos, n_layer, dim, n_head, head_dim, load, m):
                         sliding_window=int(get("attention.sliding_window") or 4096)).items()
     elif arch != "phi3" and get("attention.sliding_window"):
         yield "sliding_window", int(get("attention.sliding_window"))
+    plain = dict(norm_type="layer", mlp_gated=False, mlp_act="gelu_tanh" if arch in ("gpt2", "gptj") else "gelu")
+    bias = "blk.0.attn_qkv.bias" in infos
+    if arch == "gpt2":
+        yield from dict(plain, mlp_bias=True, attn_out_bias=True, learned_pos=True).items()
+    if arch == "gptj":
+        yield from dict(plain, mlp_bias=True, parallel_attn=True, output_bias="output.bias" in infos,
+                        rotary_dim=int(get("rope.dimension_count") or head_dim)).items()
+    if arch == "falcon":  # llama.cpp runs every Falcon as a parallel block; attn_norm_2 = Falcon-40B's ln_mlp
+        yield from dict(plain, mlp_bias=bias, attn_out_bias=bias, parallel_attn=True,
+                        parallel_norms=2 if "blk.0.attn_norm_2.weight" in infos else 1).items()
+    if arch == "mpt":
+        if "blk.0.attn_q_norm.weight" in infos or "position_embd.weight" in infos:
+            raise ConvertError("GGUF mpt: qk_ln and learned positions (no ALiBi) are not supported")
+        yield from dict(plain, norm_bias=False, alibi=True,
+                        alibi_bias_max=float(get("attention.max_alibi_bias") or 8),
+                        clip_qkv=float(get("attention.clamp_kqv")) if get("attention.clamp_kqv") else None).items()
     if get("expert_count"):
         if arch != "llama":
             raise ConvertError(f"GGUF {arch}: mixture of experts is only implemented for Mixtral (arch llama)")
@@ -520,7 +558,7 @@ def build_state_dict(s: Source, dtype: torch.dtype):
     layer_norm_bias = args.norm_type == "layer" and args.norm_bias
     if layer_norm_bias:
         sd["norm.bias"] = get("norm_bias")
-    if args.position == "learned":
+    if args.learned_pos:
         sd["pos_embeddings.weight"] = get("pos")
     if args.output_bias:
         sd["output.bias"] = get("output_bias")
