@@ -9,6 +9,7 @@
 // update_constant_buffer(..., user_managed = true) under the constants' internal names (FQN, '.' -> '_').
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <c10/core/InferenceMode.h>
 #include <torch/csrc/inductor/aoti_package/model_package_loader.h>
 #include <torch/csrc/inductor/aoti_runner/model_container_runner_cpu.h>
