@@ -320,7 +320,7 @@ class AOTIBackend:
 
 
 # ----------------------------------------------------------------------------------------------------------- CLI
-def main(argv=None):
+def parse_args(argv=None):
     p = ArgumentParser(description="Export a checkpoint to an AOT Inductor package (.pt2).")
     p.add_argument("--checkpoint_path", type=Path, required=True, help="model.pth (float or quantize.py output)")
     p.add_argument("--output_path", "--out-path", type=Path, required=True,
@@ -337,7 +337,11 @@ def main(argv=None):
                    help="lookahead mode: add the model \"lookahead\" (tokens, positions, attention mask)")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads the package's kernels are compiled for (default: torch's); run it with as many")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     so = args.so or args.output_path.suffix == ".so"  # the source docs' `--out-path X.so`

@@ -213,3 +213,15 @@ def test_broken_inputs(env, runner, tmp_path):
     r = run([sys.executable, REPO / "aoti_export.py", "--checkpoint_path", tmp_path / "nope.pth", "--output_path",
              tmp_path / "x.pt2"])
     assert r.returncode == 1 and r.stderr.startswith("error: ") and not (tmp_path / "x.pt2").exists()
+
+
+def test_modes_need_their_models(env, runner):
+    """A package exported without a mode's model: one error line naming the export flag (runner and generate.py)."""
+    for mode, flag in (("hybrid", "--prefill_chunk"), ("lookahead", "--lookahead")):
+        r = run([runner, env["pt2"], "-z", env["bins"]["bpe"], "-i", "hi", "-t", 0, "-M", mode])
+        assert r.returncode == 1 and r.stdout == "", r.stderr
+        assert r.stderr.strip().splitlines()[-1].startswith("error: ") and flag in r.stderr, r.stderr
+    r = run([sys.executable, REPO / "generate.py", "--aoti_package", env["pt2"], "--tokenizer_path", env["bpe"],
+             "--temperature", 0, "--lookahead", "5,1,2"])
+    assert r.returncode == 1 and r.stderr.startswith("error: ") and "aoti_export.py --lookahead" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr

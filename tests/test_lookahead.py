@@ -84,6 +84,17 @@ def test_output_equals_plain_greedy(llama, cpu, ngram, window, gcap):
             assert max(n for n, c in enumerate(st["accepted_hist"]) if c) <= ngram
 
 
+def test_compiled_backend_equals_plain_greedy(llama, cpu):
+    """--compile: the lookahead contract through torch.compile (dynamic T; autotuning off to keep the test short)."""
+    import torch._inductor.config as cfg
+    _, model = llama
+    want, _ = G.generate(G.TorchBackend(model, 1, 96), [REPETITIVE], 24, cpu)
+    b = G.TorchBackend(model, 1, 96, compile=True)
+    with cfg.patch(max_autotune=False, max_autotune_gemm=False):
+        got, st = SP.lookahead_generate(b, REPETITIVE, 24, cpu, 5, 1, 2)
+    assert got == want[0] and st["mean_accepted"] > 1
+
+
 def test_other_architecture_equals_plain_greedy(cpu):
     model = hf_to_model(tiny_hf("qwen3", seed=8, vocab_size=80))
     b = G.TorchBackend(model, 1, 80)
