@@ -203,7 +203,8 @@ class _SoRunner:
         return self.runner.run(list(args))
 
 
-MODE_MODELS = {"kv": ("model", None), "hybrid": ("prefill", "--prefill_chunk N"), "lookahead": ("lookahead", "--lookahead")}
+MODE_MODELS = {"kv": ("model", None), "hybrid": ("prefill", "--prefill_chunk N"),
+               "lookahead": ("lookahead", "--lookahead")}
 
 
 class AOTIBackend:

@@ -398,7 +398,8 @@ def _check_pte_file(path: Path):
 
 
 # what each decoding mode loads from a .pte, and the export flag that writes it (the runners say the same)
-MODE_METHODS = {"kv": ("forward", None), "hybrid": ("prefill", "--prefill_chunk N"), "lookahead": ("lookahead", "--lookahead")}
+MODE_METHODS = {"kv": ("forward", None), "hybrid": ("prefill", "--prefill_chunk N"),
+                "lookahead": ("lookahead", "--lookahead")}
 
 
 class PTEBackend:
@@ -460,7 +461,8 @@ class PTEBackend:
         try:
             return self.program.load_method(method)
         except Exception as e:  # noqa: BLE001
-            raise ValueError(f"cannot load method {method!r} of {self.path}: {type(e).__name__}: {first_line(e)}") from None
+            raise ValueError(f"cannot load method {method!r} of {self.path}: {type(e).__name__}: "
+                             f"{first_line(e)}") from None
 
     def forward_masked(self, tokens: Tensor, input_pos: Tensor, mask: Tensor) -> Tensor:
         """The `lookahead` method: speculative.py's lookahead contract."""

@@ -178,7 +178,8 @@ def main(argv=None):
     r = perplexity(backend, ids, args.max_seq_length, args.stride, device, progress=not args.quiet, mode=args.mode)
     what = exported or args.checkpoint_path
     window = min(args.max_seq_length, backend.max_seq_length)
-    print(f"{what}{'' if args.mode == 'kv' else ' (' + args.mode + ')'}: perplexity {r['ppl']:.4f} (nll {r['nll']:.5f}) over {r['tokens']} tokens | window {window}, "
+    what = f"{what}{'' if args.mode == 'kv' else ' (' + args.mode + ')'}"
+    print(f"{what}: perplexity {r['ppl']:.4f} (nll {r['nll']:.5f}) over {r['tokens']} tokens | window {window}, "
           f"stride {args.stride or max(1, window // 2)}, {len(r['windows'])} windows | {r['processed']} tokens in "
           f"{r['seconds']:.1f} s = {r['tok_s']:.1f} tok/s (load {load_s:.1f} s)")
     return r

@@ -5,6 +5,8 @@
 #     max_batch_size, max_seq_length        (ints)
 #     prefill_chunk                         (None: any prompt length in one call; N: prompts go in chunks of exactly N)
 # input_pos [T] means every row sits at the same positions; [B, T] gives each row its own, -1 marking padding.
+# Optional: forward_masked(tokens [1, T], input_pos [T], mask [1, 1, T, S]) -> [1, T, V], speculative.py's lookahead
+# contract (TorchBackend; the .pte / .pt2 backends of artifacts exported with --lookahead), which --lookahead needs.
 # A [B, 1, V] result holds the logits of each row's last valid position (fixed-graph backends such as ONNX return that).
 # The same prefill / decode / sampling code below then drives eager PyTorch, torch.compile, an AOT Inductor package,
 # an ExecuTorch .pte, ONNX Runtime and a Cloud AI 100 QPC.

@@ -25,7 +25,7 @@
 #     contract is one call forward_masked(tokens [1, T], input_pos [T], mask [1, 1, T, S] additive float) -> logits
 #     [1, T, V], where token k writes cache slot input_pos[0] + k (StepCache, at model.py's kv_cache swap point) and
 #     attends as the mask says (Transformer.forward(mask=...)). A step's call is seq[committed:] (the tokens a
-#     candidate got accepted with last step are fed again, their scratch slots having been overwritten) then the
+#     candidate got accepted with last step are fed again: their keys/values sat in scratch slots) then the
 #     current token, the levels and the candidates; the same call with a causal mask is the prompt and plain decode.
 #     TorchBackend runs it (eager or --compile); et_export.py / aoti_export.py --lookahead export it as the
 #     `lookahead` program that runner-common/lookahead.h (the same algorithm in C++) and generate.py's --pte /
@@ -286,7 +286,7 @@ def step_caches(model, made: Optional[list] = None):
 
 
 def causal_mask(positions, S: int) -> Tensor:
-    """The additive mask [1, 1, T, S] of ordinary causal calls (slot j visible to the query at position p iff j <= p)."""
+    """The additive mask [1, 1, T, S] of ordinary causal calls (slot j visible to a query at position p iff j <= p)."""
     pos = torch.as_tensor(positions).view(-1, 1)
     allowed = torch.arange(S).view(1, S) <= pos
     return additive(allowed)

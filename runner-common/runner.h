@@ -170,7 +170,8 @@ inline void report(const GenStats& st) {
   const double prefill = st.prompt_tokens / std::max(st.ttft_s, 1e-9);
   const double decode = st.steps ? st.decode_tokens / st.decode_s : 0.0;
   std::fprintf(stderr,
-               "TTFT %.1f ms | prefill %.1f tok/s | decode %.2f tok/s (%d steps) | %d new tokens | %.2f tokens/forward\n",
+               "TTFT %.1f ms | prefill %.1f tok/s | decode %.2f tok/s (%d steps) | %d new tokens | "
+               "%.2f tokens/forward\n",
                st.ttft_s * 1000, prefill, decode, st.steps, st.new_tokens,
                st.steps ? double(st.decode_tokens) / st.steps : 0.0);
   if (st.steps)  // CPU time per step: a figure that holds up on a machine shared with other work

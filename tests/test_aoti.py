@@ -153,11 +153,14 @@ def test_runner_sampling_is_seeded(env, runner):
 
 
 def test_so_library(env, runner):
+    """--so, spelled as the source docs do: aoti_export.py --out-path X.so --device cpu, generate.py --dso X.so."""
     so = env["root"] / "tiny.so"
-    export_pt2(env["ckpt"], so, "--so")
+    r = run([sys.executable, REPO / "aoti_export.py", "--checkpoint_path", env["ckpt"], "--out-path", so, "--device",
+             "cpu", "--max_seq_length", MAX_SEQ])
+    assert r.returncode == 0, r.stderr[-3000:]
     assert json.loads((env["root"] / "tiny.so.json").read_text())["max_seq_len"] == str(MAX_SEQ)
     want = generate_py(["--aoti_package", env["pt2"]], env["bpe"], "Once upon a time", 20)
-    assert generate_py(["--aoti_package", so], env["bpe"], "Once upon a time", 20) == want
+    assert generate_py(["--dso", so], env["bpe"], "Once upon a time", 20) == want
     r = run([runner, so, "-z", env["bins"]["bpe"], "-i", "Once upon a time", "-n", 20, "-t", 0])
     assert r.returncode == 0 and r.stdout == want, r.stderr
 

@@ -4,6 +4,8 @@
 # generate.py --lookahead runs the same programs; eval.py's perplexity is the same in every mode in the three phases
 # (float, quantized, exported); the aliases parse to the canonical flags; bad mode flags are one error line.
 # The programs that lack a method are refused in test_runner_et.py / test_aoti.py (their kv-only artifacts).
+import contextlib
+import io
 import re
 import subprocess
 import sys
@@ -16,7 +18,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conftest import assert_clean_error  # noqa: E402
-from test_aoti import ENV, build_runner, generate_py, run, tiny_checkpoint  # noqa: E402
+from test_aoti import ENV, build_runner, run, tiny_checkpoint  # noqa: E402
 from test_tokenizer_bin import export_bin, make_bpe_dir  # noqa: E402
 
 MAX_SEQ, CHUNK = 96, 8
@@ -31,10 +33,13 @@ def arts(tmp_path_factory):
     root = tmp_path_factory.mktemp("modes")
     bpe = make_bpe_dir(root / "bpe")
     ckpt = tiny_checkpoint(bpe / "model.pth")
-    pte, pt2 = root / "tiny.pte", root / "tiny.pt2"
+    pte, pt2, fp16 = root / "tiny.pte", root / "tiny.pt2", root / "tiny_fp16.pte"
     common = ["--checkpoint_path", ckpt, "--max_seq_length", MAX_SEQ, "--prefill_chunk", CHUNK, "--lookahead"]
-    # both exports at once (each mostly one core); the source docs' spellings of the flags
-    procs = [subprocess.Popen([str(c) for c in [sys.executable, REPO / "et_export.py", *common, "-d", "fp32",
+    # the exports at once (each mostly one core); the source docs' spellings of the flags
+    procs = [subprocess.Popen([str(c) for c in [sys.executable, REPO / "et_export.py", "--checkpoint_path", ckpt,
+                                                "--max_seq_length", MAX_SEQ, "-d", "fp16", "--out-path", fp16]],
+                              stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=ENV),
+             subprocess.Popen([str(c) for c in [sys.executable, REPO / "et_export.py", *common, "-d", "fp32",
                                                 "-xnnpack", "--out-path", pte]],
                               stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=ENV),
              subprocess.Popen([str(c) for c in [sys.executable, REPO / "aoti_export.py", *common, "--device", "cpu",
@@ -43,7 +48,7 @@ def arts(tmp_path_factory):
     for p in procs:
         err = p.communicate()[1]
         assert p.returncode == 0, err[-3000:]
-    return dict(root=root, bpe=bpe, ckpt=ckpt, pte=pte, pt2=pt2, bin=export_bin(bpe, root / "bpe.bin"))
+    return dict(root=root, bpe=bpe, ckpt=ckpt, pte=pte, pt2=pt2, fp16=fp16, bin=export_bin(bpe, root / "bpe.bin"))
 
 
 @pytest.fixture(scope="module")
@@ -52,22 +57,31 @@ def runners():
             "pt2": build_runner()}
 
 
+def in_process(main, argv) -> tuple[str, str]:
+    """A script's main(argv) in this process (no interpreter start-up per call): (stdout, stderr)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        main([str(a) for a in argv])
+    return out.getvalue(), err.getvalue()
+
+
 def forwards(stderr: str, runner: bool) -> int:
     """Decode forwards: the runner's '(N steps)', speculative.format_stats' '(... in N forwards)'."""
     return int(re.search(r"\((\d+) steps\)" if runner else r"tokens in (\d+) forwards\)", stderr)[1])
 
 
-def test_every_mode_of_both_runners_prints_generate_py_text(arts, runners):
+def test_every_mode_of_both_runners_prints_generate_py_text(arts, runners, one_thread):
+    import generate
     n = 40
     for kind, flag in (("pte", "--pte"), ("pt2", "--aoti_package")):
         for prompt in PROMPTS:
-            want = generate_py([flag, arts[kind]], arts["bpe"], prompt, n, "--ignore_eos")
+            base = [flag, arts[kind], "--tokenizer_path", arts["bpe"], "--prompt", prompt, "--max_new_tokens", n,
+                    "--temperature", 0, "--ignore_eos"]
+            want, _ = in_process(generate.main, base)
             # generate.py --lookahead on the same program (Python and C++ share the contract)
-            r = run([sys.executable, REPO / "generate.py", flag, arts[kind], "--tokenizer_path", arts["bpe"],
-                     "--prompt", prompt, "--max_new_tokens", n, "--temperature", 0, "--ignore_eos",
-                     "--lookahead", "5,1,2"])
-            assert r.returncode == 0 and r.stdout == want, (kind, prompt, r.stderr[-2000:])
-            py_forwards = forwards(r.stderr, runner=False)
+            got, err = in_process(generate.main, base + ["--lookahead", "5,1,2"])
+            assert got == want, (kind, prompt, err[-2000:])
+            py_forwards = forwards(err, runner=False)
             for mode in MODES:
                 r = run([runners[kind], arts[kind], "-z", arts["bin"], "-i", prompt, "-n", n, "-t", 0, "-x",
                          "-M", mode, "-L", "5,1,2"])
@@ -89,7 +103,7 @@ def test_every_mode_of_both_runners_prints_generate_py_text(arts, runners):
         assert all(w.returncode == 0 for w in want) and len({w.stdout for w in want}) == 1, want[0].stderr
 
 
-def test_perplexity_is_the_same_in_every_mode(arts):
+def test_perplexity_is_the_same_in_every_mode(arts, one_thread):
     """The three-phase check: float checkpoint, quantized checkpoint, exported programs; in each, the hybrid and
     lookahead programs give the KV program's perplexity."""
     import eval as ev
@@ -126,10 +140,10 @@ def test_perplexity_is_the_same_in_every_mode(arts):
     assert results["pt2"]["kv"] == pytest.approx(results["float"]["kv"], rel=1e-4)
     assert results["int8"]["kv"] != results["float"]["kv"]
     # the eval.py command line takes the mode
-    r = run([sys.executable, REPO / "eval.py", "--pte", arts["pte"], "--tokenizer_path", arts["bpe"], "--text_file",
-             REPO / "tests" / "data" / "eval_text.txt", "--max_tokens", 100, "--max_seq_length", 64, "--mode",
-             "hybrid", "--quiet"])
-    assert r.returncode == 0 and "(hybrid): perplexity" in r.stdout, r.stderr[-2000:]
+    out, _ = in_process(ev.main, ["--pte", arts["pte"], "--tokenizer_path", arts["bpe"], "--text_file",
+                                  REPO / "tests" / "data" / "eval_text.txt", "--max_tokens", 100, "--max_seq_length",
+                                  64, "--mode", "hybrid", "--quiet"])
+    assert "(hybrid): perplexity" in out
 
 
 def test_flag_aliases_parse_to_the_canonical_flags(arts, tmp_path):
@@ -150,12 +164,25 @@ def test_flag_aliases_parse_to_the_canonical_flags(arts, tmp_path):
     assert (aoti_export.parse_args(ck + ["--out-path", so, "--device", "cpu"]) ==
             aoti_export.parse_args(ck + ["--output_path", so, "--device", "cpu"]))
     assert generate.parse_args(["--dso", str(arts["pt2"])]).aoti_package == arts["pt2"]
-    # precisions a backend has no kernels for: one line, before loading anything
-    assert_clean_error(run([sys.executable, REPO / "et_export.py", *ck, "--out-path", out, "-d", "bf16"]),
-                       "XNNPACK has no bfloat16 kernels")
-    assert_clean_error(run([sys.executable, REPO / "et_export.py", *ck, "--out-path", out, "-d", "fp16", "--quant",
-                            "8da4w"]), "quantized programs are exported from float32")
+    # precisions a backend has no kernels for: refused before loading anything (cli() prints it as one line)
+    with pytest.raises(ValueError, match="XNNPACK has no bfloat16 kernels"):
+        et_export.main(ck + ["--out-path", out, "-d", "bf16"])
+    with pytest.raises(ValueError, match="quantized programs are exported from float32"):
+        et_export.main(ck + ["--out-path", out, "-d", "fp16", "--quant", "8da4w"])
     assert not Path(out).exists()
+
+
+def test_fp16_program(arts, runners, one_thread):
+    """et_export.py -d fp16: XNNPACK's half-precision kernels; the runner and generate.py --pte print what eager
+    model.py in float16 prints."""
+    import generate
+    assert arts["fp16"].stat().st_size < 0.6 * arts["pte"].stat().st_size  # half the weight bytes
+    prompt = PROMPTS[0]
+    base = ["--tokenizer_path", arts["bpe"], "--prompt", prompt, "--max_new_tokens", 24, "--temperature", 0]
+    want, _ = in_process(generate.main, ["--checkpoint_path", arts["ckpt"], "--dtype", "float16", *base])
+    assert in_process(generate.main, ["--pte", arts["fp16"], *base])[0] == want
+    r = run([runners["pte"], arts["fp16"], "-z", arts["bin"], "-i", prompt, "-n", 24, "-t", 0])
+    assert r.returncode == 0 and r.stdout == want, r.stderr
 
 
 def test_runner_mode_flags_are_checked(arts, runners):
