@@ -59,7 +59,7 @@ def _gpt2(c: dict) -> dict:
                 dim=d, intermediate_size=c.get("n_inner") or 4 * d, norm_eps=c.get("layer_norm_epsilon", 1e-5),
                 tie_embeddings=bool(c.get("tie_word_embeddings", True)), norm_type="layer",
                 mlp_act=_act(c.get("activation_function", "gelu_new"), "gpt2"), mlp_gated=False, mlp_bias=True,
-                attn_bias=True, attn_out_bias=True, learned_pos=True,
+                attn_bias=True, attn_out_bias=True, learned_pos=True, nope_layers=list(range(c["n_layer"])),
                 attn_scale=None if c.get("scale_attn_weights", True) else 1.0, family="gpt2")
 
 
@@ -100,15 +100,16 @@ def _mpt(c: dict) -> dict:
                       "attn_config.qk_ln": a.get("qk_ln"), "attn_config.prefix_lm": a.get("prefix_lm"),
                       "no_bias=false (linear biases)": not c.get("no_bias", True),
                       "logit_scale": c.get("logit_scale") is not None})
-    d = c.get("d_model") or c["hidden_size"]
+    d, n_layer = c.get("d_model") or c["hidden_size"], c.get("n_layers") or c["num_hidden_layers"]
     n_head = c.get("n_heads") or c["num_attention_heads"]
     scale = a.get("softmax_scale")
     return dict(block_size=c.get("max_seq_len", 2048), vocab_size=c["vocab_size"],
-                n_layer=c.get("n_layers") or c["num_hidden_layers"], n_head=n_head, dim=d,
+                n_layer=n_layer, n_head=n_head, dim=d,
                 intermediate_size=int(c.get("expansion_ratio", 4) * d), norm_eps=c.get("layer_norm_epsilon", 1e-5),
                 tie_embeddings=bool(c.get("tie_word_embeddings", True)), norm_type="layer", norm_bias=False,
-                mlp_act="gelu", mlp_gated=False, alibi=True, alibi_bias_max=float(a.get("alibi_bias_max", 8)),
-                clip_qkv=a.get("clip_qkv"), attn_scale=float(scale) if scale else None, family="mpt")
+                mlp_act="gelu", mlp_gated=False, alibi=True, nope_layers=list(range(n_layer)),
+                alibi_bias_max=float(a.get("alibi_bias_max", 8)), clip_qkv=a.get("clip_qkv"),
+                attn_scale=float(scale) if scale else None, family="mpt")
 
 
 CLASSIC = {"gpt2": _gpt2, "gptj": _gptj, "falcon": _falcon, "mpt": _mpt}
@@ -287,11 +288,11 @@ transformer_configs = {
                           rope_base=1000000.0, **_starcoder2),
     "starcoder2-15b": dict(n_layer=40, n_head=48, n_local_heads=4, dim=6144, intermediate_size=24576,
                            rope_base=100000.0, **_starcoder2),
-    # GPT-2: learned positions, LayerNorm with bias, tanh-GELU MLP, biases everywhere, tied output
-    "gpt2": dict(n_layer=12, n_head=12, dim=768, intermediate_size=3072, **_gpt2),
-    "gpt2-medium": dict(n_layer=24, n_head=16, dim=1024, intermediate_size=4096, **_gpt2),
-    "gpt2-large": dict(n_layer=36, n_head=20, dim=1280, intermediate_size=5120, **_gpt2),
-    "gpt2-xl": dict(n_layer=48, n_head=25, dim=1600, intermediate_size=6400, **_gpt2),
+    # GPT-2: learned positions (no rotary), LayerNorm with bias, tanh-GELU MLP, biases everywhere, tied output
+    "gpt2": dict(n_layer=12, n_head=12, dim=768, intermediate_size=3072, nope_layers=list(range(12)), **_gpt2),
+    "gpt2-medium": dict(n_layer=24, n_head=16, dim=1024, intermediate_size=4096, nope_layers=list(range(24)), **_gpt2),
+    "gpt2-large": dict(n_layer=36, n_head=20, dim=1280, intermediate_size=5120, nope_layers=list(range(36)), **_gpt2),
+    "gpt2-xl": dict(n_layer=48, n_head=25, dim=1600, intermediate_size=6400, nope_layers=list(range(48)), **_gpt2),
     # GPT-J: parallel attention + MLP under one LayerNorm, rotary on 64 of 256 head dims, biased output layer
     "GPT-J-6B": dict(n_layer=28, n_head=16, dim=4096, intermediate_size=16384, vocab_size=50400, block_size=2048,
                      norm_type="layer", mlp_act="gelu_tanh", mlp_gated=False, mlp_bias=True, parallel_attn=True,
@@ -300,10 +301,10 @@ transformer_configs = {
     "falcon-7b": dict(n_layer=32, n_head=71, n_local_heads=1, dim=4544, intermediate_size=18176, **_falcon),
     "falcon-40b": dict(n_layer=60, n_head=128, n_local_heads=8, dim=8192, intermediate_size=32768,
                        parallel_norms=2, **_falcon),
-    # MPT: ALiBi, LayerNorm without bias, exact-GELU MLP, no linear biases, tied output
+    # MPT: ALiBi (no rotary), LayerNorm without bias, exact-GELU MLP, no linear biases, tied output
     "mpt-7b": dict(n_layer=32, n_head=32, dim=4096, intermediate_size=16384, vocab_size=50432, block_size=2048,
                    norm_type="layer", norm_bias=False, mlp_act="gelu", mlp_gated=False, alibi=True,
-                   tie_embeddings=True),
+                   nope_layers=list(range(32)), tie_embeddings=True),
     # CodeGen2.5 / XGen: Llama networks with tiktoken tokenizers (tokenizer_tiktoken.py)
     "codegen25-7b-mono": dict(n_layer=32, n_head=32, dim=4096, intermediate_size=11008, vocab_size=51200,
                               block_size=2048, norm_eps=1e-6),

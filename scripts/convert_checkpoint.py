@@ -122,8 +122,9 @@ GGUF_NAMES = dict(tok="token_embd.weight", norm="output_norm.weight", output="ou
                   o="blk.{}.attn_output.weight", gate="blk.{}.ffn_gate.weight", up="blk.{}.ffn_up.weight",
                   down="blk.{}.ffn_down.weight", attn_norm="blk.{}.attn_norm.weight",
                   ffn_norm="blk.{}.ffn_norm.weight")
-GGUF_ARCHS = ("llama", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3", "starcoder2", "gpt2", "gptj", "falcon",
-              "mpt")
+GGUF_ARCHS = ("llama", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3", "starcoder2", "smollm3", "gpt2", "gptj",
+              "falcon", "mpt")
+GGUF_PERMUTED = ("llama", "smollm3", "gptj")  # Q/K in the adjacent-pair rotary layout (llama.cpp's rope type NORM)
 GGUF_LAYER_NORM = ("starcoder2", "gpt2", "gptj", "falcon", "mpt")  # LayerNorm archs: attention.layer_norm_epsilon
 GGUF_FAMILY_NAMES = {  # what differs from llama's names
     "gemma2": dict(post_attn_norm="blk.{}.post_attention_norm.weight", post_ffn_norm="blk.{}.post_ffw_norm.weight"),
@@ -430,7 +431,7 @@ def load_gguf(path: Path) -> Source:
             print(f"warning: tokenizer not written ({_oneline(e)})", file=sys.stderr)
 
     return Source(args, names, {k: (lambda t=t: load(t)) for k, t in infos.items()}, torch.float32,
-                  permute=arch in ("llama", "gptj"), tokenizer=write_tokenizer,
+                  permute=arch in GGUF_PERMUTED, tokenizer=write_tokenizer,
                   ignore=("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"))
 
 
@@ -474,10 +475,13 @@ def _gguf_family(arch, meta, infos, n_layer, dim, n_head, head_dim, load, m):
                         sliding_window=int(get("attention.sliding_window") or 4096)).items()
     elif arch != "phi3" and get("attention.sliding_window"):
         yield "sliding_window", int(get("attention.sliding_window"))
+    if arch == "smollm3":  # no GGUF key: llama.cpp skips rotary on every 4th layer (n_no_rope_layer_step = 4)
+        yield "nope_layers", [i for i in range(n_layer) if (i + 1) % 4 == 0] or None
     plain = dict(norm_type="layer", mlp_gated=False, mlp_act="gelu_tanh" if arch in ("gpt2", "gptj") else "gelu")
     bias = "blk.0.attn_qkv.bias" in infos
     if arch == "gpt2":
-        yield from dict(plain, mlp_bias=True, attn_out_bias=True, learned_pos=True).items()
+        yield from dict(plain, mlp_bias=True, attn_out_bias=True, learned_pos=True,
+                        nope_layers=list(range(n_layer))).items()
     if arch == "gptj":
         yield from dict(plain, mlp_bias=True, parallel_attn=True, output_bias="output.bias" in infos,
                         rotary_dim=int(get("rope.dimension_count") or head_dim)).items()
@@ -487,7 +491,7 @@ def _gguf_family(arch, meta, infos, n_layer, dim, n_head, head_dim, load, m):
     if arch == "mpt":
         if "blk.0.attn_q_norm.weight" in infos or "position_embd.weight" in infos:
             raise ConvertError("GGUF mpt: qk_ln and learned positions (no ALiBi) are not supported")
-        yield from dict(plain, norm_bias=False, alibi=True,
+        yield from dict(plain, norm_bias=False, alibi=True, nope_layers=list(range(n_layer)),
                         alibi_bias_max=float(get("attention.max_alibi_bias") or 8),
                         clip_qkv=float(get("attention.clamp_kqv")) if get("attention.clamp_kqv") else None).items()
     if get("expert_count"):
