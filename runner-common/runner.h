@@ -174,9 +174,9 @@ inline void report(const GenStats& st) {
                "%.2f tokens/forward\n",
                st.ttft_s * 1000, prefill, decode, st.steps, st.new_tokens,
                st.steps ? double(st.decode_tokens) / st.steps : 0.0);
-  if (st.steps)  // CPU time per step: a figure that holds up on a machine shared with other work
-    std::fprintf(stderr, "decode %.2f ms/token wall, %.2f ms/token CPU (all threads)\n", 1000 * st.decode_s / st.steps,
-                 1000 * st.decode_cpu_s / st.steps);
+  if (st.decode_tokens)  // CPU time per token: a figure that holds up on a machine shared with other work
+    std::fprintf(stderr, "decode %.2f ms/token wall, %.2f ms/token CPU (all threads)\n",
+                 1000 * st.decode_s / st.decode_tokens, 1000 * st.decode_cpu_s / st.decode_tokens);
   std::fprintf(stderr, "achieved tok/s: %f\n", decode);
   std::ifstream status("/proc/self/status");  // Linux: this process's peak resident memory (VmHWM, in kB)
   for (std::string line; std::getline(status, line);)
