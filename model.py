@@ -294,18 +294,16 @@ def softcapped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: f
     """softmax(cap * tanh(q k^T * scale / cap) + mask) v (Gemma 2), grouped-query without copying the cache:
     q [B, H, T, D], k/v [B, Hkv, S, D], mask additive or bool [B or 1, 1 or H, T, S] -> [B, H, T, D]."""
     B, H, T, D = q.shape
-    Hkv, S = k.shape[1], k.shape[2]
-    r = H // Hkv
-    # each KV head's r query heads as r*T rows: plain batched products over [B, Hkv]. (Broadcasting the cache over
-    # the group instead made AOT Inductor read, for one KV head, the cache as it was at export; with one KV head it
-    # is still ~1e-3 off there, exact with two or more: the chimera of tests/test_families_backends.py has two.)
-    qg = q.reshape(B, Hkv, r * T, D)
-    s = (torch.matmul(qg, k.transpose(-1, -2)) * scale).view(B, Hkv, r, T, S)
+    Hkv = k.shape[1]
+    # (with one KV head, AOT Inductor's frozen graph of this broadcast reads the cache as it was at export: the
+    # families' chimera has two; torch.compile, ONNX and eager are exact with one)
+    qg = q.view(B, Hkv, H // Hkv, T, D)                                     # query heads grouped by their KV head
+    s = torch.matmul(qg, k.unsqueeze(2).transpose(-1, -2)) * scale         # [B, Hkv, r, T, S]
     s = torch.tanh(s / cap) * cap
-    m = mask.unsqueeze(1) if mask.shape[1] == 1 else mask.view(mask.shape[0], Hkv, r, *mask.shape[2:])
+    m = mask.unsqueeze(1) if mask.shape[1] == 1 else mask.view(mask.shape[0], Hkv, H // Hkv, *mask.shape[2:])
     s = s.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else s + m
-    p = torch.softmax(s.float(), dim=-1).to(q.dtype).view(B, Hkv, r * T, S)
-    return torch.matmul(p, v).view(B, H, T, D)
+    p = torch.softmax(s.float(), dim=-1).to(q.dtype)
+    return torch.matmul(p, v.unsqueeze(2)).view(B, H, T, D)
 
 
 class Attention(nn.Module):
