@@ -137,6 +137,7 @@ def export(checkpoint_path, output_path, max_seq_length: int = 1024, dtype: Opti
             programs["prefill"] = (torch.export.export(model, ex, strict=False), ex, {})
         if lookahead:
             import speculative
+            speculative.check_step_contract(model.config)
             kw = {"mask": speculative.causal_mask(range(2), S).to(device=device, dtype=run_dtype)}
             with speculative.step_caches(model):
                 programs["lookahead"] = (torch.export.export(

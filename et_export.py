@@ -210,6 +210,7 @@ def export_programs(model, prefill_chunk: Optional[int] = None, backend: str = "
             progs["decode"] = export(model, (torch.zeros(1, 1, dtype=torch.long), torch.tensor([0])), strict=False)
         if lookahead:
             import speculative
+            speculative.check_step_contract(model.config)
             with speculative.step_caches(model):
                 progs["lookahead"] = export(model, (torch.zeros(1, T, dtype=torch.long), torch.arange(T)),
                                             {"mask": speculative.causal_mask(range(T), S)},

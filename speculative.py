@@ -264,6 +264,14 @@ class StepCache(nn.Module):
         return self.k_cache, self.v_cache
 
 
+def check_step_contract(config) -> None:
+    """The lookahead contract puts a step's guesses in cache slots that are not their positions; a model whose
+    attention depends on the key's position beyond its rotary embedding (ALiBi: MPT) cannot take them."""
+    if config is not None and getattr(config, "alibi", False):
+        raise ValueError("lookahead decoding needs keys whose position is in the rotary embedding: ALiBi models (MPT) "
+                         "bias the scores by cache slot, so they cannot run the lookahead program")
+
+
 @contextlib.contextmanager
 def step_caches(model, made: Optional[list] = None):
     """Each layer's kv_cache -> a StepCache over the same buffers for the duration of the block (model.py's swap
@@ -379,6 +387,7 @@ def lookahead_generate(backend, prompt_ids, max_new_tokens: int, device, ngram: 
     if masked is None or not getattr(backend, "has_masked", True):
         raise ValueError("lookahead decoding needs a program that takes an attention mask: model.py (eager or "
                          "--compile), or a .pte / .pt2 exported with --lookahead")
+    check_step_contract(getattr(getattr(backend, "model", None), "config", None))
     N, W, G = ngram, window, gcap
     S = backend.max_seq_length
     L = len(prompt)
