@@ -27,8 +27,9 @@
 #   * Gemma's RMSNorm (x * (1 + w)) is the plain RMSNorm with w + 1 stored by the converter (as llama.cpp does).
 #   * Positions without rotary (nope_layers = every layer): GPT-2's learned absolute embeddings
 #     (Transformer.pos_embeddings, indexed by input_pos, so padded rows and per-row positions work as with rotary)
-#     and MPT's ALiBi, an additive bias -slope_h * (query position - key position) folded into the attention mask of
-#     every layer (the derived one or the caller's), so every exporter that runs this forward gets it for free.
+#     and MPT's ALiBi, an additive bias -slope_h * (query position - key position) folded into the derived attention
+#     mask of every layer, so every exporter that runs this forward gets it for free (a caller's mask is refused:
+#     its cache slots need not be positions, as in lookahead decoding).
 #     transformers' MPT biases by the key index only; the two differ by a constant per query row, which softmax
 #     ignores. GPT-J's interleaved rotary (rotate_every_two on rotary_dim) is turned into the half-split layout by
 #     permuting q/k weight rows at conversion (exact, no runtime cost), as for Meta/GGUF checkpoints.
@@ -501,15 +502,12 @@ class Transformer(nn.Module):
                 keep = (slot > q_pos - cfg.sliding_window) | (slot >= S)
                 masks[True] = mask & keep if mask.dtype == torch.bool else mask.masked_fill(~keep, float("-inf"))
         if self.alibi is not None:  # MPT: -slope_h * (query position - key position) on every score
-            if mask is not None and mask.shape[-1] > S:
-                raise ValueError("ALiBi (MPT) needs the position of every key: a caller mask with slots past the cache "
-                                 "(lookahead decoding's scratch) is not supported")
-            width = S if mask is None else mask.shape[-1]
-            dist = (q_pos - torch.arange(width, device=idx.device).view(1, 1, 1, width)).to(x.dtype)  # [rows,1,T,S]
+            if mask is not None:  # its cache slots need not be positions (lookahead's speculative tokens)
+                raise ValueError("ALiBi (MPT) needs the position of every key, which a caller's mask does not give "
+                                 "(lookahead decoding is not supported for ALiBi models)")
+            dist = (q_pos - torch.arange(S, device=idx.device).view(1, 1, 1, S)).to(x.dtype)  # [rows, 1, T, S]
             bias = -torch.tensor(self.alibi, dtype=x.dtype, device=x.device).view(1, -1, 1, 1) * dist  # [rows,H,T,S]
-            masks = {k: bias + (m if m.dtype != torch.bool else
-                                torch.zeros(m.shape, dtype=x.dtype, device=x.device).masked_fill(~m, float("-inf")))
-                     for k, m in masks.items()}
+            masks = {k: m + bias for k, m in masks.items()}
         for layer in self.layers:
             cos, sin = ropes[layer.local_rope]
             x = layer(x, cos, sin, input_pos, batch_index=batch_index, mask=masks[layer.sliding])
