@@ -1,4 +1,6 @@
 # Export model.py's Transformer to an ExecuTorch .pte (XNNPACK delegate by default) and run a .pte from Python.
+# Over 500 lines: the exporter (swaps, methods for every decoding mode, lowering, kernel check) and PTEBackend,
+# the .pte's Python runtime in every mode, share the contract stated below and read best together.
 #
 #   python et_export.py --checkpoint_path checkpoints/SmolLM2-135M-Instruct/model.pth --output_path smollm2.pte \
 #       [--quantize 8da4w --groupsize 32] [--max_seq_length 1024] [--backend xnnpack|portable|qnn|coreml|mps]
