@@ -13,6 +13,7 @@ SRC (detected automatically) is one of
 Meta, llama2.c, GGUF (arch llama) and GPT-J (rotate_every_two, on its rotary_dim) store Q/K in the adjacent-pair
 rotary layout and are permuted into the Hugging Face half-split layout that model.py uses. Weights keep the source
 float dtype (GGUF: float32) unless --dtype.
+Over 500 lines: one reader per source format and the tensor names and layouts of every family in each of them.
 """
 import dataclasses
 import json

@@ -5,9 +5,10 @@
 # query, parallel, one LayerNorm; 40B "new decoder architecture": grouped KV, two LayerNorms; the sequential layout with
 # biases), MPT with a non-power-of-two head count (ALiBi slopes) and clip_qkv.
 # Backends: every family through ONNX Runtime (export_onnx.py) but Falcon's sequential layout (Llama's block
-# order); their blocks (learned positions, ALiBi, parallel attention with two norms, multi-query, clip_qkv, biased
-# output) are in tests/test_families_backends.py's chimera, which runs --compile, AOT Inductor (.pt2 + runner-aoti)
-# and ExecuTorch (.pte + runner-et): one export per backend for every family.
+# order); their blocks (learned positions, ALiBi, parallel attention with two norms, clip_qkv, biased output) are in
+# tests/test_families_backends.py's chimera, which runs --compile, AOT Inductor (.pt2 + runner-aoti) and ExecuTorch
+# (.pte + runner-et): one export per backend for every family. Multi-query (Falcon-7B) is not in the chimera (see
+# there); it runs through ONNX Runtime here.
 # CodeGen2.5 / XGen are Llama networks: a converted CodeGen2.5-style directory loads its tiktoken tokenizer and runs.
 import json
 import re
