@@ -1,6 +1,5 @@
 #!/usr/bin/env python
-"""Convert a checkpoint of a supported family into this repo's format: checkpoints/<NAME>/model.pth (+ config.json,
-tokenizer).
+"""Convert a checkpoint of a supported family into checkpoints/<NAME>/model.pth (+ config.json, tokenizer files).
 
     python scripts/convert_checkpoint.py SRC [--output_dir checkpoints/NAME] [--name NAME] [--dtype bfloat16]
 
