@@ -262,9 +262,12 @@ def check_tp(model: nn.Module, world_size: int):
             raise ValueError(f"cannot shard the model over {world_size} ranks: its {n} {what} do not divide by "
                              f"{world_size}; use a world size that divides n_head={c.n_head}, "
                              f"n_local_heads={c.n_local_heads} and intermediate_size={c.intermediate_size}")
-    if world_size > 1 and (c.n_experts or not c.mlp_gated or c.mlp_bias or c.attn_out_bias):
+    blocks = (c.n_experts or not c.mlp_gated or c.mlp_bias or c.attn_out_bias or c.alibi or c.parallel_attn
+              or c.learned_pos)
+    if world_size > 1 and blocks:
         raise ValueError(f"tensor parallelism does not shard this model's blocks yet ({c.family or 'this family'}: "
-                         "mixture of experts, plain MLP or biases on row-parallel linears); run it on one rank")
+                         "mixture of experts, plain MLP, biases on row-parallel linears, ALiBi slopes, parallel "
+                         "attention or learned positions); run it on one rank")
     for i, layer in enumerate(model.layers):
         a, f = layer.attention, layer.feed_forward
         for name, m in ((f"layers.{i}.attention.wqkv", a.wqkv), (f"layers.{i}.attention.wo", a.wo),
