@@ -269,10 +269,11 @@ def lower(progs: dict, backend: str, constant_methods: dict, verbose: bool = Fal
     log = (lambda *a: print(*a, file=sys.stderr)) if verbose else (lambda *a: None)
     partitioners = _backend_partitioners(backend, log)
     log(f"lowering to {backend}: decompositions, partitioning{', preprocessing' if partitioners else ''} ...")
-    edge = to_edge_transform_and_lower(progs, transform_passes=[et_passes.inferred_view_dims], partitioner=partitioners,
-                                       constant_methods=constant_methods,
-                                       compile_config=EdgeCompileConfig(_check_ir_validity=False,
-                                                                        _skip_dim_order=True))
+    with _torch_internal_warnings_hidden():
+        edge = to_edge_transform_and_lower(progs, transform_passes=[et_passes.inferred_view_dims],
+                                           partitioner=partitioners, constant_methods=constant_methods,
+                                           compile_config=EdgeCompileConfig(_check_ir_validity=False,
+                                                                            _skip_dim_order=True))
     summary = et_passes.op_summary(edge)
     reinplace = et_passes.reinplace_is_safe(edge)
     config = ExecutorchBackendConfig(
@@ -281,12 +282,21 @@ def lower(progs: dict, backend: str, constant_methods: dict, verbose: bool = Fal
         emit_mutable_buffer_names=True,
         run_reinplace_pass=reinplace,
     )
-    import warnings
     log("to_executorch: memory planning, emitting ...")
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="Mutation on a buffer")
+    with _torch_internal_warnings_hidden():
         et = edge.to_executorch(config)
     return et, summary
+
+
+@contextlib.contextmanager
+def _torch_internal_warnings_hidden():
+    """Lowering makes torch warn about its own internals (buffer mutation, its deprecated LeafSpec, once per deep
+    copy): noise between the progress lines that no user can act on."""
+    import warnings
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Mutation on a buffer")
+        warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)`", category=FutureWarning)
+        yield
 
 
 def _token_ids(tokenizer_path, bos_id, eos_ids):
