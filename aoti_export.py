@@ -13,6 +13,17 @@ attended to, so reusing a cache from position 0 is also fine). Model facts trave
 vocab_size, max_seq_len, bos_id, eos_ids, tokenizer_kind, dtype, device, ... (see package_metadata()).
 
 Float checkpoints and quantize.py checkpoints export the same way: model.load_model() rebuilds whichever it is.
+
+Decoding modes (runner-aoti -M, generate.py / eval.py): a package holds more than one model when asked for:
+  * --prefill_chunk N: model "prefill", forward with a fixed T = N (the hybrid mode's AR-N program; the last chunk
+    is padded with positions after the prompt), beside "model" for single-token decode;
+  * --lookahead: model "lookahead", forward(tokens [1, T], input_pos [T], mask [1, 1, T, S] float32) with dynamic T:
+    speculative.py's lookahead contract (token k writes cache slot input_pos[0] + k; model.py's network through
+    speculative.StepCache at the kv_cache swap point). With causal masks it is also the prompt and plain decode.
+Each model holds its own copy of the constants; a loader that runs several of them gives them one KV cache: tensors
+it allocates (shape in the metadata, kv_cache_shape) and hands to every model with update_constant_buffer(...,
+user_managed=True), under the constants' internal names (the FQN with '.' -> '_'). The metadata's `models` lists the
+models. The spellings of the source docs work too: --out-path (= --output_path), --device cpu|cuda.
 """
 import json
 import os
@@ -60,7 +71,8 @@ def package_metadata(model, tok, device: str, dtype: torch.dtype, checkpoint_pat
 
 
 def export(checkpoint_path, output_path, max_seq_length: int = 1024, dtype: Optional[str] = None, device: str = "cpu",
-           tokenizer_path=None, so: bool = False, log=print) -> Path:
+           tokenizer_path=None, so: bool = False, log=print, prefill_chunk: Optional[int] = None,
+           lookahead: bool = False) -> Path:
     """Export and write the package atomically (common.atomic_path). Returns its path."""
     from model import load_model
     from torch.export import Dim
@@ -74,6 +86,10 @@ def export(checkpoint_path, output_path, max_seq_length: int = 1024, dtype: Opti
     torch_dtype = getattr(torch, dtype) if dtype else None
     if torch_dtype is not None and not isinstance(torch_dtype, torch.dtype):
         raise ValueError(f"unknown dtype {dtype!r}")
+    if so and (prefill_chunk or lookahead):
+        raise ValueError("--so writes one model: --prefill_chunk / --lookahead need a .pt2")
+    if prefill_chunk is not None and not 2 <= prefill_chunk <= max_seq_length:
+        raise ValueError(f"--prefill_chunk must be in 2..{max_seq_length} (the context), got {prefill_chunk}")
 
     model = load_model(checkpoint_path, device=device, dtype=torch_dtype)
     with torch.device(device):
@@ -99,16 +115,39 @@ def export(checkpoint_path, output_path, max_seq_length: int = 1024, dtype: Opti
     if model.quantization:
         meta["quantization"] = json.dumps(model.quantization)
 
+    kv = model.layers[0].attention.kv_cache.k_cache
+    meta["kv_cache_shape"] = ",".join(map(str, kv.shape))
+    meta["cache_dtype"] = str(kv.dtype).replace("torch.", "")
+    if prefill_chunk and prefill_chunk > S:
+        raise ValueError(f"--prefill_chunk {prefill_chunk} is longer than the context, {S}")
     seq = Dim("seq", min=1, max=S)
     example = (torch.zeros(1, 2, dtype=torch.long, device=device), torch.arange(2, device=device))
     t0 = time.perf_counter()
     # prefer_deferred_runtime_asserts_over_guards: shape facts the symbolic solver cannot prove over the whole range
     # (e.g. a stride guard Eq(T*Min(16, 32*T), 16*T) from the grouped-query reshape, true for every T >= 1) become
     # runtime asserts in the package instead of failing the export with "Constraints violated"
+    programs = {}  # model name -> (exported program, example args, example kwargs)
     with torch.no_grad():
         ep = torch.export.export(model, example, dynamic_shapes=({1: seq}, {0: seq}), strict=False,
                                  prefer_deferred_runtime_asserts_over_guards=True)
-    log(f"exported the graph in {time.perf_counter() - t0:.1f} s; compiling with AOT Inductor ...")
+        programs["model"] = (ep, example, {})
+        if prefill_chunk:
+            ex = (torch.zeros(1, prefill_chunk, dtype=torch.long, device=device),
+                  torch.arange(prefill_chunk, device=device))
+            programs["prefill"] = (torch.export.export(model, ex, strict=False), ex, {})
+        if lookahead:
+            import speculative
+            speculative.check_step_contract(model.config)
+            kw = {"mask": speculative.causal_mask(range(2), S).to(device=device, dtype=run_dtype)}
+            with speculative.step_caches(model):
+                programs["lookahead"] = (torch.export.export(
+                    model, example, kw, dynamic_shapes={"idx": {1: seq}, "input_pos": {0: seq}, "mask": {2: seq}},
+                    strict=False, prefer_deferred_runtime_asserts_over_guards=True), example, kw)
+    meta["models"] = ",".join(programs)
+    if prefill_chunk:
+        meta["prefill_chunk"] = str(prefill_chunk)
+    log(f"exported {len(programs)} graph(s) ({', '.join(programs)}) in {time.perf_counter() - t0:.1f} s; "
+        "compiling with AOT Inductor ...")
 
     configs = {"aot_inductor.metadata": meta}
     if device == "cpu":
@@ -124,9 +163,18 @@ def export(checkpoint_path, output_path, max_seq_length: int = 1024, dtype: Opti
                 path = torch._inductor.aot_compile(ep.module(), example, options=configs)
             write_atomic(so_metadata_path(output_path), json.dumps(meta, indent=1))
             os.replace(path, tmp)
-        else:
+        elif len(programs) == 1:
             with torch.no_grad():
                 torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp), inductor_configs=configs)
+        else:  # several models in one package (torch._inductor.package.package_aoti)
+            from torch._inductor.package import package_aoti
+            files = {}
+            for name, (prog, ex, kw) in programs.items():
+                log(f"  compiling {name} ...")
+                with torch.no_grad():
+                    files[name] = torch._inductor.aot_compile(prog.module(), ex, kw,
+                                                              options={**configs, "aot_inductor.package": True})
+            package_aoti(str(tmp), files)
     log(f"compiled in {time.perf_counter() - t0:.1f} s -> {output_path} ({output_path.stat().st_size / 1e6:.1f} MB)")
     return output_path
 
@@ -156,27 +204,66 @@ class _SoRunner:
         return self.runner.run(list(args))
 
 
+MODE_MODELS = {"kv": ("model", None), "hybrid": ("prefill", "--prefill_chunk N"),
+               "lookahead": ("lookahead", "--lookahead")}
+
+
 class AOTIBackend:
-    """generate.py backend over an AOT Inductor package: forward(tokens[1, T], input_pos[T]) -> logits[1, T, V]."""
+    """generate.py backend over an AOT Inductor package: forward(tokens[1, T], input_pos[T]) -> logits[1, T, V].
+    mode (the runners' -M): "kv" runs "model"; "hybrid" runs prompts through "prefill" in chunks of its length
+    (prefill_chunk; the last one padded) and decodes with "model"; "lookahead" runs everything through "lookahead"
+    (causal masks) and offers forward_masked() (speculative.py's contract)."""
 
     max_batch_size = 1
     prefill_chunk = None
+    has_masked = False
 
-    def __init__(self, path, device="cpu"):
+    def __init__(self, path, device="cpu", mode: str = "kv"):
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"AOT Inductor package not found: {path}")
+        if mode not in MODE_MODELS:
+            raise ValueError(f"unknown mode {mode!r}: kv, hybrid or lookahead")
+        self.mode = mode
         if path.suffix == ".so":
+            if mode != "kv":
+                raise ValueError(f"{path}: a plain .so holds one model; {mode} mode needs a .pt2 exported with "
+                                 f"aoti_export.py {MODE_MODELS[mode][1]}")
             self._load_so(path, device)
             return
         if not zipfile.is_zipfile(path):
             raise ValueError(f"{path}: not an AOT Inductor package (not a .pt2 zip archive; truncated or wrong file?)")
+        from torch._inductor.package import load_package
         try:
-            self.runner = torch._inductor.aoti_load_package(str(path))
+            meta = torch._C._aoti.AOTIModelPackageLoader.load_metadata_from_package(str(path), "model")
+            models = (meta or {}).get("models", "model").split(",")
+            need, flag = MODE_MODELS[mode]
+            if need not in models:
+                raise LookupError(f"{path} has no `{need}` model, which {mode} mode needs: export it with "
+                                  f"aoti_export.py {flag}")
+            names = {"kv": ["model"], "hybrid": ["prefill", "model"], "lookahead": ["lookahead"]}[mode]
+            loaded = [load_package(str(path), n) for n in names]
+            self.runner = loaded[-1] if mode == "hybrid" else loaded[0]
             meta = self.runner.get_metadata()
+        except LookupError as e:
+            raise ValueError(str(e)) from None
         except Exception as e:
             raise ValueError(f"{path}: cannot load AOT Inductor package ({first_line(e)})") from None
         self._set_metadata(path, meta, device)
+        if len(loaded) > 1:
+            self._share_cache(loaded, meta)
+        if mode == "hybrid":
+            self.prefill_runner, self.prefill_chunk = loaded[0], int(meta["prefill_chunk"])
+        self.has_masked = mode == "lookahead"
+
+    def _share_cache(self, loaded, meta):
+        """One KV cache for several models of a package: our tensors, given to each model (user_managed)."""
+        shape = [int(x) for x in meta["kv_cache_shape"].split(",")]
+        dtype = getattr(torch, meta.get("cache_dtype", "float32"))
+        names = [n for n in loaded[0].loader.get_constant_fqns() if ".kv_cache." in n]
+        self.cache = {n.replace(".", "_"): torch.zeros(shape, dtype=dtype, device=self.device) for n in names}
+        for m in loaded:
+            m.loader.update_constant_buffer(self.cache, False, False, True)
 
     def _load_so(self, path: Path, device):
         side = so_metadata_path(path)
@@ -209,29 +296,60 @@ class AOTIBackend:
             raise ValueError("an AOT Inductor package from aoti_export.py runs one sequence at a time (batch 1)")
         if input_pos.dim() != 1:
             input_pos = input_pos[0]
+        T = tokens.shape[1]
+        if self.mode == "lookahead":
+            from speculative import causal_mask
+            return self.forward_masked(tokens, input_pos, causal_mask(input_pos.cpu(), self.max_seq_length))
+        runner = self.runner
+        if self.mode == "hybrid" and T > 1:
+            if T != self.prefill_chunk:
+                raise ValueError(f"hybrid mode takes chunks of {self.prefill_chunk} tokens or one token, got {T}")
+            # padding (-1) continues the positions (the runners do the same)
+            input_pos = (input_pos[0] + torch.arange(T, device=input_pos.device)).clamp(max=self.max_seq_length - 1)
+            runner = self.prefill_runner
         with torch.inference_mode():
-            out = self.runner(tokens.to(self.device), input_pos.to(self.device))
+            out = runner(tokens.to(self.device), input_pos.to(self.device))
+        return out[0] if isinstance(out, (list, tuple)) else out
+
+    def forward_masked(self, tokens, input_pos, mask):
+        """The "lookahead" model: speculative.py's lookahead contract."""
+        if not self.has_masked:
+            raise ValueError("forward_masked needs mode='lookahead'")
+        with torch.inference_mode():
+            out = self.runner(tokens.to(self.device), input_pos.to(self.device),
+                              mask=mask.to(self.device, getattr(torch, self.metadata.get("dtype", "float32"))))
         return out[0] if isinstance(out, (list, tuple)) else out
 
 
 # ----------------------------------------------------------------------------------------------------------- CLI
-def main(argv=None):
+def parse_args(argv=None):
     p = ArgumentParser(description="Export a checkpoint to an AOT Inductor package (.pt2).")
     p.add_argument("--checkpoint_path", type=Path, required=True, help="model.pth (float or quantize.py output)")
-    p.add_argument("--output_path", type=Path, required=True, help="the .pt2 to write (or .so with --so)")
+    p.add_argument("--output_path", "--out-path", type=Path, required=True,
+                   help="the .pt2 to write (or a .so: --so, implied by the name)")
     p.add_argument("--tokenizer_path", type=Path, default=None, help="default: the checkpoint's directory")
     p.add_argument("--max_seq_length", type=int, default=1024, help="KV cache length = longest prompt + reply")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="default: the checkpoint's own dtype")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--so", action="store_true", help="write a plain shared library (weights inside) instead of a .pt2")
+    p.add_argument("--prefill_chunk", type=int, default=None,
+                   help="hybrid mode: add the model \"prefill\" (a fixed length of N tokens)")
+    p.add_argument("--lookahead", action="store_true",
+                   help="lookahead mode: add the model \"lookahead\" (tokens, positions, attention mask)")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads the package's kernels are compiled for (default: torch's); run it with as many")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    so = args.so or args.output_path.suffix == ".so"  # the source docs' `--out-path X.so`
     export(args.checkpoint_path, args.output_path, args.max_seq_length, args.dtype, args.device,
-           args.tokenizer_path, args.so, log=lambda *a: print(*a, file=sys.stderr))
+           args.tokenizer_path, so, log=lambda *a: print(*a, file=sys.stderr), prefill_chunk=args.prefill_chunk,
+           lookahead=args.lookahead)
 
 
 if __name__ == "__main__":

@@ -14,8 +14,16 @@
 #   * only standard ATen / quantized_decomposed ops and the XNNPACK delegate: no llama:: custom ops, so a standalone C++
 #     runner (portable + optimized + quantized kernels + XNNPACK) loads it. A program calling an operator ExecuTorch
 #     has no kernel for is refused at export with one line naming the operator(s) and the model family.
-#   * optional (`--prefill_chunk N`): extra methods `prefill` (tokens [1, N], fixed length) and `decode` (tokens
-#     [1, 1]) that share the weights and the KV cache with `forward`; get_prefill_chunk says N.
+#   * optional (`--prefill_chunk N`, the hybrid mode's AR-N program): extra methods `prefill` (tokens [1, N], fixed
+#     length; runners pad the last chunk with positions after the prompt) and `decode` (tokens [1, 1]) that share the
+#     weights and the KV cache with `forward`; get_prefill_chunk says N.
+#   * optional (`--lookahead`): method `lookahead(tokens int64[1, T], input_pos int64[T], mask float32[1, 1, T, S])
+#     -> logits [1, T, V]`, T dynamic: speculative.py's lookahead contract (token k writes cache slot input_pos[0] + k,
+#     attends as the additive mask says), the same cache. With a causal mask it is also the prompt and plain decode,
+#     so a runner in lookahead mode loads only this method. model.py's network through speculative.StepCache at the
+#     kv_cache swap point.
+# Spellings of ExecuTorch's own docs work too: -d fp32|fp16|bf16 (= --dtype; XNNPACK has fp16 kernels, no bf16),
+# --quant (= --quantize), -xnnpack / -coreml / --mps (= --backend), --out-path (= --output_path).
 #
 # Export-time swaps (small pieces only; the network itself is model.py's), by assigning modules at model.py's
 # documented swap points (export_swaps):
@@ -42,6 +50,7 @@ import et_passes
 from common import ArgumentParser, atomic_path, cli, first_line, resolve_checkpoint
 
 BACKENDS = ("xnnpack", "portable", "qnn", "coreml", "mps")
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 DEFAULT_MAX_SEQ_LENGTH = 1024
 
 
@@ -179,10 +188,12 @@ def export_swaps(model, int8_dynamic: bool = True):
 
 
 # ------------------------------------------------------------------------------------------------ export
-def export_programs(model, prefill_chunk: Optional[int] = None, backend: str = "xnnpack") -> dict:
+def export_programs(model, prefill_chunk: Optional[int] = None, backend: str = "xnnpack",
+                    lookahead: bool = False) -> dict:
     """torch.export the model (caches set up) as forward(tokens [1, T], input_pos [T]) -> logits [1, T, V]:
-    {"forward": dynamic T} (+ "prefill": T = prefill_chunk, "decode": T = 1). All share one module, so the lowered
-    program shares weights and (with share_mutable_buffers) the cache."""
+    {"forward": dynamic T} (+ "prefill": T = prefill_chunk, "decode": T = 1) (+ "lookahead": dynamic T with a mask,
+    speculative.py's contract). All share one module, so the lowered program shares weights and (with
+    share_mutable_buffers) the cache."""
     from torch.export import Dim, export
     S = model.max_seq_length
     progs = {}
@@ -197,6 +208,14 @@ def export_programs(model, prefill_chunk: Optional[int] = None, backend: str = "
             ex = (torch.zeros(1, prefill_chunk, dtype=torch.long), torch.arange(prefill_chunk))
             progs["prefill"] = export(model, ex, strict=False)
             progs["decode"] = export(model, (torch.zeros(1, 1, dtype=torch.long), torch.tensor([0])), strict=False)
+        if lookahead:
+            import speculative
+            speculative.check_step_contract(model.config)
+            with speculative.step_caches(model):
+                progs["lookahead"] = export(model, (torch.zeros(1, T, dtype=torch.long), torch.arange(T)),
+                                            {"mask": speculative.causal_mask(range(T), S)},
+                                            dynamic_shapes={"idx": {1: seq}, "input_pos": {0: seq}, "mask": {2: seq}},
+                                            strict=False)
     for name, ep in progs.items():
         et_passes.drop_unused_state(ep)
         if not et_passes.gqa_attention_pass(ep.graph_module):
@@ -212,14 +231,16 @@ def _backend_partitioners(backend: str, log=lambda *a: None) -> list:
         from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
 
         class _XnnpackPartitioner(XnnpackPartitioner):
-            """XnnpackPartitioner that keeps the ops it takes whole (linear, torchao's quant ops) through the
-            decompositions without its per-node filter: with the filter, to_edge_transform_and_lower retraces the
-            whole program through run_decompositions twice more (about a quarter of the lowering time). The .pte is
-            the same byte for byte; a kept op XNNPACK then refuses fails the export ("... was not decomposed or
-            delegated") instead of being decomposed. Says how many subgraphs go to XNNPACK (the long part)."""
+            """XnnpackPartitioner that, when XNNPACK takes every op it asks to keep whole (linear, torchao's quant
+            ops) as it stands (float32, 8da4w), hands to_edge_transform_and_lower no per-node filter: with one, it
+            retraces the whole program through run_decompositions twice more (about a quarter of the lowering time).
+            The .pte is the same byte for byte. Otherwise (fp16: the rope's cast weight is not a constant) the filter
+            stays. Says how many subgraphs go to XNNPACK (the long part)."""
 
             def ops_to_not_decompose(self, ep):
-                return super().ops_to_not_decompose(ep)[0], None
+                ops, keep = super().ops_to_not_decompose(ep)
+                kept = [n for n in ep.graph.nodes if n.op == "call_function" and n.target in ops]
+                return ops, (None if all(keep(n) for n in kept) else keep)
 
             def partition(self, exported_program):
                 result = super().partition(exported_program)
@@ -323,7 +344,8 @@ def _token_ids(tokenizer_path, bos_id, eos_ids):
 
 
 def export_pte(model, output_path, max_seq_length: int = DEFAULT_MAX_SEQ_LENGTH, backend: str = "xnnpack",
-               bos_id: int = 1, eos_ids=(2,), prefill_chunk: Optional[int] = None, verbose: bool = True) -> dict:
+               bos_id: int = 1, eos_ids=(2,), prefill_chunk: Optional[int] = None, verbose: bool = True,
+               lookahead: bool = False) -> dict:
     """Lower a model.py Transformer (float, or quantized by quantize.py: model.quantization names the recipe) to a
     .pte at output_path, written atomically. Returns info: size, method names, op summary, times."""
     log = (lambda *a: print(*a, file=sys.stderr)) if verbose else (lambda *a: None)
@@ -339,8 +361,11 @@ def export_pte(model, output_path, max_seq_length: int = DEFAULT_MAX_SEQ_LENGTH,
     model.eval().requires_grad_(False)
     model.setup_caches(1, max_seq_length)  # capped at block_size
     S = model.max_seq_length
-    log(f"exporting {'forward, prefill, decode' if prefill_chunk else 'forward'} with torch.export ...")
-    progs = export_programs(model, prefill_chunk, backend)
+    if lookahead and model.norm.weight.dtype != torch.float32:
+        raise ValueError("--lookahead programs take a float32 mask: export them with -d fp32")
+    methods = ["forward"] + ["prefill", "decode"] * bool(prefill_chunk) + ["lookahead"] * lookahead
+    log(f"exporting {', '.join(methods)} with torch.export ...")
+    progs = export_programs(model, prefill_chunk, backend, lookahead)
     t1 = time.perf_counter()
     cfg = model.config
     constant_methods = {
@@ -406,14 +431,22 @@ def _check_pte_file(path: Path):
             raise ValueError(f"{path} is truncated: {size} bytes, the program says {need} (re-run et_export.py)")
 
 
+# what each decoding mode loads from a .pte, and the export flag that writes it (the runners say the same)
+MODE_METHODS = {"kv": ("forward", None), "hybrid": ("prefill", "--prefill_chunk N"),
+                "lookahead": ("lookahead", "--lookahead")}
+
+
 class PTEBackend:
     """generate.py backend over an ExecuTorch .pte, through ExecuTorch's Python runtime.
-    forward(tokens [1, T], input_pos [T]) -> logits [1, T, V]; one sequence; any prompt length in one call."""
+    forward(tokens [1, T], input_pos [T]) -> logits [1, T, V]; one sequence. mode (the runners' -M): "kv" runs
+    `forward` (any prompt length in one call); "hybrid" runs prompts through `prefill` in chunks of its length
+    (prefill_chunk; generate.py / eval.py pad the last one) and decodes with `decode`; "lookahead" runs everything
+    through `lookahead` (causal masks) and offers forward_masked() (speculative.py's contract)."""
 
     max_batch_size = 1
     prefill_chunk = None
 
-    def __init__(self, path, method: str = "forward"):
+    def __init__(self, path, method: str = "forward", mode: str = "kv"):
         path = Path(path)
         _check_pte_file(path)
         try:
@@ -427,8 +460,16 @@ class PTEBackend:
         except Exception as e:  # noqa: BLE001 - the runtime raises RuntimeError with multi-line details
             raise ValueError(f"cannot load {path}: not a valid ExecuTorch program, truncated or corrupt "
                              f"({type(e).__name__})") from None
+        if mode not in MODE_METHODS:
+            raise ValueError(f"unknown mode {mode!r}: kv, hybrid or lookahead")
+        need, flag = MODE_METHODS[mode]
+        if mode != "kv" and need not in names:
+            raise ValueError(f"{path} has no `{need}` method, which {mode} mode needs: export it with et_export.py "
+                             f"{flag}")
+        method = need if mode != "kv" else method
         if method not in names:
             raise ValueError(f"{path} has no method {method!r} (methods: {', '.join(sorted(names))})")
+        self.mode = mode
         self.path = path
         self.method_names = names
         self.constants = {}
@@ -444,24 +485,51 @@ class PTEBackend:
             raise ValueError(f"{path} has no get_max_seq_len method: not exported by et_export.py")
         self.max_seq_length = int(self.constants["get_max_seq_len"])
         self.vocab_size = self.constants.get("get_vocab_size")
+        self.method = self._load(method)
+        self.has_masked = mode == "lookahead"
+        if mode == "hybrid":
+            self.prefill_chunk = int(self.constants["get_prefill_chunk"])
+            self.decode = self._load("decode" if "decode" in names else "forward")
+
+    def _load(self, method):
         try:
-            self.method = self.program.load_method(method)
+            return self.program.load_method(method)
         except Exception as e:  # noqa: BLE001
-            raise ValueError(f"cannot load method {method!r} of {path}: {type(e).__name__}: {first_line(e)}") from None
+            raise ValueError(f"cannot load method {method!r} of {self.path}: {type(e).__name__}: "
+                             f"{first_line(e)}") from None
+
+    def forward_masked(self, tokens: Tensor, input_pos: Tensor, mask: Tensor) -> Tensor:
+        """The `lookahead` method: speculative.py's lookahead contract."""
+        if not self.has_masked:
+            raise ValueError(f"{self.path}: forward_masked needs mode='lookahead'")
+        return self.method.execute([tokens.to(torch.long).contiguous(), input_pos.to(torch.long).contiguous(),
+                                    mask.to(torch.float32).contiguous()])[0]
 
     def forward(self, tokens: Tensor, input_pos: Tensor) -> Tensor:
         if tokens.dim() != 2 or tokens.shape[0] != 1:
             raise ValueError(f"the .pte runs one sequence: tokens must be [1, T], got {list(tokens.shape)}")
-        if input_pos.dim() != 1:
-            if input_pos.dim() == 2 and input_pos.shape[0] == 1 and bool((input_pos >= 0).all()):
-                input_pos = input_pos[0]
-            else:
-                raise ValueError("the .pte takes shared positions input_pos [T] (no padding)")
+        if input_pos.dim() == 2 and input_pos.shape[0] == 1:
+            input_pos = input_pos[0]
         T = tokens.shape[1]
-        if int(input_pos[-1]) >= self.max_seq_length or T > self.max_seq_length:
+        if self.mode == "hybrid" and T == self.prefill_chunk:  # padding (-1) continues the positions (the runners too)
+            input_pos = (input_pos[0] + torch.arange(T)).clamp(max=self.max_seq_length - 1)
+        elif (input_pos < 0).any():
+            raise ValueError("the .pte takes shared positions input_pos [T] (no padding)")
+        if int(input_pos.max()) >= self.max_seq_length or T > self.max_seq_length:
             raise ValueError(f"position {int(input_pos[-1])} is beyond the .pte's max_seq_len {self.max_seq_length}")
-        out = self.method.execute([tokens.to(torch.long).contiguous(), input_pos.to(torch.long).contiguous()])
-        return out[0]
+        tokens, input_pos = tokens.to(torch.long).contiguous(), input_pos.to(torch.long).contiguous()
+        if self.mode == "lookahead":
+            return self.forward_masked(tokens, input_pos, _causal(input_pos, self.max_seq_length))
+        if self.mode == "hybrid" and T != self.prefill_chunk:
+            if T != 1:
+                raise ValueError(f"hybrid mode takes chunks of {self.prefill_chunk} tokens or one token, got {T}")
+            return self.decode.execute([tokens, input_pos])[0]
+        return self.method.execute([tokens, input_pos])[0]
+
+
+def _causal(input_pos: Tensor, S: int) -> Tensor:
+    from speculative import causal_mask
+    return causal_mask(input_pos.cpu(), S)
 
 
 # ------------------------------------------------------------------------------------------------ CLI
@@ -470,14 +538,21 @@ def parse_args(argv=None):
     p.add_argument("--checkpoint_path", type=Path, default=None,
                    help="model.pth from scripts/convert_checkpoint.py or quantize.py "
                         "(default: checkpoints/SmolLM2-135M-Instruct/model.pth)")
-    p.add_argument("--output_path", type=Path, required=True, help="the .pte to write")
-    p.add_argument("--quantize", default=None, help="quantize a float checkpoint first with quantize.py (int8, 8da4w, ...)")
+    p.add_argument("--output_path", "--out-path", type=Path, required=True, help="the .pte to write")
+    p.add_argument("--quantize", "--quant", default=None,
+                   help="quantize a float checkpoint first with quantize.py (int8, 8da4w, ...)")
+    p.add_argument("-d", "--dtype", default="fp32", choices=sorted(DTYPES),
+                   help="precision of a float checkpoint's program (XNNPACK: fp32, fp16)")
     p.add_argument("--groupsize", type=int, default=32, help="group size for --quantize")
     p.add_argument("--max_seq_length", type=int, default=DEFAULT_MAX_SEQ_LENGTH,
                    help="KV cache length = longest prompt + generation (capped at the model's block_size)")
     p.add_argument("--backend", default="xnnpack", choices=BACKENDS, help="portable = no delegate (debugging)")
+    for b in ("xnnpack", "coreml", "mps"):  # ExecuTorch's docs spell the backend as a switch
+        p.add_argument(f"-{b}", f"--{b}", dest="backend", action="store_const", const=b, help=f"= --backend {b}")
     p.add_argument("--prefill_chunk", type=int, default=None,
-                   help="also add fixed-length `prefill` (N tokens) and `decode` (1 token) methods")
+                   help="hybrid mode: also add fixed-length `prefill` (N tokens) and `decode` (1 token) methods")
+    p.add_argument("--lookahead", action="store_true",
+                   help="lookahead mode: also add the `lookahead` method (tokens, positions, attention mask)")
     p.add_argument("--tokenizer_path", type=Path, default=None, help="for bos/eos ids (default: checkpoint directory)")
     p.add_argument("--bos_id", type=int, default=None)
     p.add_argument("--eos_ids", type=int, nargs="+", default=None)
@@ -490,8 +565,18 @@ def main(argv=None):
     if args.max_seq_length < 2:
         raise ValueError("--max_seq_length must be at least 2")
     _backend_partitioners(args.backend)  # a missing vendor SDK is reported before the checkpoint is even read
+    dtype = DTYPES[args.dtype]
+    if dtype != torch.float32:
+        if args.quantize:
+            raise ValueError(f"-d {args.dtype}: quantized programs are exported from float32 (-d fp32)")
+        if args.lookahead:
+            raise ValueError(f"-d {args.dtype}: --lookahead programs take a float32 mask (-d fp32)")
+        if dtype == torch.bfloat16 and args.backend == "xnnpack":
+            raise ValueError("-d bf16: XNNPACK has no bfloat16 kernels; use -d fp16 (or --backend portable)")
     resolve_checkpoint(args)
-    model = load_model(args.checkpoint_path, dtype=torch.float32)
+    model = load_model(args.checkpoint_path, dtype=dtype)
+    if model.quantization and dtype != torch.float32:
+        raise ValueError(f"-d {args.dtype}: {args.checkpoint_path} is quantized; export it with -d fp32")
     if args.quantize:
         if model.quantization:
             raise ValueError(f"{args.checkpoint_path} is already quantized; export it without --quantize")
@@ -500,7 +585,8 @@ def main(argv=None):
         model.quantization = quantize.quantize_model(model, args.quantize, groupsize=args.groupsize)
         model.requires_grad_(False)
     bos, eos = _token_ids(args.tokenizer_path, args.bos_id, args.eos_ids)
-    export_pte(model, args.output_path, args.max_seq_length, args.backend, bos, eos, args.prefill_chunk)
+    export_pte(model, args.output_path, args.max_seq_length, args.backend, bos, eos, args.prefill_chunk,
+               lookahead=args.lookahead)
 
 
 def _scales_not_bf16(model) -> bool:

@@ -9,6 +9,14 @@
 # in the window as context, so with stride < max_seq_length every token but the first is scored exactly once. With
 # stride = max_seq_length (disjoint windows) the first token of each window has no context and is not scored, as in
 # the HF recipe. Each window is a fresh sequence at positions 0.. (the KV cache is simply overwritten).
+#
+# --mode runs the programs of the runners' decoding modes (the three-phase check of ExecuTorch's LLM example: the
+# float checkpoint, the quantized one, the exported program, each in every mode, must give the same perplexity):
+#     kv         forward, each window in one call
+#     hybrid     the fixed-length prefill program (an artifact exported with --prefill_chunk N; for a checkpoint,
+#                --prefill_chunk N), chunks of N, the last one padded
+#     lookahead  the lookahead contract (speculative.py's forward_masked) with causal masks: model.py through
+#                StepCache, or the `lookahead` program of an artifact exported with --lookahead
 import math
 import sys
 import time
@@ -47,12 +55,19 @@ def sliding_windows(n_tokens: int, max_seq_length: int, stride: int) -> list:
     return out
 
 
-def window_logits(backend, tokens: list, device) -> torch.Tensor:
+def window_logits(backend, tokens: list, device, mode: str = "kv") -> torch.Tensor:
     """All-position logits [T, V] of one sequence through a backend (positions 0..T-1). Fixed-shape backends
-    (prefill_chunk N) get chunks of exactly N tokens, the last one padded with position -1."""
+    (prefill_chunk N) get chunks of exactly N tokens, the last one padded with position -1. mode "lookahead": one
+    forward_masked call with a causal mask."""
     T = len(tokens)
     chunk = getattr(backend, "prefill_chunk", None)
     ids = torch.tensor(tokens, dtype=torch.long)
+    if mode == "lookahead":
+        from speculative import causal_mask
+        logits = backend.forward_masked(ids.view(1, T).to(device), torch.arange(T, device=device),
+                                        causal_mask(range(T), backend.max_seq_length).to(device))
+        _check_all_positions(logits, T)
+        return logits[0]
     if not chunk:
         logits = backend.forward(ids.view(1, T).to(device), torch.arange(T, device=device))
         _check_all_positions(logits, T)
@@ -78,7 +93,7 @@ def _check_all_positions(logits: torch.Tensor, T: int):
 
 @torch.no_grad()
 def perplexity(backend, ids: list, max_seq_length: int, stride: Optional[int] = None, device="cpu",
-               progress: bool = False) -> dict:
+               progress: bool = False, mode: str = "kv") -> dict:
     """Sliding-window perplexity of token ids. Returns ppl, nll (mean, nats), tokens (scored), processed, seconds,
     tok_s (processed tokens per second) and windows: [(begin, end, n_scored, nll_sum)]."""
     device = torch.device(device)
@@ -88,7 +103,7 @@ def perplexity(backend, ids: list, max_seq_length: int, stride: Optional[int] = 
     total, scored, processed, per_window = 0.0, 0, 0, []
     t0 = time.perf_counter()
     for i, (b, e, k) in enumerate(wins):
-        logits = window_logits(backend, ids[b:e], device).float()
+        logits = window_logits(backend, ids[b:e], device, mode).float()
         logp = torch.log_softmax(logits[-k - 1:-1], dim=-1)          # predictions for tokens e-k .. e-1
         target = torch.tensor(ids[e - k:e], device=logp.device)
         nll = -logp.gather(-1, target[:, None]).double().sum().item()
@@ -118,6 +133,10 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "mps"])
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--compile", action="store_true", help="torch.compile the forward (dynamic length)")
+    p.add_argument("--mode", default="kv", choices=["kv", "hybrid", "lookahead"],
+                   help="the program of a runner decoding mode (-M): forward, the fixed-length prefill, lookahead")
+    p.add_argument("--prefill_chunk", type=int, default=None,
+                   help="--mode hybrid on a checkpoint: the chunk length (an artifact carries its own)")
     p.add_argument("--aoti_package", type=Path, help="an AOT Inductor .pt2 from aoti_export.py")
     p.add_argument("--pte", type=Path, help="an ExecuTorch .pte from et_export.py")
     p.add_argument("--onnx", type=Path, help="an ONNX graph from export_onnx.py")
@@ -133,6 +152,10 @@ def main(argv=None):
         raise ValueError(f"--text_file {args.text_file} is not a file")
     check_device(args.device)
     check_windows(args.max_seq_length, args.stride)
+    if args.mode == "hybrid" and not (args.pte or args.aoti_package or args.prefill_chunk):
+        raise ValueError("--mode hybrid: give --prefill_chunk N (or a .pte / .pt2 exported with --prefill_chunk N)")
+    if args.mode != "kv" and (args.onnx or args.qpc):
+        raise ValueError(f"--mode {args.mode} runs checkpoints, .pte and .pt2 programs (ONNX / QPC: --mode kv)")
     exported = args.aoti_package or args.pte or args.onnx or args.qpc
     resolve_checkpoint(args)
     from tokenizer import load_tokenizer
@@ -146,13 +169,16 @@ def main(argv=None):
     args.compile_prefill, args.compile = args.compile, False  # every call is a prefill here
     t0 = time.perf_counter()
     backend = load_backend(args, device, getattr(torch, args.dtype), 1, args.max_seq_length)
+    if args.mode == "hybrid" and not (args.pte or args.aoti_package):
+        backend.prefill_chunk = args.prefill_chunk
     load_s = time.perf_counter() - t0
     if backend.max_seq_length < args.max_seq_length:
         print(f"note: the backend holds {backend.max_seq_length} tokens: windows of {backend.max_seq_length}",
               file=sys.stderr)
-    r = perplexity(backend, ids, args.max_seq_length, args.stride, device, progress=not args.quiet)
+    r = perplexity(backend, ids, args.max_seq_length, args.stride, device, progress=not args.quiet, mode=args.mode)
     what = exported or args.checkpoint_path
     window = min(args.max_seq_length, backend.max_seq_length)
+    what = f"{what}{'' if args.mode == 'kv' else ' (' + args.mode + ')'}"
     print(f"{what}: perplexity {r['ppl']:.4f} (nll {r['nll']:.5f}) over {r['tokens']} tokens | window {window}, "
           f"stride {args.stride or max(1, window // 2)}, {len(r['windows'])} windows | {r['processed']} tokens in "
           f"{r['seconds']:.1f} s = {r['tok_s']:.1f} tok/s (load {load_s:.1f} s)")

@@ -5,6 +5,8 @@
 #     max_batch_size, max_seq_length        (ints)
 #     prefill_chunk                         (None: any prompt length in one call; N: prompts go in chunks of exactly N)
 # input_pos [T] means every row sits at the same positions; [B, T] gives each row its own, -1 marking padding.
+# Optional: forward_masked(tokens [1, T], input_pos [T], mask [1, 1, T, S]) -> [1, T, V], speculative.py's lookahead
+# contract (TorchBackend; the .pte / .pt2 backends of artifacts exported with --lookahead), which --lookahead needs.
 # A [B, 1, V] result holds the logits of each row's last valid position (fixed-graph backends such as ONNX return that).
 # The same prefill / decode / sampling code below then drives eager PyTorch, torch.compile, an AOT Inductor package,
 # an ExecuTorch .pte, ONNX Runtime and a Cloud AI 100 QPC.
@@ -73,11 +75,20 @@ class TorchBackend:
                                            fullgraph=True)
         if compile_prefill:
             self.prefill_fn = torch.compile(model, fullgraph=True, dynamic=True)
+        self.masked_fn = torch.compile(model, fullgraph=True, dynamic=True) if compile else model
+        self._step_caches = []
 
     def forward(self, tokens, input_pos, batch_index=None):
         fn = self.decode_fn if tokens.shape[1] == 1 else self.prefill_fn
         with torch.inference_mode():
             return fn(tokens, input_pos) if batch_index is None else fn(tokens, input_pos, batch_index)
+
+    def forward_masked(self, tokens, input_pos, mask):
+        """speculative.py's lookahead contract (batch 1): token k of tokens [1, T] sits at position input_pos[k] and
+        writes cache slot input_pos[0] + k; mask [1, 1, T, S] (additive) says what it attends to."""
+        from speculative import step_caches  # lazy plugin import (speculative.py imports this file's loop)
+        with torch.inference_mode(), step_caches(self.model, self._step_caches):
+            return self.masked_fn(tokens, input_pos, mask=mask.to(self.model.norm.weight.dtype))
 
 
 def configure_inductor(device: torch.device):
@@ -94,12 +105,13 @@ def configure_inductor(device: torch.device):
 
 def load_backend(args, device, dtype, max_batch_size, max_seq_length):
     """Pick the backend from the command line. Exported artifacts carry their own sizes and precision."""
+    mode = getattr(args, "mode", None) or ("lookahead" if getattr(args, "lookahead", None) else "kv")
     if getattr(args, "aoti_package", None):
         from aoti_export import AOTIBackend
-        return AOTIBackend(args.aoti_package, device=device)
+        return AOTIBackend(args.aoti_package, device=device, mode=mode)
     if getattr(args, "pte", None):
         from et_export import PTEBackend
-        return PTEBackend(args.pte)
+        return PTEBackend(args.pte, mode=mode)
     if getattr(args, "onnx", None):
         from export_onnx import OnnxBackend
         return OnnxBackend(args.onnx, max_batch_size=max_batch_size)
@@ -356,7 +368,8 @@ def add_backend_args(p: ArgumentParser):
     p.add_argument("--prefill_chunk", type=int, default=None, help="process prompts in fixed chunks of N tokens")
     p.add_argument("--full_batch_size", type=int, default=None,
                    help="continuous batching with N cache slots (more prompts/requests than slots: slots are refilled)")
-    p.add_argument("--aoti_package", type=Path, help="run an AOT Inductor .pt2 from aoti_export.py")
+    p.add_argument("--aoti_package", "--dso", type=Path,
+                   help="run an AOT Inductor .pt2 (or a .so from aoti_export.py --so) from aoti_export.py")
     p.add_argument("--pte", type=Path, help="run an ExecuTorch .pte from et_export.py")
     p.add_argument("--onnx", type=Path, help="run an ONNX graph from export_onnx.py on ONNX Runtime")
     p.add_argument("--qpc", type=Path, help="run a Cloud AI 100 QPC from compile_qaic.py")

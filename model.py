@@ -1,9 +1,11 @@
-# Over 500 lines: besides the network (~300 lines) it holds ModelArgs' mapping of every family's Hugging Face
-# config.json and the named configs, which every stage and the tests read through ModelArgs.
+# Over 500 lines: the network (~400 lines: every family's blocks) plus load/save; the named configs and the reading of
+# each family's Hugging Face config.json live in model_configs.py (data about published checkpoints).
 # One transformer for every supported family (Llama 2/3, Mistral/Codestral, Mixtral, TinyLlama, SmolLM2/3, Qwen2.5,
-# Qwen3, Gemma 1/2/3, Phi-3/Phi-4-mini, StarCoder2), gpt-fast style. Families differ by ModelArgs fields that pick
-# small named blocks (RMSNorm/LayerNorm, gated/plain MLP, MoEFeedForward, Rotary/NoRope, a per-layer sliding window,
-# soft-capped attention), never by a class per model; checkpoint layouts are scripts/convert_checkpoint.py's business.
+# Qwen3, Gemma 1/2/3, Phi-3/Phi-4-mini, StarCoder2, GPT-2, GPT-J, Falcon, MPT, CodeGen2.5/XGen), gpt-fast style.
+# Families differ by ModelArgs fields that pick small named blocks (RMSNorm/LayerNorm with or without bias, gated/plain
+# MLP, MoEFeedForward, Rotary/NoRope, learned positions, ALiBi, a per-layer sliding window, soft-capped attention,
+# parallel attention + MLP), never by a class per model; checkpoint layouts are scripts/convert_checkpoint.py's
+# business.
 #
 # Conventions every stage relies on:
 #   * forward(idx[B,T], input_pos, batch_index=None, mask=None) -> logits[B,T,V] (float32 for a float model run in
@@ -23,12 +25,20 @@
 #     short or long factors from the table length (long when max_seq_length > original_max_position_embeddings: HF
 #     switches on the current sequence length, so the two agree for caches up to that length).
 #   * Gemma's RMSNorm (x * (1 + w)) is the plain RMSNorm with w + 1 stored by the converter (as llama.cpp does).
+#   * Positions without rotary (nope_layers = every layer): GPT-2's learned absolute embeddings
+#     (Transformer.pos_embeddings, indexed by input_pos, so padded rows and per-row positions work as with rotary)
+#     and MPT's ALiBi, an additive bias -slope_h * (query position - key position) folded into the attention mask of
+#     every layer (the derived one or the caller's), so every exporter that runs this forward gets it for free.
+#     transformers' MPT biases by the key index only; the two differ by a constant per query row, which softmax
+#     ignores. GPT-J's interleaved rotary (rotate_every_two on rotary_dim) is turned into the half-split layout by
+#     permuting q/k weight rows at conversion (exact, no runtime cost), as for Meta/GGUF checkpoints.
 #   * Exports and decoding modes replace pieces through documented swap points, by assigning modules (never by
 #     patching functions): each layer's `attention.kv_cache` (a module with update(input_pos, k, v, batch_index) ->
 #     the keys/values to attend over), `attention.rope` (a module with forward(x, cos, sin); Rotary, or NoRope in a
 #     layer without positions) and the norm modules (attention_norm, ffn_norm, post_attention_norm, post_ffn_norm,
-#     norm, q_norm/k_norm: RMSNorm or nn.LayerNorm), which may be replaced by any module computing the same
-#     function. load_model() keeps the quantization recipe on the model as `model.quantization`.
+#     norm, q_norm/k_norm: RMSNorm or nn.LayerNorm; ffn_norm is None in a parallel block with one norm), which may
+#     be replaced by any module computing the same function. load_model() keeps the quantization recipe on the model
+#     as `model.quantization`.
 #   * Mixture of experts (Mixtral) is computed densely: every expert (nn.Linear, so quantize.py and every exporter take
 #     it as is) runs on every token and is weighted by the renormalised top-k routing weights, zero elsewhere. Exact
 #     and free of data-dependent control flow, at n_experts / n_experts_per_tok times the MLP FLOPs and weight reads
@@ -45,6 +55,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from common import atomic_path, checkpoint_file
+from model_configs import hf_config_fields, transformer_configs  # noqa: F401  (re-exported: model.transformer_configs)
 
 
 @dataclass
@@ -84,6 +95,14 @@ class ModelArgs:
     nope_layers: Optional[list] = None  # layer indices without rotary embedding (SmolLM3)
     n_experts: int = 0                # mixture of experts (Mixtral): 0 = one dense MLP
     n_experts_per_tok: int = 2
+    norm_bias: bool = True            # LayerNorm's bias (MPT has none)
+    learned_pos: bool = False         # + a learned embedding of each token's position (GPT-2: with nope_layers = all)
+    alibi: bool = False               # ALiBi bias on the attention scores (MPT: with nope_layers = all)
+    alibi_bias_max: float = 8.0       # ALiBi slopes (alibi_slopes: MPT's formula)
+    clip_qkv: Optional[float] = None  # q, k, v clamped to [-clip_qkv, clip_qkv] (MPT)
+    parallel_attn: bool = False       # x + attn(norm(x)) + mlp(norm'(x)) (GPT-J, Falcon) instead of one after the other
+    parallel_norms: int = 1           # parallel blocks: 1 = norm' is norm (GPT-J, Falcon-7B), 2 = ffn_norm (Falcon-40B)
+    output_bias: bool = False         # bias on the output layer (GPT-J)
     family: str = ""                  # the Hugging Face model_type it came from, for messages ("" = not recorded)
 
     def __post_init__(self):
@@ -102,6 +121,8 @@ class ModelArgs:
             raise ValueError(f"rotary_dim {self.rotary_dim} must be even and in 2..head_dim ({self.head_dim})")
         if self.norm_type not in ("rms", "layer") or self.mlp_act not in ACTIVATIONS:
             raise ValueError(f"unknown norm_type {self.norm_type!r} or mlp_act {self.mlp_act!r}")
+        if self.parallel_norms not in (1, 2):
+            raise ValueError(f"parallel_norms must be 1 or 2, not {self.parallel_norms}")
 
     def is_sliding(self, layer: int) -> bool:
         return bool(self.sliding_window) and (self.sliding_layers is None or layer in self.sliding_layers)
@@ -123,200 +144,9 @@ class ModelArgs:
 
     @classmethod
     def from_hf_config(cls, c: dict) -> "ModelArgs":
-        """Build from a Hugging Face config.json (old and transformers-5 layouts) of LlamaForCausalLM, Mistral,
-        Mixtral, Qwen2, Qwen3, Gemma, Gemma2, Gemma3 (text), Phi3, SmolLM3, Starcoder2. A feature model.py does not
-        implement raises ValueError naming it (never a silent approximation)."""
-        mt = c.get("model_type", "")
-        family = {"gemma3_text": "gemma3", "gemma3": "gemma3"}.get(mt, mt)
-        if mt == "gemma3" and "text_config" in c:
-            raise ValueError("Gemma3ForConditionalGeneration (vision) is not supported; convert the text model")
-        gemma = family in ("gemma", "gemma2", "gemma3")
-        n_layer, n_head = c["num_hidden_layers"], c["num_attention_heads"]
-        head_dim = c.get("head_dim") or c["hidden_size"] // n_head
-        rp = c.get("rope_parameters") or {}
-        if "full_attention" in rp or "sliding_attention" in rp:  # transformers 5: one dict per layer type (Gemma 3)
-            glob, local = rp.get("full_attention") or {}, rp.get("sliding_attention") or {}
-        else:
-            glob, local = rp, {}
-        rs = dict(c.get("rope_scaling") or {}) or {k: v for k, v in glob.items()
-                                                 if k not in ("rope_theta", "partial_rotary_factor")}
-        rope_base = float(c.get("rope_theta") or glob.get("rope_theta") or 10000.0)
-        kind = rs.get("rope_type", rs.get("type", "default"))
-        if kind == "default":
-            rs = None
-        elif kind == "llama3":
-            rs = {k: rs[k] for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
-        elif kind == "linear":
-            rs = dict(rope_type="linear", factor=float(rs["factor"]))
-        elif kind in ("longrope", "su"):
-            orig = c.get("original_max_position_embeddings") or rs.get("original_max_position_embeddings")
-            rs = dict(rope_type="longrope", short_factor=list(rs["short_factor"]), long_factor=list(rs["long_factor"]),
-                      original_max_position_embeddings=orig, factor=rs.get("factor"),
-                      attention_factor=rs.get("attention_factor"))
-        else:
-            raise ValueError(f"unsupported rope scaling {kind!r} for {mt or 'this model'} ({rs})")
-        for sub in (local,):
-            if sub.get("rope_type", "default") != "default":
-                raise ValueError(f"unsupported rope scaling {sub.get('rope_type')!r} on the sliding layers of {mt}")
-        partial = c.get("partial_rotary_factor") or glob.get("partial_rotary_factor") or 1.0
-        # sliding window: which layers have it
-        window = c.get("sliding_window") if c.get("use_sliding_window", True) else None
-        types = c.get("layer_types")
-        if types is None and family == "gemma2":
-            types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n_layer)]
-        if types is None and family == "gemma3":
-            pattern = c.get("sliding_window_pattern") or c.get("_sliding_window_pattern") or 6
-            types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n_layer)]
-        if types is not None and set(types) - {"sliding_attention", "full_attention"}:
-            raise ValueError(f"unsupported layer types {sorted(set(types))} in {mt}")
-        sliding = None if types is None else [i for i, t in enumerate(types) if t == "sliding_attention"]
-        if not window or sliding == []:
-            window, sliding = None, None
-        elif sliding is not None and len(sliding) == n_layer:
-            sliding = None
-        if c.get("use_bidirectional_attention"):
-            raise ValueError(f"bidirectional attention ({mt}) is not supported")
-        act = c.get("hidden_activation") or c.get("hidden_act") or "silu"
-        acts = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",
-                "gelu_fast": "gelu_tanh", "gelu": "gelu"}
-        if act not in acts:
-            raise ValueError(f"unsupported activation {act!r} in {mt}")
-        nope = None
-        if c.get("no_rope_layers") is not None:  # SmolLM3: 1 = this layer uses rope
-            nope = [i for i, use in enumerate(c["no_rope_layers"]) if not use] or None
-        n_experts = int(c.get("num_local_experts") or 0)
-        if c.get("num_experts") or c.get("n_routed_experts"):
-            raise ValueError(f"unsupported mixture-of-experts layout in {mt} (only Mixtral's)")
-        bias = bool(c.get("use_bias", False))  # StarCoder2: every linear has a bias
-        if c.get("mlp_bias") and not bias:
-            raise ValueError(f"unsupported MLP with bias (mlp_bias) in {mt}")
-        qpre = c.get("query_pre_attn_scalar") if gemma and family != "gemma" else None
-        return cls(
-            block_size=c.get("max_position_embeddings", 2048),
-            vocab_size=c["vocab_size"],
-            n_layer=n_layer,
-            n_head=n_head,
-            dim=c["hidden_size"],
-            intermediate_size=c["intermediate_size"],
-            n_local_heads=c.get("num_key_value_heads") or n_head,
-            head_dim=head_dim,
-            rope_base=rope_base,
-            norm_eps=c.get("rms_norm_eps", c.get("norm_epsilon", c.get("layer_norm_eps", 1e-5))),
-            rope_scaling=rs,
-            tie_embeddings=bool(c.get("tie_word_embeddings", gemma or family == "starcoder2")),
-            attn_bias=bool(c.get("attention_bias", False)) or family == "qwen2" or bias,
-            qk_norm=family in ("qwen3", "gemma3"),
-            norm_type="layer" if family == "starcoder2" else "rms",
-            mlp_act=acts[act],
-            mlp_gated=family != "starcoder2",
-            mlp_bias=bias,
-            attn_out_bias=bias or bool(c.get("attention_bias", False)),
-            embed_scale=gemma,
-            sandwich_norm=family in ("gemma2", "gemma3"),
-            attn_scale=float(qpre) ** -0.5 if qpre else None,
-            attn_softcap=c.get("attn_logit_softcapping") if gemma else None,
-            final_softcap=c.get("final_logit_softcapping") if gemma else None,
-            sliding_window=window,
-            sliding_layers=sliding,
-            rope_local_base=float(c.get("rope_local_base_freq") or local.get("rope_theta") or 10000.0)
-            if family == "gemma3" else None,
-            rotary_dim=int(head_dim * partial),
-            nope_layers=nope,
-            n_experts=n_experts,
-            n_experts_per_tok=int(c.get("num_experts_per_tok", 2)) if n_experts else 2,
-            family=family,
-        )
-
-
-_llama3_scaling = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
-_llama32_scaling = dict(_llama3_scaling, factor=32.0)
-_gemma = dict(mlp_act="gelu_tanh", embed_scale=True)
-_gemma2 = dict(_gemma, vocab_size=256000, block_size=8192, norm_eps=1e-6, tie_embeddings=True, sandwich_norm=True,
-               attn_scale=256 ** -0.5, attn_softcap=50.0, final_softcap=30.0, sliding_window=4096)
-_gemma3 = dict(_gemma, norm_eps=1e-6, tie_embeddings=True, sandwich_norm=True, qk_norm=True, attn_scale=256 ** -0.5,
-               rope_base=1000000.0, rope_local_base=10000.0)
-_starcoder2 = dict(vocab_size=49152, block_size=16384, sliding_window=4096, tie_embeddings=True, norm_type="layer",
-                   mlp_act="gelu_tanh", mlp_gated=False, mlp_bias=True, attn_bias=True, attn_out_bias=True)
-transformer_configs = {
-    "stories15M": dict(n_layer=6, n_head=6, dim=288, intermediate_size=768, vocab_size=32000, block_size=256),
-    "stories42M": dict(n_layer=8, n_head=8, dim=512, intermediate_size=1376, vocab_size=32000, block_size=1024),
-    "stories110M": dict(n_layer=12, n_head=12, dim=768, intermediate_size=2048, vocab_size=32000, block_size=1024),
-    "Llama-2-7b": dict(n_layer=32, n_head=32, dim=4096, intermediate_size=11008, block_size=4096),
-    "Llama-2-13b": dict(n_layer=40, n_head=40, dim=5120, intermediate_size=13824, block_size=4096),
-    "Llama-2-70b": dict(n_layer=80, n_head=64, dim=8192, n_local_heads=8, intermediate_size=28672, block_size=4096),
-    "Meta-Llama-3-8B": dict(n_layer=32, n_head=32, n_local_heads=8, dim=4096, intermediate_size=14336,
-                            vocab_size=128256, rope_base=500000.0, block_size=8192),
-    "Meta-Llama-3-70B": dict(n_layer=80, n_head=64, n_local_heads=8, dim=8192, intermediate_size=28672,
-                             vocab_size=128256, rope_base=500000.0, block_size=8192),
-    "Llama-3.1-8B": dict(n_layer=32, n_head=32, n_local_heads=8, dim=4096, intermediate_size=14336, vocab_size=128256,
-                         rope_base=500000.0, block_size=131072, rope_scaling=_llama3_scaling),
-    "Llama-3.1-70B": dict(n_layer=80, n_head=64, n_local_heads=8, dim=8192, intermediate_size=28672, vocab_size=128256,
-                          rope_base=500000.0, block_size=131072, rope_scaling=_llama3_scaling),
-    "Llama-3.2-1B": dict(n_layer=16, n_head=32, n_local_heads=8, dim=2048, intermediate_size=8192, vocab_size=128256,
-                         rope_base=500000.0, block_size=131072, rope_scaling=_llama32_scaling, tie_embeddings=True),
-    "Llama-3.2-3B": dict(n_layer=28, n_head=24, n_local_heads=8, dim=3072, intermediate_size=8192, vocab_size=128256,
-                         rope_base=500000.0, block_size=131072, rope_scaling=_llama32_scaling, tie_embeddings=True),
-    "Mistral-7B": dict(n_layer=32, n_head=32, n_local_heads=8, dim=4096, intermediate_size=14336, vocab_size=32768,
-                       rope_base=1000000.0, block_size=32768),
-    "TinyLlama-1.1B": dict(n_layer=22, n_head=32, n_local_heads=4, dim=2048, intermediate_size=5632, block_size=2048),
-    "SmolLM2-135M": dict(n_layer=30, n_head=9, n_local_heads=3, dim=576, intermediate_size=1536, vocab_size=49152,
-                         rope_base=100000.0, block_size=8192, tie_embeddings=True),
-    "SmolLM2-360M": dict(n_layer=32, n_head=15, n_local_heads=5, dim=960, intermediate_size=2560, vocab_size=49152,
-                         rope_base=100000.0, block_size=8192, tie_embeddings=True),
-    "SmolLM2-1.7B": dict(n_layer=24, n_head=32, n_local_heads=32, dim=2048, intermediate_size=8192, vocab_size=49152,
-                         rope_base=130000.0, block_size=8192, tie_embeddings=True),
-    "Qwen2.5-0.5B": dict(n_layer=24, n_head=14, n_local_heads=2, dim=896, intermediate_size=4864, vocab_size=151936,
-                         rope_base=1000000.0, block_size=32768, norm_eps=1e-6, tie_embeddings=True, attn_bias=True),
-    "Qwen2.5-1.5B": dict(n_layer=28, n_head=12, n_local_heads=2, dim=1536, intermediate_size=8960, vocab_size=151936,
-                         rope_base=1000000.0, block_size=32768, norm_eps=1e-6, tie_embeddings=True, attn_bias=True),
-    "Qwen3-0.6B": dict(n_layer=28, n_head=16, n_local_heads=8, dim=1024, head_dim=128, intermediate_size=3072,
-                       vocab_size=151936, rope_base=1000000.0, block_size=40960, norm_eps=1e-6, tie_embeddings=True,
-                       qk_norm=True),
-    "Qwen3-1.7B": dict(n_layer=28, n_head=16, n_local_heads=8, dim=2048, head_dim=128, intermediate_size=6144,
-                       vocab_size=151936, rope_base=1000000.0, block_size=40960, norm_eps=1e-6, tie_embeddings=True,
-                       qk_norm=True),
-
-    # Gemma (norm weights hold 1 + w, see the header): embeddings scaled, tanh-GELU gated MLP, head_dim 256
-    "gemma-2b": dict(n_layer=18, n_head=8, n_local_heads=1, dim=2048, head_dim=256, intermediate_size=16384,
-                     vocab_size=256000, block_size=8192, norm_eps=1e-6, tie_embeddings=True, **_gemma),
-    "gemma-7b": dict(n_layer=28, n_head=16, n_local_heads=16, dim=3072, head_dim=256, intermediate_size=24576,
-                     vocab_size=256000, block_size=8192, norm_eps=1e-6, tie_embeddings=True, **_gemma),
-    "gemma-2-2b": dict(n_layer=26, n_head=8, n_local_heads=4, dim=2304, head_dim=256, intermediate_size=9216,
-                       sliding_layers=list(range(0, 26, 2)), **_gemma2),
-    "gemma-2-9b": dict(n_layer=42, n_head=16, n_local_heads=8, dim=3584, head_dim=256, intermediate_size=14336,
-                       sliding_layers=list(range(0, 42, 2)), **_gemma2),
-    "gemma-3-1b": dict(n_layer=26, n_head=4, n_local_heads=1, dim=1152, head_dim=256, intermediate_size=6912,
-                       vocab_size=262144, block_size=32768, sliding_window=512,
-                       sliding_layers=[i for i in range(26) if (i + 1) % 6], **_gemma3),
-    "gemma-3-4b": dict(n_layer=34, n_head=8, n_local_heads=4, dim=2560, head_dim=256, intermediate_size=10240,
-                       vocab_size=262208, block_size=131072, sliding_window=1024,
-                       sliding_layers=[i for i in range(34) if (i + 1) % 6],
-                       rope_scaling=dict(rope_type="linear", factor=8.0), **_gemma3),
-    # Phi-3 / Phi-4-mini: fused qkv/gate_up split by the converter. The 128k models' longrope factors come from their
-    # config.json (convert_checkpoint.py keeps them); these named configs stop at the 4k pretraining context.
-    "Phi-3-mini-4k-instruct": dict(n_layer=32, n_head=32, dim=3072, intermediate_size=8192, vocab_size=32064,
-                                   block_size=4096, sliding_window=2047),
-    "Phi-3-mini-128k-instruct": dict(n_layer=32, n_head=32, dim=3072, intermediate_size=8192, vocab_size=32064,
-                                     block_size=4096),
-    "Phi-4-mini-instruct": dict(n_layer=32, n_head=24, n_local_heads=8, dim=3072, intermediate_size=8192,
-                                vocab_size=200064, block_size=4096, rotary_dim=96, tie_embeddings=True),
-    "SmolLM3-3B": dict(n_layer=36, n_head=16, n_local_heads=4, dim=2048, intermediate_size=11008, vocab_size=128256,
-                       rope_base=5000000.0, block_size=65536, norm_eps=1e-6, tie_embeddings=True,
-                       nope_layers=list(range(3, 36, 4))),
-    "Mistral-7B-Instruct-v0.1": dict(n_layer=32, n_head=32, n_local_heads=8, dim=4096, intermediate_size=14336,
-                                     vocab_size=32000, block_size=32768, sliding_window=4096),
-    "Codestral-22B": dict(n_layer=56, n_head=48, n_local_heads=8, dim=6144, head_dim=128, intermediate_size=16384,
-                          vocab_size=32768, rope_base=1000000.0, block_size=32768),
-    "Mixtral-8x7B": dict(n_layer=32, n_head=32, n_local_heads=8, dim=4096, intermediate_size=14336, vocab_size=32000,
-                         rope_base=1000000.0, block_size=32768, n_experts=8, n_experts_per_tok=2),
-    # StarCoder2: LayerNorm with bias, plain tanh-GELU MLP with bias, biases on every attention linear
-    "starcoder2-3b": dict(n_layer=30, n_head=24, n_local_heads=2, dim=3072, intermediate_size=12288,
-                          rope_base=999999.4420358813, **_starcoder2),
-    "starcoder2-7b": dict(n_layer=32, n_head=36, n_local_heads=4, dim=4608, intermediate_size=18432,
-                          rope_base=1000000.0, **_starcoder2),
-    "starcoder2-15b": dict(n_layer=40, n_head=48, n_local_heads=4, dim=6144, intermediate_size=24576,
-                           rope_base=100000.0, **_starcoder2),
-}
+        """Build from a Hugging Face config.json (model_configs.hf_config_fields: every supported family's keys). A
+        feature model.py does not implement raises ValueError naming it (never a silent approximation)."""
+        return cls(**hf_config_fields(c))
 
 
 class KVCache(nn.Module):
@@ -364,8 +194,10 @@ class RMSNorm(nn.Module):
 
 
 def make_norm(args: ModelArgs, dim: int) -> nn.Module:
-    """The family's norm: RMSNorm, or LayerNorm with bias (StarCoder2)."""
-    return RMSNorm(dim, args.norm_eps) if args.norm_type == "rms" else nn.LayerNorm(dim, eps=args.norm_eps)
+    """The family's norm: RMSNorm, or LayerNorm with bias (StarCoder2, GPT-2, GPT-J, Falcon) or without (MPT)."""
+    if args.norm_type == "rms":
+        return RMSNorm(dim, args.norm_eps)
+    return nn.LayerNorm(dim, eps=args.norm_eps, bias=args.norm_bias)
 
 
 ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu}
@@ -406,6 +238,15 @@ def longrope_attention_factor(args: ModelArgs) -> float:
     orig = s["original_max_position_embeddings"]
     factor = s.get("factor") or args.block_size / orig
     return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
+
+
+def alibi_slopes(args: ModelArgs) -> list[float]:
+    """ALiBi slope of each head, MPT's formula: 2^(-alibi_bias_max * h / n) for h = 1..n, n = n_head rounded up to a
+    power of two; for other head counts the even-numbered h first, then the odd ones (with alibi_bias_max 8 these are
+    the ALiBi paper's and Bloom's slopes)."""
+    n = 2 ** math.ceil(math.log2(args.n_head))
+    s = [2.0 ** (-args.alibi_bias_max * h / n) for h in range(1, n + 1)]
+    return s if n == args.n_head else (s[1::2] + s[::2])[:args.n_head]
 
 
 def precompute_rope(args: ModelArgs, seq_len: int, dtype=torch.float32, local: bool = False,
@@ -451,13 +292,15 @@ class NoRope(nn.Module):
 
 def softcapped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, cap: float) -> Tensor:
     """softmax(cap * tanh(q k^T * scale / cap) + mask) v (Gemma 2), grouped-query without copying the cache:
-    q [B, H, T, D], k/v [B, Hkv, S, D], mask additive or bool [B or 1, 1, T, S] -> [B, H, T, D]."""
+    q [B, H, T, D], k/v [B, Hkv, S, D], mask additive or bool [B or 1, 1 or H, T, S] -> [B, H, T, D]."""
     B, H, T, D = q.shape
     Hkv = k.shape[1]
+    # (with one KV head, AOT Inductor's frozen graph of this broadcast reads the cache as it was at export: the
+    # families' chimera has two; torch.compile, ONNX and eager are exact with one)
     qg = q.view(B, Hkv, H // Hkv, T, D)                                     # query heads grouped by their KV head
     s = torch.matmul(qg, k.unsqueeze(2).transpose(-1, -2)) * scale         # [B, Hkv, r, T, S]
     s = torch.tanh(s / cap) * cap
-    m = mask.unsqueeze(1)
+    m = mask.unsqueeze(1) if mask.shape[1] == 1 else mask.view(mask.shape[0], Hkv, H // Hkv, *mask.shape[2:])
     s = s.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else s + m
     p = torch.softmax(s.float(), dim=-1).to(q.dtype)
     return torch.matmul(p, v.unsqueeze(2)).view(B, H, T, D)
@@ -474,14 +317,17 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, args.norm_eps) if args.qk_norm else None
         nope = layer in (args.nope_layers or ())
         self.rope = NoRope() if nope else Rotary(args.rotary_dim if args.rotary_dim != args.head_dim else None)
-        self.scale, self.softcap = args.attn_scale, args.attn_softcap
+        self.scale, self.softcap, self.clip_qkv = args.attn_scale, args.attn_softcap, args.clip_qkv
         self.kv_cache: Optional[KVCache] = None  # set by setup_caches()
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, input_pos: Tensor, batch_index: Optional[Tensor] = None,
                 mask: Optional[Tensor] = None) -> Tensor:
         B, T, _ = x.shape
         q_size, kv_size = self.n_head * self.head_dim, self.n_kv * self.head_dim
-        q, k, v = self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
+        qkv = self.wqkv(x)
+        if self.clip_qkv is not None:
+            qkv = qkv.clamp(-self.clip_qkv, self.clip_qkv)
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(B, T, self.n_head, self.head_dim)
         k = k.view(B, T, self.n_kv, self.head_dim)
         v = v.view(B, T, self.n_kv, self.head_dim)
@@ -552,15 +398,22 @@ class TransformerBlock(nn.Module):
         self.local_rope = self.sliding and args.rope_local_base is not None  # uses Transformer.rope_local
         self.attention = Attention(args, layer)
         self.feed_forward = MoEFeedForward(args) if args.n_experts else FeedForward(args)
+        self.parallel = args.parallel_attn  # the MLP reads the block's input: ffn_norm(x), or attention_norm(x) if None
         self.attention_norm = make_norm(args, args.dim)
-        self.ffn_norm = make_norm(args, args.dim)
+        self.ffn_norm = make_norm(args, args.dim) if not args.parallel_attn or args.parallel_norms == 2 else None
         self.post_attention_norm = make_norm(args, args.dim) if args.sandwich_norm else None
         self.post_ffn_norm = make_norm(args, args.dim) if args.sandwich_norm else None
 
     def forward(self, x, cos, sin, input_pos, batch_index=None, mask=None):
-        h = self.attention(self.attention_norm(x), cos, sin, input_pos, batch_index=batch_index, mask=mask)
+        n = self.attention_norm(x)
+        h = self.attention(n, cos, sin, input_pos, batch_index=batch_index, mask=mask)
         if self.post_attention_norm is not None:
             h = self.post_attention_norm(h)
+        if self.parallel:  # GPT-J, Falcon: x + attn(norm(x)) + mlp(norm'(x))
+            out = self.feed_forward(n if self.ffn_norm is None else self.ffn_norm(x))
+            if self.post_ffn_norm is not None:
+                out = self.post_ffn_norm(out)
+            return x + (h + out)
         h = x + h
         out = self.feed_forward(self.ffn_norm(h))
         if self.post_ffn_norm is not None:
@@ -573,9 +426,12 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        # GPT-2's learned absolute positions; MPT's ALiBi slopes (a constant list: nothing to load)
+        self.pos_embeddings = nn.Embedding(args.block_size, args.dim) if args.learned_pos else None
+        self.alibi = alibi_slopes(args) if args.alibi else None
         self.layers = nn.ModuleList(TransformerBlock(args, i) for i in range(args.n_layer))
         self.norm = make_norm(args, args.dim)
-        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=args.output_bias)
         self.max_batch_size = -1
         self.max_seq_length = -1
         self.quantization: Optional[dict] = None  # the recipe quantize.py applied (load_model sets it); None = float
@@ -627,6 +483,8 @@ class Transformer(nn.Module):
         x = self.tok_embeddings(idx)
         if cfg.embed_scale:  # Gemma: sqrt(dim) rounded to the model dtype, as transformers does
             x = x * torch.tensor(cfg.dim ** 0.5, dtype=x.dtype)
+        if self.pos_embeddings is not None:  # GPT-2: + the embedding of each token's position
+            x = x + self.pos_embeddings(pos)
         q_pos = pos.view(rows, 1, T, 1)
         masks = {}
         if mask is None:  # a query at position p sees cache slots 0..p (sliding: p-W+1..p)
@@ -642,6 +500,16 @@ class Transformer(nn.Module):
                 slot = torch.arange(mask.shape[-1], device=idx.device).view(1, 1, 1, -1)
                 keep = (slot > q_pos - cfg.sliding_window) | (slot >= S)
                 masks[True] = mask & keep if mask.dtype == torch.bool else mask.masked_fill(~keep, float("-inf"))
+        if self.alibi is not None:  # MPT: -slope_h * (query position - key position) on every score
+            if mask is not None and mask.shape[-1] > S:
+                raise ValueError("ALiBi (MPT) needs the position of every key: a caller mask with slots past the cache "
+                                 "(lookahead decoding's scratch) is not supported")
+            width = S if mask is None else mask.shape[-1]
+            dist = (q_pos - torch.arange(width, device=idx.device).view(1, 1, 1, width)).to(x.dtype)  # [rows,1,T,S]
+            bias = -torch.tensor(self.alibi, dtype=x.dtype, device=x.device).view(1, -1, 1, 1) * dist  # [rows,H,T,S]
+            masks = {k: bias + (m if m.dtype != torch.bool else
+                                torch.zeros(m.shape, dtype=x.dtype, device=x.device).masked_fill(~m, float("-inf")))
+                     for k, m in masks.items()}
         for layer in self.layers:
             cos, sin = ropes[layer.local_rope]
             x = layer(x, cos, sin, input_pos, batch_index=batch_index, mask=masks[layer.sliding])

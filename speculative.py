@@ -21,11 +21,15 @@
 #     The target's greedy token after the current one is always kept; a candidate whose tokens match the greedy
 #     tokens predicted along it extends the step by up to N - 1 more tokens (lossless: plain greedy output).
 #     The pool is also seeded with the n-grams of the prompt and of the accepted text (prompt_ngrams=True).
-#     The speculative tokens need positions that repeat and cache slots apart from positions, and a mask that is
-#     not "slot <= position": for the duration of the call each layer's KVCache is swapped for a _SlotCache (the same
-#     cache plus scratch slots, written at slots chosen here; layer.attention.kv_cache is model.py's swap point) and
-#     each step's mask goes to Transformer.forward(mask=...). The network is model.py's; the swap is undone on return.
-#     Needs model.py's Transformer (TorchBackend.model); runs it eagerly.
+#     The speculative tokens need positions that repeat and a mask that is not "slot <= position": the lookahead
+#     contract is one call forward_masked(tokens [1, T], input_pos [T], mask [1, 1, T, S] additive float) -> logits
+#     [1, T, V], where token k writes cache slot input_pos[0] + k (StepCache, at model.py's kv_cache swap point) and
+#     attends as the mask says (Transformer.forward(mask=...)). A step's call is seq[committed:] (the tokens a
+#     candidate got accepted with last step are fed again: their keys/values sat in scratch slots) then the
+#     current token, the levels and the candidates; the same call with a causal mask is the prompt and plain decode.
+#     TorchBackend runs it (eager or --compile); et_export.py / aoti_export.py --lookahead export it as the
+#     `lookahead` program that runner-common/lookahead.h (the same algorithm in C++) and generate.py's --pte /
+#     --aoti_package backends call. The network is model.py's; the swap is undone after each call.
 #
 # Both: batch 1 (one prompt); tokens kept and timed by generate.py's Emitter (its stats plus the acceptance figures);
 # format_stats() for a one-line summary. Their arguments are checked once, by check_speculate_k / check_lookahead
@@ -40,13 +44,13 @@
 #   * lookahead: keep the step small, since a forward of T tokens costs more than one of 1 token (about 1.6x at
 #     T = 6 and 2x at T = 16 in eager float32): e.g. 5,1,2 on text that repeats (code, edits, lists), where most
 #     hits come from the pool's n-grams of the prompt and of the text so far; on free prose few guesses hit.
+import contextlib
 from typing import Callable, Optional
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from generate import Emitter, logits_to_probs, prefill
-from model import KVCache
 
 
 # ----------------------------------------------------------------------------------------------------------- helpers
@@ -239,102 +243,75 @@ def speculative_generate(target_backend, draft_backend, prompt_ids, max_new_toke
 
 
 # ----------------------------------------------------------------------------------------------------------- lookahead
-class _SlotCache(KVCache):
-    """model.KVCache with R scratch slots after the S regular ones. While `slots` is set, update() writes the call's
-    keys/values at those slots instead of at input_pos (which the model still uses for the rotary embedding)."""
+class StepCache(nn.Module):
+    """The lookahead contract's cache (swapped in at model.py's kv_cache swap point, over the same buffers): one
+    sequence; a call's T keys/values go to the consecutive cache slots input_pos[0] .. input_pos[0] + T - 1, whatever
+    the tokens' own positions (the rotary embedding); the caller's mask says what each token attends to. With
+    consecutive positions (a prompt, a decode step) slots and positions coincide: it is the ordinary KV cache.
+    et_export.py / aoti_export.py export the `lookahead` program through this swap; TorchBackend runs it."""
 
-    def __init__(self, like: KVCache, scratch: int):
-        B, H, S, D = like.k_cache.shape
-        super().__init__(B, S + scratch, H, D, like.k_cache.dtype)
-        self.to(like.k_cache.device)
-        self.slots: Optional[Tensor] = None
+    def __init__(self, cache):
+        super().__init__()
+        if cache.k_cache.shape[0] != 1:
+            raise ValueError("lookahead decoding runs one sequence: the cache must hold batch 1")
+        self.register_buffer("k_cache", cache.k_cache, persistent=False)
+        self.register_buffer("v_cache", cache.v_cache, persistent=False)
 
-    def update(self, input_pos, k, v, batch_index=None):
-        return super().update(self.slots if self.slots is not None else input_pos, k, v, batch_index)
-
-    def move(self, src: Tensor, dst: Tensor):
-        """Copy the keys/values at slots src to slots dst (commit accepted speculative tokens)."""
-        for c in (self.k_cache, self.v_cache):
-            c.index_copy_(2, dst, c.index_select(2, src))
+    def update(self, input_pos: Tensor, k: Tensor, v: Tensor, batch_index: Optional[Tensor] = None):
+        slots = input_pos[:1] + torch.arange(k.shape[2], device=input_pos.device)
+        self.k_cache.index_copy_(2, slots, k.contiguous())
+        self.v_cache.index_copy_(2, slots, v.contiguous())
+        return self.k_cache, self.v_cache
 
 
-class _Lookahead:
-    """Swaps model.py's caches for _SlotCache for the duration of a `with` block; runs the model with our masks.
-    prefill() runs the prompt; step() runs one lookahead step (current token + lookahead + verification branches)."""
+def check_step_contract(config) -> None:
+    """The lookahead contract puts a step's guesses in cache slots that are not their positions; a model whose
+    attention depends on the key's position beyond its rotary embedding (ALiBi: MPT) cannot take them."""
+    if config is not None and getattr(config, "alibi", False):
+        raise ValueError("lookahead decoding needs keys whose position is in the rotary embedding: ALiBi models (MPT) "
+                         "bias the scores by cache slot, so they cannot run the lookahead program")
 
-    def __init__(self, model, window: int, scratch: int):
-        self.model, self.W, self.scratch = model, window, scratch
-        self.S = model.max_seq_length
-        self.device = model.norm.weight.device
-        self.layouts = {}
 
-    def __enter__(self):
-        m = self.model
-        self.orig = [layer.attention.kv_cache for layer in m.layers]
-        self.caches = [_SlotCache(c, self.scratch) for c in self.orig]
-        for layer, c in zip(m.layers, self.caches):
+@contextlib.contextmanager
+def step_caches(model, made: Optional[list] = None):
+    """Each layer's kv_cache -> a StepCache over the same buffers for the duration of the block (model.py's swap
+    point); put back on exit. `made`: a list that keeps the StepCaches between calls (a compiled caller sees the same
+    modules every time)."""
+    orig = [layer.attention.kv_cache for layer in model.layers]
+    if made is None or len(made) != len(orig) or any(s.k_cache is not c.k_cache for s, c in zip(made, orig)):
+        fresh = [StepCache(c) for c in orig]
+        if made is None:
+            made = fresh
+        else:
+            made[:] = fresh
+    for layer, c in zip(model.layers, made):
+        layer.attention.kv_cache = c
+    try:
+        yield model
+    finally:
+        for layer, c in zip(model.layers, orig):
             layer.attention.kv_cache = c
-        return self
 
-    def __exit__(self, *exc):
-        for layer, c in zip(self.model.layers, self.orig):
-            layer.attention.kv_cache = c
 
-    def run(self, tokens: list[int], rope_pos: Tensor, slots: Optional[Tensor], mask: Tensor) -> Tensor:
-        for c in self.caches:
-            c.slots = slots
-        try:
-            return self.model(torch.tensor([tokens], device=self.device), rope_pos,
-                              mask=mask.view(1, 1, *mask.shape))[0]
-        finally:
-            for c in self.caches:
-                c.slots = None
+def causal_mask(positions, S: int) -> Tensor:
+    """The additive mask [1, 1, T, S] of ordinary causal calls (slot j visible to a query at position p iff j <= p)."""
+    pos = torch.as_tensor(positions).view(-1, 1)
+    allowed = torch.arange(S).view(1, S) <= pos
+    return additive(allowed)
 
-    def prefill(self, prompt: list[int], start_pos: int = 0) -> Tensor:
-        """Causal forward of the prompt at positions start_pos.. (its own cache slots); logits [L, V]."""
-        L, S = len(prompt), self.S
-        pos = torch.arange(start_pos, start_pos + L, device=self.device)
-        mask = torch.cat([torch.arange(S, device=self.device).view(1, S) <= pos.view(L, 1),
-                          torch.zeros(L, self.scratch, dtype=torch.bool, device=self.device)], 1)
-        return self.run(prompt, pos, None, mask)
 
-    def step(self, cur: int, p: int, levels: list[list[int]], cands: list[tuple]):
-        """One forward: cur at position p (cache slot p), the lookahead levels, the candidate n-grams (scratch slots).
-        Returns (logits [T, V], tokens, {(level, column): index}, [[index of each candidate token]])."""
-        W, S = self.W, self.S
-        key = (len(levels), tuple(len(c) for c in cands))
-        if key not in self.layouts:
-            offs, anc, idx, cidx = _step_layout(W, len(levels), key[1])
-            self.layouts[key] = (offs.to(self.device), anc.to(self.device), idx, cidx)
-        offs, anc, idx, cidx = self.layouts[key]
-        T = offs.numel()
-        tokens = [cur] + [levels[0][i] for i in range(1, W)]
-        for j in range(1, len(levels)):
-            tokens += levels[j]
-        for c in cands:
-            tokens += list(c)
-        rope = (offs + p).clamp_(max=S - 1)  # lookahead guesses past the context end: any position will do
-        slots = torch.cat([torch.tensor([p], device=self.device), S + torch.arange(T - 1, device=self.device)])
-        mask = torch.zeros(T, S + self.scratch, dtype=torch.bool, device=self.device)
-        mask[:, :p + 1] = True
-        mask[:, S:S + T - 1] = anc
-        return self.run(tokens, rope, slots, mask), tokens, idx, cidx
-
-    def commit(self, token_indices: list[int], p: int):
-        """The step's tokens at these indices (scratch) become the cache entries of positions p+1, p+2, ..."""
-        src = torch.tensor(token_indices, device=self.device) + (self.S - 1)
-        dst = torch.arange(p + 1, p + 1 + len(token_indices), device=self.device)
-        for c in self.caches:
-            c.move(src, dst)
+def additive(allowed: Tensor) -> Tensor:
+    """bool [T, S] (True = may attend) -> the lookahead program's float32 mask [1, 1, T, S] (0 / -inf)."""
+    return torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf")).view(1, 1, *allowed.shape)
 
 
 def _step_layout(W: int, levels: int, cand_lens: tuple[int, ...]):
-    """Relative layout of one lookahead step. Token 0 is the current token (position p, its own cache slot p);
-    then level 0 columns 1..W-1, levels 1..levels-1 columns 0..W-1, then the candidates. Returns
-    (position offsets [T], scratch ancestor matrix [T, T-1] bool (token t may attend scratch slot s), index of
-    (level, column) -> token index, list of per-candidate token index lists)."""
+    """Relative layout of one lookahead step after the current token (index 0, position p): level 0 columns 1..W-1,
+    levels 1..levels-1 columns 0..W-1 (level j column i is index j*W + i), then the candidates. Returns (position
+    offsets [T'], ancestor matrix [T', T'-1] bool (token t attends to the step's token s + 1), {(level, column):
+    index}, [per-candidate index lists])."""
     idx = {(0, 0): 0}
-    offs, parents = [0], [[]]  # parents: the scratch tokens (indices >= 1) each token attends to, itself included
+    offs, parents = [0], [[]]
     for i in range(1, W):
         idx[(0, i)] = len(offs)
         offs.append(i)
@@ -344,8 +321,7 @@ def _step_layout(W: int, levels: int, cand_lens: tuple[int, ...]):
             t = len(offs)
             idx[(j, i)] = t
             offs.append(i + j)
-            own = [idx[(jj, i)] for jj in range(1, j)] + [t]
-            parents.append(list(range(1, i + 1)) + own)
+            parents.append(list(range(1, i + 1)) + [idx[(jj, i)] for jj in range(1, j)] + [t])
     cands = []
     for n in cand_lens:
         ids = []
@@ -363,30 +339,61 @@ def _step_layout(W: int, levels: int, cand_lens: tuple[int, ...]):
     return torch.tensor(offs), anc, idx, cands
 
 
+def step_inputs(seq: list[int], committed: int, levels: list[list[int]], cands: list[tuple], S: int):
+    """One lookahead step's call of the lookahead contract. seq: the text so far (its last token, the current one,
+    is not in the cache); committed: tokens whose keys/values are in the cache (slots = positions 0..committed-1).
+    The call holds seq[committed:] (tokens accepted last step from a candidate, whose keys/values sat in that
+    step's scratch slots, are fed again: r of them, a causal chain), then the step layout; token k writes cache slot
+    committed + k. Returns (tokens, positions, allowed [T, S] bool, r, {(level, column): index}, [candidate index
+    lists]) with indices relative to the current token (add r for the row of the logits); None when the call would
+    not fit the cache."""
+    p = len(seq) - 1
+    r = p - committed
+    offs, anc, idx, cidx = _step_layout(len(levels[0]), len(levels), tuple(len(c) for c in cands))
+    T = r + len(offs)
+    if committed + T > S:
+        return None
+    tokens = seq[committed:] + [levels[0][i] for i in range(1, len(levels[0]))]
+    for lv in levels[1:]:
+        tokens += lv
+    for c in cands:
+        tokens += list(c)
+    positions = list(range(committed, p)) + (offs + p).tolist()
+    allowed = torch.zeros(T, S, dtype=torch.bool)
+    allowed[:, :committed] = True
+    for i in range(r + 1):  # the fed-again tokens and the current one: causal over their own slots
+        allowed[i, committed:committed + i + 1] = True
+    allowed[r + 1:, committed:p + 1] = True
+    allowed[r:, p + 1:p + len(offs)] = anc
+    return tokens, positions, allowed, r, idx, cidx
+
+
 @torch.no_grad()
 def lookahead_generate(backend, prompt_ids, max_new_tokens: int, device, ngram: int, window: int, gcap: int,
                        stop_ids=(), on_token: Optional[Callable[[int, int], None]] = None, temperature: float = 0.0,
-                       prompt_ngrams: bool = True, seed: int = 0):
+                       prompt_ngrams: bool = True):
     """Lookahead decoding of one prompt (batch 1), greedy, lossless. Returns (new token ids, stats).
 
     ngram N >= 2 (n-gram size: a step keeps up to N tokens), window W >= 1 (lookahead columns), gcap G >= 1 (n-grams
-    kept per first token, and verified per step). backend: a TorchBackend (needs .model, model.py's Transformer).
-    prompt_ngrams also seeds the pool with the prompt's and the accepted text's n-grams. seed: the initial guesses.
-    stats: mean_accepted (tokens per forward), accepted_hist[n] = steps that kept n tokens, steps_with_hit, timings."""
+    kept per first token, and verified per step). backend: anything with forward_masked(tokens [1, T], input_pos [T],
+    mask [1, 1, T, S]) -> logits [1, T, V] (the lookahead contract: TorchBackend, eager or compiled; a .pte / .pt2
+    exported with --lookahead). prompt_ngrams also seeds the pool with the prompt's and the accepted text's n-grams.
+    The first guesses are the prompt's last W tokens (runner-common/lookahead.h does the same, so both take the same
+    steps). stats: mean_accepted (tokens per forward), accepted_hist[n] = steps that kept n tokens, steps_with_hit."""
     check_lookahead(ngram, window, gcap, temperature)
     _check_int("max_new_tokens", max_new_tokens, 0)
     prompt = _one_prompt(prompt_ids)
-    model = getattr(backend, "model", None)
-    if model is None or not hasattr(model, "layers") or getattr(model.layers[0].attention, "kv_cache", None) is None:
-        raise ValueError("lookahead decoding needs the PyTorch backend (model.py's Transformer with its caches set "
-                         "up): exported graphs cannot take its attention masks")
+    masked = getattr(backend, "forward_masked", None)
+    if masked is None or not getattr(backend, "has_masked", True):
+        raise ValueError("lookahead decoding needs a program that takes an attention mask: model.py (eager or "
+                         "--compile), or a .pte / .pt2 exported with --lookahead")
+    check_step_contract(getattr(getattr(backend, "model", None), "config", None))
     N, W, G = ngram, window, gcap
-    S = model.max_seq_length
+    S = backend.max_seq_length
     L = len(prompt)
     if L >= S:
         raise ValueError(f"prompt of {L} tokens does not fit the context of {S} tokens")
     max_new_tokens = min(max_new_tokens, S - L)
-    scratch = (W - 1) + W * (N - 2) + G * (N - 1)
     pool: dict[int, list[tuple]] = {}
 
     def add_ngram(gram):
@@ -398,57 +405,61 @@ def lookahead_generate(backend, prompt_ids, max_new_tokens: int, device, ngram: 
         if len(lst) > G:
             del lst[0]
 
+    def forward(tokens, positions, allowed):
+        out = masked(torch.tensor([tokens], device=device), torch.tensor(positions, device=device),
+                     additive(allowed).to(device))
+        return out[0]
+
     if prompt_ngrams:
         for i in range(L - N + 1):
             add_ngram(prompt[i:i + N])
-    gen = torch.Generator().manual_seed(seed)
-    # level 0 starts as tokens drawn from the prompt; levels 1..N-2 are filled by the first N-2 steps (warm-up)
-    levels = [[prompt[int(i)] for i in torch.randint(0, L, (W,), generator=gen)]]
+    # level 0 starts as the prompt's last W tokens; levels 1..N-2 are filled by the first N-2 steps (warm-up)
+    levels = [[prompt[(L - W + i) % L] for i in range(W)]]
     stats = dict(mode="lookahead", ngram=N, window=W, gcap=G, accepted_hist=[0] * (N + 1), steps=0,
                  steps_with_hit=0)
-    with _Lookahead(model, W, scratch) as la, torch.inference_mode():
-        emit = Emitter(1, max_new_tokens, stop_ids, on_token, device)
-        cur = int(la.prefill(prompt)[-1].argmax())
-        seq = prompt + [cur]
-        emit.put(0, [cur])
-        while not emit.done[0]:
-            p = len(seq) - 1
-            remaining = max_new_tokens - len(emit.out[0])
-            depth = min(N - 1, remaining - 1, S - 1 - p)  # candidate tokens that can still be used
-            cands = [c[:depth] for c in pool.get(cur, [])[-G:]] if depth > 0 else []
-            logits, _, idx, cidx = la.step(cur, p, levels, cands)
-            nxt = logits.argmax(-1).tolist()
-            stats["steps"] += 1
+    emit = Emitter(1, max_new_tokens, stop_ids, on_token, device)
+    cur = int(forward(prompt, list(range(L)), causal_mask(range(L), S)[0, 0] == 0)[-1].argmax())
+    seq, committed = prompt + [cur], L
+    emit.put(0, [cur])
+    while not emit.done[0]:
+        p = len(seq) - 1
+        depth = min(N - 1, max_new_tokens - len(emit.out[0]) - 1)  # candidate tokens that can still be used
+        cands = [c[:depth] for c in pool.get(cur, [])[-G:]] if depth > 0 else []
+        call = step_inputs(seq, committed, levels, cands, S)
+        stats["steps"] += 1
+        if call is None:  # near the context end there is no room for the guesses: a plain step
+            pos = list(range(committed, p + 1))
+            accepted = [int(forward(seq[committed:], pos, causal_mask(pos, S)[0, 0] == 0)[-1].argmax())]
+        else:
+            tokens, positions, allowed, r, idx, cidx = call
+            nxt = forward(tokens, positions, allowed)[r:].argmax(-1).tolist()
             # verification: the greedy token after cur, then along any candidate that keeps matching
             accepted = [nxt[0]]
-            chosen, active = None, list(range(len(cands)))
+            active = list(range(len(cands)))
             for m in range(depth):
                 active = [c for c in active if cands[c][m] == accepted[-1]]
                 if not active:
                     break
-                chosen = active[0]
-                accepted.append(nxt[cidx[chosen][m]])
-            v = len(accepted)
-            if v > 1:
-                stats["steps_with_hit"] += 1
-                la.commit(cidx[chosen][:v - 1], p)
-            stats["accepted_hist"][v] += 1
+                accepted.append(nxt[cidx[active[0]][m]])
             # lookahead branch: the last level's outputs are the next guesses; every column yields an n-gram
-            last = len(levels) - 1
-            outs = [nxt[idx[(last, i)]] for i in range(W)]
+            outs = [nxt[idx[(len(levels) - 1, i)]] for i in range(W)]
             if len(levels) < N - 1:
                 levels.append(outs)
             else:
                 for i in range(W):
                     add_ngram([levels[j][i] for j in range(N - 1)] + [outs[i]])
                 levels = levels[1:] + [outs]
-            emit.put(0, accepted)
-            seq += accepted
-            if prompt_ngrams:
-                for e in range(max(len(seq) - v + 1, N), len(seq) + 1):
-                    add_ngram(seq[e - N:e])
-            cur = seq[-1]
-        stats.update(emit.stats(L, stats["steps"]))
+        v = len(accepted)
+        stats["steps_with_hit"] += v > 1
+        stats["accepted_hist"][v] += 1
+        committed = p + 1  # the fed-again tokens and cur are in the cache now; accepted candidates come next step
+        emit.put(0, accepted)
+        seq += accepted
+        if prompt_ngrams:
+            for e in range(max(len(seq) - v + 1, N), len(seq) + 1):
+                add_ngram(seq[e - N:e])
+        cur = seq[-1]
+    stats.update(emit.stats(L, stats["steps"]))
     stats.update(mean_accepted=max(stats["new_tokens"] - 1, 0) / max(stats["steps"], 1),
                  pool_ngrams=sum(len(v) for v in pool.values()))
     return emit.out[0], stats

@@ -2,12 +2,19 @@
 //   ./runner-aoti/build/run smollm2.pt2 -z tokenizer.bin -i "Once upon a time" -n 256 -t 0.8 -p 0.9 -s 42
 // This file only adapts torch::inductor::AOTIModelPackageLoader to llm::Model; the tokenizer, sampler and the
 // generate / chat loops live in runner-common/ and are shared with runner-et.
+// Decoding modes load other models of the same package (aoti_export.py --prefill_chunk / --lookahead; its metadata
+// lists them in `models`): -M hybrid "prefill" (T fixed) + "model", -M lookahead "lookahead" alone (tokens,
+// positions, mask [1, 1, T, S]). Models of one package each hold their constants; those that run together get one
+// KV cache: tensors allocated here (shape: metadata kv_cache_shape) and handed to each with
+// update_constant_buffer(..., user_managed = true) under the constants' internal names (FQN, '.' -> '_').
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <c10/core/InferenceMode.h>
 #include <torch/csrc/inductor/aoti_package/model_package_loader.h>
 #include <torch/csrc/inductor/aoti_runner/model_container_runner_cpu.h>
 
+#include <algorithm>
 #include <cctype>
 #include <cstdlib>
 #include <cstring>
@@ -117,12 +124,22 @@ int meta_int(const std::unordered_map<std::string, std::string>& m, const std::s
 
 class AotiModel : public llm::Model {
  public:
-  explicit AotiModel(const std::string& path) {
+  explicit AotiModel(const std::string& path, const std::string& decoding) {
     if (ends_with(path, ".so")) {
+      if (decoding != "kv") throw llm::missing_program(path, decoding == "hybrid" ? "prefill" : "lookahead", decoding);
       load_so(path);
       return;
     }
     check_zip(path);
+    std::unordered_map<std::string, std::string> meta;
+    try {
+      meta = torch::inductor::AOTIModelPackageLoader::load_metadata_from_package(path, "model");
+    } catch (const std::exception& e) {
+      throw llm::Error(path + ": cannot load AOT Inductor package: " + first_line(e.what()));
+    }
+    const std::string models = "," + (meta.count("models") ? meta["models"] : std::string("model")) + ",";
+    const std::string need = decoding == "hybrid" ? "prefill" : decoding == "lookahead" ? "lookahead" : "model";
+    if (models.find("," + need + ",") == std::string::npos) throw llm::missing_program(path, need, decoding);
     // the loader unpacks into a fresh directory under $TMPDIR and leaves it behind when loading fails: give it a
     // private parent that is removed on failure
     const char* old_tmp = std::getenv("TMPDIR");
@@ -137,7 +154,9 @@ class AotiModel : public llm::Model {
       else unsetenv("TMPDIR");
     };
     try {
-      loader_ = std::make_unique<torch::inductor::AOTIModelPackageLoader>(path);
+      if (decoding == "hybrid") prefill_ = std::make_unique<torch::inductor::AOTIModelPackageLoader>(path, "prefill");
+      loader_ = std::make_unique<torch::inductor::AOTIModelPackageLoader>(path, decoding == "lookahead" ? "lookahead"
+                                                                                                       : "model");
     } catch (const std::exception& e) {
       restore();
       if (priv) std::filesystem::remove_all(priv);
@@ -146,6 +165,31 @@ class AotiModel : public llm::Model {
     restore();
     if (priv) private_tmp_ = priv;
     set_metadata(path, loader_->get_metadata());
+    if (decoding == "hybrid") {
+      info_.prefill_len = meta_int(meta, "prefill_chunk", 0);
+      share_cache(meta);
+    }
+    info_.lookahead = decoding == "lookahead";
+    dtype_ = meta.count("dtype") && meta["dtype"] == "bfloat16" ? at::kBFloat16
+             : meta.count("dtype") && meta["dtype"] == "float16" ? at::kHalf : at::kFloat;
+  }
+
+  // one KV cache for "prefill" and "model": tensors of ours, used by both (user_managed: no copy)
+  void share_cache(std::unordered_map<std::string, std::string>& meta) {
+    std::vector<int64_t> shape;
+    std::stringstream ss(meta["kv_cache_shape"]);
+    for (std::string item; std::getline(ss, item, ',');) shape.push_back(std::stoll(item));
+    const std::string cd = meta.count("cache_dtype") ? meta["cache_dtype"] : "float32";
+    const auto dtype = cd == "bfloat16" ? at::kBFloat16 : cd == "float16" ? at::kHalf : at::kFloat;
+    for (const auto& fqn : loader_->get_constant_fqns()) {
+      if (fqn.find(".kv_cache.") == std::string::npos) continue;
+      std::string name = fqn;
+      std::replace(name.begin(), name.end(), '.', '_');
+      cache_[name] = at::zeros(shape, at::TensorOptions().dtype(dtype).device(device_));
+    }
+    if (cache_.empty() || shape.size() != 4) throw llm::Error("package metadata lacks the KV cache (kv_cache_shape)");
+    loader_->update_constant_buffer(cache_, false, false, true);
+    prefill_->update_constant_buffer(cache_, false, false, true);
   }
 
   void load_so(const std::string& path) {
@@ -184,6 +228,7 @@ class AotiModel : public llm::Model {
 
   ~AotiModel() override {
     loader_.reset();  // removes its unpacked files
+    prefill_.reset();
     if (!private_tmp_.empty()) {
       std::error_code ec;
       std::filesystem::remove_all(private_tmp_, ec);
@@ -199,23 +244,56 @@ class AotiModel : public llm::Model {
     int64_t* pp = p.data_ptr<int64_t>();
     for (int i = 0; i < n; i++) pp[i] = pos + i;
     if (!device_.is_cpu()) t = t.to(device_), p = p.to(device_);
-    std::vector<at::Tensor> out;
-    try {
-      out = loader_ ? loader_->run({t, p}) : so_runner_->run({t, p});
-    } catch (const std::exception& e) {
-      throw llm::Error("forward failed: " + first_line(e.what()));
-    }
+    at::Tensor logits = run(loader_.get(), {t, p});
     // logits [1, T, V]: keep the last position, as float32 on the CPU
-    if (out.empty() || out[0].dim() != 3 || out[0].size(0) != 1 || out[0].size(1) < 1 ||
-        out[0].size(2) != info_.vocab_size)
-      throw llm::Error("forward returned logits of an unexpected shape (want [1, T, vocab_size of the metadata])");
-    last_ = out[0].select(0, 0).select(0, out[0].size(1) - 1).to(c10::Device(c10::DeviceType::CPU), at::kFloat)
+    last_ = logits.select(0, 0).select(0, logits.size(1) - 1).to(c10::Device(c10::DeviceType::CPU), at::kFloat)
                 .contiguous();
     return last_.data_ptr<float>();
   }
 
+  const float* prefill(const int64_t* tokens, const int64_t* positions) override {
+    const int n = info_.prefill_len;
+    return all_rows(run(prefill_.get(), {tensor(tokens, {1, n}), tensor(positions, {n})}));
+  }
+
+  const float* forward_masked(const int64_t* tokens, const int64_t* positions, const float* mask, int n) override {
+    c10::InferenceMode guard;
+    at::Tensor m = at::empty({1, 1, n, info_.max_seq_len}, at::kFloat);
+    std::memcpy(m.data_ptr<float>(), mask, sizeof(float) * size_t(n) * info_.max_seq_len);
+    at::Tensor logits = run(loader_.get(), {tensor(tokens, {1, n}), tensor(positions, {n}), m.to(device_, dtype_)});
+    if (logits.size(1) != n) throw llm::Error("lookahead returned logits for fewer positions than tokens");
+    return all_rows(logits);
+  }
+
  private:
-  std::unique_ptr<torch::inductor::AOTIModelPackageLoader> loader_;
+  std::unique_ptr<torch::inductor::AOTIModelPackageLoader> loader_, prefill_;
+  std::unordered_map<std::string, at::Tensor> cache_;
+  at::ScalarType dtype_ = at::kFloat;
+
+  at::Tensor tensor(const int64_t* data, std::vector<int64_t> shape) {
+    at::Tensor t = at::empty(shape, at::kLong);
+    std::memcpy(t.data_ptr<int64_t>(), data, sizeof(int64_t) * t.numel());
+    return device_.is_cpu() ? t : t.to(device_);
+  }
+
+  at::Tensor run(torch::inductor::AOTIModelPackageLoader* loader, const std::vector<at::Tensor>& in) {
+    c10::InferenceMode guard;
+    std::vector<at::Tensor> out;
+    try {
+      out = loader ? loader->run(in) : so_runner_->run(in);
+    } catch (const std::exception& e) {
+      throw llm::Error("forward failed: " + first_line(e.what()));
+    }
+    if (out.empty() || out[0].dim() != 3 || out[0].size(0) != 1 || out[0].size(1) < 1 ||
+        out[0].size(2) != info_.vocab_size)
+      throw llm::Error("forward returned logits of an unexpected shape (want [1, T, vocab_size of the metadata])");
+    return out[0];
+  }
+
+  const float* all_rows(const at::Tensor& logits) {
+    last_ = logits.select(0, 0).to(c10::Device(c10::DeviceType::CPU), at::kFloat).contiguous();
+    return last_.data_ptr<float>();
+  }
   std::unique_ptr<torch::inductor::AOTIModelContainerRunnerCpu> so_runner_;
   llm::ModelInfo info_;
   c10::Device device_{c10::DeviceType::CPU};
@@ -226,9 +304,8 @@ class AotiModel : public llm::Model {
 }  // namespace
 
 int main(int argc, char** argv) {
-  return llm::run_main(argc, argv, "runner-aoti",
-                       [](const std::string& path, int threads) {
-                         if (threads > 0) at::set_num_threads(threads);  // libtorch's OpenMP pool (Inductor's kernels)
-                         return std::make_unique<AotiModel>(path);
-                       });
+  return llm::run_main(argc, argv, "runner-aoti", [](const llm::Options& o) {
+    if (o.threads > 0) at::set_num_threads(o.threads);  // libtorch's OpenMP pool (Inductor's kernels)
+    return std::make_unique<AotiModel>(o.model_path, o.decoding);
+  });
 }

@@ -3,6 +3,7 @@
 // (...)"), which run_main prints as one "error: ..." line.
 #pragma once
 
+#include <algorithm>
 #include <cctype>
 #include <cerrno>
 #include <climits>
@@ -19,6 +20,8 @@ namespace llm {
 
 struct Options {
   std::string model_path, tokenizer_path, prompt, system_prompt, mode = "generate";
+  std::string decoding = "kv";           // -M kv|hybrid|lookahead
+  int ngram = 5, window = 1, gcap = 2;   // -L NGRAM,WINDOW,GCAP (lookahead; generate.py --lookahead's spelling)
   bool has_prompt = false, encode_only = false, quiet = false, ignore_stop = false;
   float temperature = 1.0f, top_p = 0.9f;
   int top_k = 0, steps = 256, threads = 0;  // threads 0: OMP_NUM_THREADS, else the libraries' default
@@ -42,7 +45,12 @@ inline void usage(const char* name) {
                "  -e          encode only: print the prompt's token ids and exit (no model is loaded)\n"
                "  -q          quiet: no timings on stderr\n"
                "  -x          ignore stop tokens: always generate -n tokens (benchmarks)\n"
-               "  -j <int>    CPU threads >= 1 (default: $OMP_NUM_THREADS, else all cores; state it with any timing)\n",
+               "  -j <int>    CPU threads >= 1 (default: $OMP_NUM_THREADS, else all cores; state it with any timing)\n"
+               "  -M <string> decoding: kv (default) | hybrid (prompt through the fixed-length prefill program, needs\n"
+               "              an export with --prefill_chunk N) | lookahead (n-gram guesses verified in one call per\n"
+               "              step, greedy: -t 0; needs an export with --lookahead)\n"
+               "  -L <n,w,g>  lookahead NGRAM,WINDOW,GCAP (n-gram size >= 2, window >= 1, n-grams verified >= 1),\n"
+               "              default 5,1,2\n",
                name, name);
 }
 
@@ -77,6 +85,24 @@ inline void set_number(Options& o, char flag, const std::string& v) {
   (flag == 'k' ? o.top_k : flag == 'j' ? o.threads : o.steps) = int(x);
 }
 
+// -L NGRAM,WINDOW,GCAP: three whole numbers, NGRAM >= 2, WINDOW >= 1, GCAP >= 1.
+inline void set_lookahead(Options& o, const std::string& v) {
+  int vals[3], k = 0;
+  size_t a = 0;
+  while (k < 3) {
+    size_t b = v.find(',', a);
+    std::string part = v.substr(a, b == std::string::npos ? std::string::npos : b - a);
+    if (part.empty() || part.size() > 6 || part.find_first_not_of("0123456789") != std::string::npos) break;
+    vals[k++] = std::atoi(part.c_str());
+    if (b == std::string::npos) break;
+    a = b + 1;
+  }
+  const bool three = k == 3 && std::count(v.begin(), v.end(), ',') == 2;
+  if (!three || vals[0] < 2 || vals[1] < 1 || vals[2] < 1)
+    throw Error("bad value for -L: " + v + " (want NGRAM,WINDOW,GCAP: NGRAM >= 2, WINDOW >= 1, GCAP >= 1, e.g. 5,1,2)");
+  o.ngram = vals[0], o.window = vals[1], o.gcap = vals[2];
+}
+
 inline Options parse_args(int argc, char** argv) {
   Options o;
   if (argc < 2 || argv[1][0] == '-') {
@@ -96,7 +122,7 @@ inline Options parse_args(int argc, char** argv) {
     if (f == 'q') { o.quiet = true; continue; }
     if (f == 'x') { o.ignore_stop = true; continue; }
     if (f == 'h') { usage(argv[0]); std::exit(0); }
-    if (std::string("tpksnjizmy").find(f) == std::string::npos) throw Error("unknown option " + a + " (see -h)");
+    if (std::string("tpksnjizmyML").find(f) == std::string::npos) throw Error("unknown option " + a + " (see -h)");
     if (i + 1 >= argc) throw Error("option " + a + " needs a value");
     std::string v = argv[++i];
     switch (f) {
@@ -104,10 +130,15 @@ inline Options parse_args(int argc, char** argv) {
       case 'z': o.tokenizer_path = v; break;
       case 'm': o.mode = v; break;
       case 'y': o.system_prompt = v; break;
+      case 'M': o.decoding = v; break;
+      case 'L': set_lookahead(o, v); break;
       default: set_number(o, f, v);
     }
   }
   if (o.mode != "generate" && o.mode != "chat") throw Error("unknown mode " + o.mode + " (generate or chat)");
+  if (o.decoding != "kv" && o.decoding != "hybrid" && o.decoding != "lookahead")
+    throw Error("bad value for -M: " + o.decoding + " (kv, hybrid or lookahead)");
+  if (o.decoding == "lookahead" && o.temperature > 0) throw Error("lookahead decoding is greedy only: use -t 0");
   if (o.seed == 0) o.seed = (unsigned long long)std::time(nullptr);
   if (o.tokenizer_path.empty()) {
     std::string dir = o.model_path.substr(0, o.model_path.find_last_of('/') + 1);

@@ -1,6 +1,10 @@
 // The generate loop, chat loop and main shared by runner-aoti/ and runner-et/ (the command line: options.h).
-// A runner implements llm::Model (load, forward over a token chunk with the KV cache kept inside, metadata) and calls
-//     return llm::run_main(argc, argv, "runner-aoti", [](const std::string& path) { return load(path); });
+// A runner implements llm::Model (load, forward over a token chunk with the KV cache kept inside, metadata; for the
+// decoding modes also prefill() and forward_masked()) and calls
+//     return llm::run_main(argc, argv, "runner-aoti", [](const llm::Options& o) { return load(o); });
+// Decoding modes (-M): kv (the prompt in one forward call, then one call per token), hybrid (the prompt through the
+// fixed-length `prefill` program in chunks of its length, the last one padded, then one call per token) and
+// lookahead (lookahead.h: n-gram guesses verified in one call of the `lookahead` program per step; lossless).
 // Output matches generate.py: generate mode prints the prompt, the streamed continuation and a newline on stdout;
 // chat mode reads user lines after a "> " prompt. Timings go to stderr.
 #pragma once
@@ -22,6 +26,12 @@
 
 namespace llm {
 
+struct GenStats;
+class Model;
+inline std::vector<int> lookahead_generate(Model& model, const Tokenizer& tok, const std::vector<int64_t>& prompt,
+                                    int start_pos, int max_new, int N, int W, int G,
+                                    const std::function<void(int)>& on_token, GenStats* st);
+
 struct ModelInfo {
   int vocab_size = 0;
   int max_seq_len = 0;
@@ -30,6 +40,8 @@ struct ModelInfo {
   int tokenizer_vocab_size = -1; // -1: unknown; used to warn about a tokenizer.bin that belongs to another model
   std::string tokenizer_kind;    // "sentencepiece" | "bpe" | ""
   std::string description;       // one line for the log
+  int prefill_len = 0;           // hybrid: the fixed length N of the loaded `prefill` program (0: not loaded)
+  bool lookahead = false;        // lookahead: the `lookahead` program (tokens, positions, mask) is loaded
 };
 
 class Model {
@@ -39,10 +51,29 @@ class Model {
   // Process tokens[0..n) at positions pos..pos+n-1 in one call (the KV cache lives in the model) and return the
   // logits of the last position: info().vocab_size floats, valid until the next call.
   virtual const float* forward(const int64_t* tokens, int n, int64_t pos) = 0;
+  // hybrid: exactly info().prefill_len tokens at positions[0..N) (the caller pads the last chunk); returns the logits
+  // of every row, [N, vocab_size].
+  virtual const float* prefill(const int64_t* /*tokens*/, const int64_t* /*positions*/) {
+    throw Error("this model has no fixed-length prefill program");
+  }
+  // lookahead (speculative.py's contract): n tokens at positions[0..n); token k writes cache slot positions[0] + k and
+  // attends as mask [n, max_seq_len] (additive: 0 or -inf) says; returns the logits of every row, [n, vocab_size].
+  virtual const float* forward_masked(const int64_t* /*tokens*/, const int64_t* /*positions*/, const float* /*mask*/,
+                                      int /*n*/) {
+    throw Error("this model has no lookahead program");
+  }
 };
 
-// threads: -j (0 = not given: the runner keeps $OMP_NUM_THREADS or its library's default)
-using ModelLoader = std::function<std::unique_ptr<Model>(const std::string& path, int threads)>;
+// The one line a runner throws when an artifact lacks the program a mode needs: names the export flag.
+inline Error missing_program(const std::string& path, const std::string& program, const std::string& mode) {
+  const std::string flag = mode == "hybrid" ? "--prefill_chunk N" : "--lookahead";
+  return Error(path + " has no `" + program + "` program, which -M " + mode + " needs: export it with " + flag +
+               " (et_export.py / aoti_export.py)");
+}
+
+// o.model_path, o.threads (-j; 0 = not given: the runner keeps $OMP_NUM_THREADS or its library's default) and
+// o.decoding (-M: which programs to load)
+using ModelLoader = std::function<std::unique_ptr<Model>(const Options& o)>;
 
 inline double now_s() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
@@ -59,13 +90,35 @@ inline double cpu_s() { return double(std::clock()) / CLOCKS_PER_SEC; }  // proc
 
 struct GenStats {
   int prompt_tokens = 0, steps = 0, new_tokens = 0;
+  int decode_tokens = 0;  // tokens the decode forwards produced (kv, hybrid: = steps; lookahead: up to N per step)
   double ttft_s = 0, decode_s = 0, decode_cpu_s = 0;
 };
 
-// generate.py's generate() for one sequence: prompt in one forward call at start_pos, then one call per token;
-// stops at a stop id (not emitted) or after max_new tokens (clamped to the context). Returns the kept tokens.
+// hybrid: the prompt at start_pos.. through the fixed-length prefill program, chunks of N tokens, the last one padded
+// (token 0 at the positions after the prompt, clamped to the context: causally after it, overwritten by decode).
+// Returns the logits of the prompt's last token.
+inline const float* hybrid_prefill(Model& model, const std::vector<int64_t>& ids, int start_pos) {
+  const ModelInfo& mi = model.info();
+  const int N = mi.prefill_len;
+  std::vector<int64_t> tok(N), pos(N);
+  const float* last = nullptr;
+  for (size_t s = 0; s < ids.size(); s += N) {
+    const int n = int(std::min(ids.size() - s, size_t(N)));
+    for (int i = 0; i < N; i++) {
+      tok[i] = i < n ? ids[s + i] : 0;
+      pos[i] = std::min<int64_t>(start_pos + int64_t(s) + i, mi.max_seq_len - 1);
+    }
+    last = model.prefill(tok.data(), pos.data()) + size_t(n - 1) * mi.vocab_size;
+  }
+  return last;
+}
+
+// generate.py's generate() for one sequence: prompt in one forward call at start_pos (hybrid: prefill chunks), then
+// one call per token (lookahead: lookahead.h); stops at a stop id (not emitted) or after max_new tokens (clamped to
+// the context). Returns the kept tokens.
 inline std::vector<int> generate(Model& model, const Tokenizer& tok, Sampler& sampler, const std::vector<int>& prompt,
-                                 int start_pos, int max_new, const std::function<void(int)>& on_token, GenStats* st) {
+                                 int start_pos, int max_new, const std::function<void(int)>& on_token, GenStats* st,
+                                 const Options& o) {
   const ModelInfo& mi = model.info();
   const int len = start_pos + int(prompt.size());
   if (prompt.empty()) throw Error("empty prompt (and the tokenizer adds no BOS): nothing to condition on");
@@ -85,8 +138,12 @@ inline std::vector<int> generate(Model& model, const Tokenizer& tok, Sampler& sa
     out.push_back(t);
     if (on_token) on_token(t);
   };
+  if (o.decoding == "lookahead")
+    return lookahead_generate(model, tok, ids, start_pos, max_new, o.ngram, o.window, o.gcap, on_token, st);
   const double t0 = now_s();
-  int next = sampler.sample(model.forward(ids.data(), int(ids.size()), start_pos), mi.vocab_size);
+  const float* logits = o.decoding == "hybrid" ? hybrid_prefill(model, ids, start_pos)
+                                               : model.forward(ids.data(), int(ids.size()), start_pos);
+  int next = sampler.sample(logits, mi.vocab_size);
   keep(next);
   const double t_first = now_s(), c_first = cpu_s();
   int steps = 0;
@@ -103,6 +160,7 @@ inline std::vector<int> generate(Model& model, const Tokenizer& tok, Sampler& sa
     st->ttft_s = t_first - t0;
     st->decode_s = t_end - t_first;
     st->steps = steps;
+    st->decode_tokens = steps;
     st->new_tokens = int(out.size());
   }
   return out;
@@ -110,12 +168,15 @@ inline std::vector<int> generate(Model& model, const Tokenizer& tok, Sampler& sa
 
 inline void report(const GenStats& st) {
   const double prefill = st.prompt_tokens / std::max(st.ttft_s, 1e-9);
-  const double decode = st.steps ? st.steps / st.decode_s : 0.0;
-  std::fprintf(stderr, "TTFT %.1f ms | prefill %.1f tok/s | decode %.2f tok/s (%d steps) | %d new tokens\n",
-               st.ttft_s * 1000, prefill, decode, st.steps, st.new_tokens);
-  if (st.steps)  // CPU time per step: a figure that holds up on a machine shared with other work
-    std::fprintf(stderr, "decode %.2f ms/token wall, %.2f ms/token CPU (all threads)\n", 1000 * st.decode_s / st.steps,
-                 1000 * st.decode_cpu_s / st.steps);
+  const double decode = st.steps ? st.decode_tokens / st.decode_s : 0.0;
+  std::fprintf(stderr,
+               "TTFT %.1f ms | prefill %.1f tok/s | decode %.2f tok/s (%d steps) | %d new tokens | "
+               "%.2f tokens/forward\n",
+               st.ttft_s * 1000, prefill, decode, st.steps, st.new_tokens,
+               st.steps ? double(st.decode_tokens) / st.steps : 0.0);
+  if (st.decode_tokens)  // CPU time per token: a figure that holds up on a machine shared with other work
+    std::fprintf(stderr, "decode %.2f ms/token wall, %.2f ms/token CPU (all threads)\n",
+                 1000 * st.decode_s / st.decode_tokens, 1000 * st.decode_cpu_s / st.decode_tokens);
   std::fprintf(stderr, "achieved tok/s: %f\n", decode);
   std::ifstream status("/proc/self/status");  // Linux: this process's peak resident memory (VmHWM, in kB)
   for (std::string line; std::getline(status, line);)
@@ -169,14 +230,14 @@ inline int chat_loop(Model& model, Tokenizer& tok, Sampler& sampler, const Optio
     GenStats st;
     std::vector<int> rest(ids.begin() + common, ids.end());
     std::vector<int> out = generate(model, tok, sampler, rest, int(common), o.steps,
-                                    [&](int t) { write_out(stream_put(dec, t)); }, &st);
+                                    [&](int t) { write_out(stream_put(dec, t)); }, &st, o);
     write_out(stream_flush(dec) + "\n");
     // the cache now holds the prompt and every reply token except the last sampled one
     cached = ids;
     if (!out.empty()) cached.insert(cached.end(), out.begin(), out.end() - 1);
     messages.push_back({"assistant", decode(tok, out)});
     if (!o.quiet)
-      std::fprintf(stderr, "[%d tokens, %.1f tok/s]\n", st.new_tokens, st.steps ? st.steps / st.decode_s : 0.0);
+      std::fprintf(stderr, "[%d tokens, %.1f tok/s]\n", st.new_tokens, st.steps ? st.decode_tokens / st.decode_s : 0.0);
   }
   return 0;
 }
@@ -191,7 +252,7 @@ inline int run_main_inner(int argc, char** argv, const char* name, const ModelLo
     return 0;
   }
   const double t0 = now_s();
-  std::unique_ptr<Model> model = load(o.model_path, o.threads);
+  std::unique_ptr<Model> model = load(o);
   const ModelInfo& mi = model->info();
   check_pairing(tok, mi);
   if (!o.quiet)
@@ -213,7 +274,7 @@ inline int run_main_inner(int argc, char** argv, const char* name, const ModelLo
   StreamDecoder dec{&tok};
   GenStats st;
   write_out(o.prompt);
-  generate(*model, tok, sampler, ids, 0, o.steps, [&](int t) { write_out(stream_put(dec, t)); }, &st);
+  generate(*model, tok, sampler, ids, 0, o.steps, [&](int t) { write_out(stream_put(dec, t)); }, &st, o);
   write_out(stream_flush(dec) + "\n");
   if (!o.quiet) report(st);
   return 0;
@@ -232,3 +293,5 @@ inline int run_main(int argc, char** argv, const char* name, const ModelLoader& 
 }
 
 }  // namespace llm
+
+#include "lookahead.h"

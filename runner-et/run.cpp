@@ -4,6 +4,9 @@
 // loops live in runner-common/ and are shared with runner-aoti. The .pte contract (et_export.py): method
 // forward(tokens int64[1, T], input_pos int64[T]) -> float32 logits[1, T, V] with dynamic T and the KV cache in
 // mutable buffers; constant methods get_max_seq_len, get_vocab_size, get_bos_id, get_eos_ids, use_kv_cache, ...
+// Decoding modes load other methods of the same program (sharing the cache): -M hybrid `prefill` (T fixed,
+// get_prefill_chunk) and `decode` (T = 1; `forward` when absent), -M lookahead only `lookahead` (tokens, positions,
+// mask float32[1, 1, T, S]). Only the methods a mode uses are loaded (XNNPACK packs each method's weights).
 #include <executorch/extension/module/module.h>
 #include <executorch/extension/tensor/tensor.h>
 #include <executorch/runtime/platform/runtime.h>
@@ -62,18 +65,29 @@ void check_pte(const std::string& path) {
 
 class EtModel : public llm::Model {
  public:
-  explicit EtModel(const std::string& path) {
+  explicit EtModel(const std::string& path, const std::string& decoding) {
     check_pte(path);
-    module_ = std::make_unique<Module>(path, Module::LoadMode::Mmap);
+    // share_memory_arenas: methods exported together (et_export.py's share_mutable_buffers) use one KV cache
+    module_ = std::make_unique<Module>(path, Module::LoadMode::Mmap, nullptr, nullptr, nullptr, true);
     Error e = module_->load();
     if (e != Error::Ok) throw llm::Error(path + ": cannot load ExecuTorch program: " + err(e));
     auto names = module_->method_names();
     if (!names.ok() || !names->count("forward"))
       throw llm::Error(path + ": the program has no forward method (not made by et_export.py?)");
-    e = module_->load_method("forward");
-    if (e != Error::Ok)
-      throw llm::Error(path + ": cannot load method forward: " + err(e) +
-                       " (a kernel or delegate missing from this build?)");
+    if (decoding == "hybrid") {
+      if (!names->count("prefill") || !names->count("get_prefill_chunk"))
+        throw llm::missing_program(path, "prefill", decoding);
+      load(path, "prefill");
+      decode_ = names->count("decode") ? "decode" : "forward";
+      load(path, decode_);
+      info_.prefill_len = int(constant(*names, "get_prefill_chunk", 0));
+    } else if (decoding == "lookahead") {
+      if (!names->count("lookahead")) throw llm::missing_program(path, "lookahead", decoding);
+      load(path, "lookahead");
+      info_.lookahead = true;
+    } else {
+      load(path, "forward");
+    }
     info_.max_seq_len = int(constant(*names, "get_max_seq_len", 0));
     info_.vocab_size = int(constant(*names, "get_vocab_size", 0));
     info_.bos_id = int(constant(*names, "get_bos_id", -1));
@@ -94,26 +108,64 @@ class EtModel : public llm::Model {
   const llm::ModelInfo& info() const override { return info_; }
 
   const float* forward(const int64_t* tokens, int n, int64_t pos) override {
-    tokens_.assign(tokens, tokens + n);
     pos_.resize(n);
     for (int i = 0; i < n; i++) pos_[i] = pos + i;
-    auto t = executorch::extension::from_blob(tokens_.data(), {1, n}, executorch::aten::ScalarType::Long);
-    auto p = executorch::extension::from_blob(pos_.data(), {n}, executorch::aten::ScalarType::Long);
-    auto r = module_->forward({*t, *p});
-    if (!r.ok()) throw llm::Error("forward failed: " + err(r.error()));
-    if (r->empty() || !(*r)[0].isTensor()) throw llm::Error("forward returned no logits tensor");
-    const auto& logits = (*r)[0].toTensor();
-    if (logits.scalar_type() != executorch::aten::ScalarType::Float || logits.dim() != 3 ||
-        logits.size(2) != info_.vocab_size || logits.size(1) < 1)
-      throw llm::Error("forward returned logits of an unexpected shape or dtype (want float32 [1, T, vocab])");
+    const auto& logits = run(decode_, tokens, pos_.data(), nullptr, n);
     // the last position's row: [1, T, V] or [1, 1, V] (a program that returns only the last position)
     return logits.const_data_ptr<float>() + size_t(logits.size(1) - 1) * info_.vocab_size;
+  }
+
+  const float* prefill(const int64_t* tokens, const int64_t* positions) override {
+    return run("prefill", tokens, positions, nullptr, info_.prefill_len).const_data_ptr<float>();
+  }
+
+  const float* forward_masked(const int64_t* tokens, const int64_t* positions, const float* mask, int n) override {
+    const auto& logits = run("lookahead", tokens, positions, mask, n);
+    if (logits.size(1) != n) throw llm::Error("lookahead returned logits for " + std::to_string(logits.size(1)) +
+                                              " of " + std::to_string(n) + " tokens");
+    return logits.const_data_ptr<float>();
   }
 
  private:
   std::unique_ptr<Module> module_;
   llm::ModelInfo info_;
   std::vector<int64_t> tokens_, pos_;
+  std::vector<float> mask_;
+  std::string decode_ = "forward";  // the method of single-token steps (hybrid: `decode` when the program has it)
+  std::vector<executorch::runtime::EValue> result_;
+
+  void load(const std::string& path, const std::string& method) {
+    Error e = module_->load_method(method);
+    if (e != Error::Ok)
+      throw llm::Error(path + ": cannot load method " + method + ": " + err(e) +
+                       " (a kernel or delegate missing from this build?)");
+  }
+
+  // method(tokens [1, n], positions [n] (, mask [1, 1, n, S])) -> logits float32 [1, n or 1, V]
+  const executorch::aten::Tensor& run(const std::string& method, const int64_t* tokens, const int64_t* positions,
+                                      const float* mask, int n) {
+    tokens_.assign(tokens, tokens + n);
+    if (positions != pos_.data()) pos_.assign(positions, positions + n);
+    auto t = executorch::extension::from_blob(tokens_.data(), {1, n}, executorch::aten::ScalarType::Long);
+    auto p = executorch::extension::from_blob(pos_.data(), {n}, executorch::aten::ScalarType::Long);
+    std::vector<EValue> in{*t, *p};
+    executorch::extension::TensorPtr m;
+    if (mask) {
+      mask_.assign(mask, mask + size_t(n) * info_.max_seq_len);
+      m = executorch::extension::from_blob(mask_.data(), {1, 1, n, info_.max_seq_len},
+                                           executorch::aten::ScalarType::Float);
+      in.push_back(*m);
+    }
+    auto r = module_->execute(method, in);
+    if (!r.ok()) throw llm::Error(method + " failed: " + err(r.error()));
+    if (r->empty() || !(*r)[0].isTensor()) throw llm::Error(method + " returned no logits tensor");
+    result_ = std::move(*r);
+    const auto& logits = result_[0].toTensor();
+    if (logits.scalar_type() != executorch::aten::ScalarType::Float || logits.dim() != 3 ||
+        logits.size(2) != info_.vocab_size || logits.size(1) < 1)
+      throw llm::Error(method + " returned logits of an unexpected shape or dtype (want float32 [1, T, vocab])");
+    return logits;
+  }
 
   int64_t constant(const std::unordered_set<std::string>& names, const std::string& name, int64_t dflt) {
     if (!names.count(name)) return dflt;
@@ -141,12 +193,13 @@ void log_message(et_timestamp_t, et_pal_log_level_t level, const char* file, con
 int main(int argc, char** argv) {
   executorch::runtime::register_pal(executorch::runtime::PalImpl::create(log_message, __FILE__));
   executorch::runtime::runtime_init();
-  return llm::run_main(argc, argv, "runner-et", [](const std::string& path, int threads) {
+  return llm::run_main(argc, argv, "runner-et", [](const llm::Options& o) {
+    const int threads = o.threads;
     // -j, else OMP_NUM_THREADS, sizes XNNPACK's thread pool (as both size libtorch's OpenMP pool in runner-aoti)
     const char* env = std::getenv("OMP_NUM_THREADS");
     int n = threads > 0 ? threads : env ? std::atoi(env) : 0;
     auto* pool = executorch::extension::threadpool::get_threadpool();
     if (n > 0 && pool) pool->_unsafe_reset_threadpool(uint32_t(n));
-    return std::make_unique<EtModel>(path);
+    return std::make_unique<EtModel>(o.model_path, o.decoding);
   });
 }

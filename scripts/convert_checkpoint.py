@@ -1,15 +1,18 @@
 #!/usr/bin/env python
-"""Convert a LLaMA-family checkpoint into this repo's format: checkpoints/<NAME>/model.pth (+ config.json, tokenizer).
+"""Convert a checkpoint of a supported family into this repo's format: checkpoints/<NAME>/model.pth (+ config.json,
+tokenizer).
 
     python scripts/convert_checkpoint.py SRC [--output_dir checkpoints/NAME] [--name NAME] [--dtype bfloat16]
 
 SRC (detected automatically) is one of
-  * a Hugging Face directory: config.json + model*.safetensors or pytorch_model*.bin (single or sharded);
+  * a Hugging Face directory: config.json + model*.safetensors or pytorch_model*.bin (single or sharded) of any
+    architecture in HF_ARCHS (Llama-style families, GPT-2, GPT-J, Falcon, MPT; CodeGen2.5 / XGen are Llama);
   * a Meta directory: params.json + consolidated.NN.pth (model-parallel shards are merged);
   * a llama2.c training checkpoint ckpt.pt ({"model": state_dict, "model_args": {...}});
-  * a GGUF file (arch llama, qwen2 or qwen3; F32/F16/BF16 and quantized tensors are dequantized).
-Meta, llama2.c and GGUF (arch llama) store Q/K in the adjacent-pair rotary layout and are permuted into the
-Hugging Face half-split layout that model.py uses. Weights keep the source float dtype (GGUF: float32) unless --dtype.
+  * a GGUF file (an arch in GGUF_ARCHS; F32/F16/BF16 and quantized tensors are dequantized).
+Meta, llama2.c, GGUF (arch llama) and GPT-J (rotate_every_two, on its rotary_dim) store Q/K in the adjacent-pair
+rotary layout and are permuted into the Hugging Face half-split layout that model.py uses. Weights keep the source
+float dtype (GGUF: float32) unless --dtype.
 """
 import dataclasses
 import json
@@ -30,11 +33,12 @@ from model import ModelArgs, Transformer, save_checkpoint  # noqa: E402
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 HF_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
             "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM", "SmolLM3ForCausalLM",
-            "Starcoder2ForCausalLM")
+            "Starcoder2ForCausalLM", "GPT2LMHeadModel", "GPTJForCausalLM", "FalconForCausalLM", "MptForCausalLM")
 HF_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM",
                   "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "gemma": "GemmaForCausalLM",
                   "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
-                  "smollm3": "SmolLM3ForCausalLM", "starcoder2": "Starcoder2ForCausalLM"}
+                  "smollm3": "SmolLM3ForCausalLM", "starcoder2": "Starcoder2ForCausalLM", "gpt2": "GPT2LMHeadModel",
+                  "gptj": "GPTJForCausalLM", "falcon": "FalconForCausalLM", "mpt": "MptForCausalLM"}
 
 # canonical tensor -> source name ("{0}" = layer index, "{1}" = expert index)
 _L = "model.layers.{0}."
@@ -68,6 +72,42 @@ HF_FAMILY_NAMES = {  # what differs from Llama's layout
                                experts_down=_L + "mlp.experts.down_proj"),
 }
 HF_FAMILY_NAMES["Gemma3ForCausalLM"] = HF_FAMILY_NAMES["Gemma2ForCausalLM"]
+# GPT-2, GPT-J, Falcon, MPT: their own names (under "transformer."); every norm is a LayerNorm ("_bias" = its bias)
+_T = "transformer.h.{0}."
+_LN = lambda key, name: {key: name + ".weight", key + "_bias": name + ".bias"}  # noqa: E731
+HF_FAMILY_NAMES.update({
+    # GPT-2: Conv1D weights are stored [in, out] (transposed here); fused c_attn is q, k, v rows
+    "GPT2LMHeadModel": dict(tok="transformer.wte.weight", pos="transformer.wpe.weight", qkv=_T + "attn.c_attn.weight",
+                            qkv_bias=_T + "attn.c_attn.bias", o=_T + "attn.c_proj.weight",
+                            o_bias=_T + "attn.c_proj.bias",
+                            gate=_T + "mlp.c_fc.weight", gate_bias=_T + "mlp.c_fc.bias", down=_T + "mlp.c_proj.weight",
+                            down_bias=_T + "mlp.c_proj.bias", **_LN("norm", "transformer.ln_f"),
+                            **_LN("attn_norm", _T + "ln_1"), **_LN("ffn_norm", _T + "ln_2")),
+    # GPT-J: q/k/v separate, q/k permuted from rotate_every_two; one LayerNorm (parallel block), biased lm_head
+    "GPTJForCausalLM": dict(tok="transformer.wte.weight", q=_T + "attn.q_proj.weight", k=_T + "attn.k_proj.weight",
+                            v=_T + "attn.v_proj.weight", o=_T + "attn.out_proj.weight", gate=_T + "mlp.fc_in.weight",
+                            gate_bias=_T + "mlp.fc_in.bias", down=_T + "mlp.fc_out.weight",
+                            down_bias=_T + "mlp.fc_out.bias", output_bias="lm_head.bias",
+                            **_LN("norm", "transformer.ln_f"), **_LN("attn_norm", _T + "ln_1")),
+    # Falcon: fused query_key_value reordered to q, k, v rows (_falcon_qkv); norms named by the block layout (load_hf)
+    "FalconForCausalLM": dict(tok="transformer.word_embeddings.weight",
+                              qkv=_T + "self_attention.query_key_value.weight",
+                              qkv_bias=_T + "self_attention.query_key_value.bias", o=_T + "self_attention.dense.weight",
+                              o_bias=_T + "self_attention.dense.bias", gate=_T + "mlp.dense_h_to_4h.weight",
+                              gate_bias=_T + "mlp.dense_h_to_4h.bias", down=_T + "mlp.dense_4h_to_h.weight",
+                              down_bias=_T + "mlp.dense_4h_to_h.bias", **_LN("norm", "transformer.ln_f")),
+    # MPT: fused Wqkv (q, k, v rows), LayerNorms without bias, no linear biases
+    "MptForCausalLM": dict(tok="transformer.wte.weight", norm="transformer.norm_f.weight",
+                           qkv="transformer.blocks.{0}.attn.Wqkv.weight",
+                           o="transformer.blocks.{0}.attn.out_proj.weight",
+                           gate="transformer.blocks.{0}.ffn.up_proj.weight",
+                           down="transformer.blocks.{0}.ffn.down_proj.weight",
+                           attn_norm="transformer.blocks.{0}.norm_1.weight",
+                           ffn_norm="transformer.blocks.{0}.norm_2.weight"),
+})
+FALCON_NORMS = {  # (parallel_attn, parallel_norms) -> the attention's and the MLP's LayerNorm
+    (False, 1): ("input_layernorm", "post_attention_layernorm"), (True, 1): ("input_layernorm", None),
+    (True, 2): ("ln_attn", "ln_mlp")}
 NORM_PLUS_ONE = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")  # x * (1 + w): stored as w + 1
 META_NAMES = dict(tok="tok_embeddings.weight", norm="norm.weight", output="output.weight",
                   q="layers.{0}.attention.wq.weight", k="layers.{0}.attention.wk.weight",
@@ -82,7 +122,10 @@ GGUF_NAMES = dict(tok="token_embd.weight", norm="output_norm.weight", output="ou
                   o="blk.{}.attn_output.weight", gate="blk.{}.ffn_gate.weight", up="blk.{}.ffn_up.weight",
                   down="blk.{}.ffn_down.weight", attn_norm="blk.{}.attn_norm.weight",
                   ffn_norm="blk.{}.ffn_norm.weight")
-GGUF_ARCHS = ("llama", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3", "starcoder2")
+GGUF_ARCHS = ("llama", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3", "starcoder2", "smollm3", "gpt2", "gptj",
+              "falcon", "mpt")
+GGUF_PERMUTED = ("llama", "smollm3", "gptj")  # Q/K in the adjacent-pair rotary layout (llama.cpp's rope type NORM)
+GGUF_LAYER_NORM = ("starcoder2", "gpt2", "gptj", "falcon", "mpt")  # LayerNorm archs: attention.layer_norm_epsilon
 GGUF_FAMILY_NAMES = {  # what differs from llama's names
     "gemma2": dict(post_attn_norm="blk.{}.post_attention_norm.weight", post_ffn_norm="blk.{}.post_ffw_norm.weight"),
     "phi3": dict(qkv="blk.{}.attn_qkv.weight", gate_up="blk.{}.ffn_up.weight"),
@@ -93,6 +136,19 @@ GGUF_FAMILY_NAMES = {  # what differs from llama's names
                 experts_up="blk.{}.ffn_up_exps.weight", experts_down="blk.{}.ffn_down_exps.weight"),
 }
 GGUF_FAMILY_NAMES["gemma3"] = GGUF_FAMILY_NAMES["gemma2"]
+# GPT-2, GPT-J, Falcon, MPT as llama.cpp's convert_hf_to_gguf.py names them (GPT-2's Conv1D weights transposed there,
+# Falcon's query_key_value reordered there to q, k, v rows; GPT-J's q/k keep rotate_every_two: permuted here)
+_GB = {k: f"blk.{{}}.{t}.bias" for k, t in (("qkv_bias", "attn_qkv"), ("o_bias", "attn_output"),
+                                            ("gate_bias", "ffn_up"), ("down_bias", "ffn_down"),
+                                            ("attn_norm_bias", "attn_norm"), ("ffn_norm_bias", "ffn_norm"))}
+GGUF_FAMILY_NAMES.update({
+    "gpt2": dict(_GB, pos="position_embd.weight", qkv="blk.{}.attn_qkv.weight", gate="blk.{}.ffn_up.weight",
+                 norm_bias="output_norm.bias"),
+    "gptj": dict(_GB, gate="blk.{}.ffn_up.weight", norm_bias="output_norm.bias", output_bias="output.bias"),
+    "falcon": dict(_GB, qkv="blk.{}.attn_qkv.weight", gate="blk.{}.ffn_up.weight", ffn_norm="blk.{}.attn_norm_2.weight",
+                   ffn_norm_bias="blk.{}.attn_norm_2.bias", norm_bias="output_norm.bias"),
+    "mpt": dict(qkv="blk.{}.attn_qkv.weight", gate="blk.{}.ffn_up.weight"),
+})
 
 
 class ConvertError(Exception):
@@ -112,10 +168,27 @@ class Source:
     norm_offset: float = 0.0  # added to every RMSNorm weight (Gemma's x * (1 + w))
 
 
-def permute_rotary(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Adjacent-pair rotary layout (Meta, llama2.c, GGUF llama) -> Hugging Face half-split, for weights and biases."""
+def permute_rotary(w: torch.Tensor, n_heads: int, rotary_dim: int = 0) -> torch.Tensor:
+    """Adjacent-pair rotary layout (Meta, llama2.c, GGUF llama; GPT-J's rotate_every_two) -> Hugging Face half-split,
+    for weights and biases, on the first rotary_dim rows of each head (0 = all; GPT-J rotates 64 of 256)."""
     head_dim = w.shape[0] // n_heads
-    return w.reshape(n_heads, head_dim // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+    r = rotary_dim or head_dim
+    h = w.reshape(n_heads, head_dim, *w.shape[1:])
+    rot = h[:, :r].reshape(n_heads, r // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(n_heads, r, *w.shape[1:])
+    return torch.cat([rot, h[:, r:]], dim=1).reshape(w.shape)
+
+
+def _falcon_qkv(w: torch.Tensor, args) -> torch.Tensor:
+    """Falcon's fused query_key_value rows (weight or bias) -> q, k, v. Falcon-40B style (new_decoder_architecture):
+    per KV group its query heads, then its key and its value; Falcon-7B (multi-query): already q..., k, v;
+    otherwise (Falcon-RW style) q, k, v interleaved per head."""
+    H, Hkv, D = args.n_head, args.n_local_heads, args.head_dim
+    rest = w.shape[1:]
+    if Hkv == 1 and H > 1:  # multi-query: [q heads, k, v]
+        return w
+    g = w.reshape(Hkv, H // Hkv + 2, D, *rest)
+    q, k, v = g[:, :-2], g[:, -2], g[:, -1]
+    return torch.cat([q.reshape(H * D, *rest), k.reshape(Hkv * D, *rest), v.reshape(Hkv * D, *rest)])
 
 
 def meta_hidden_dim(dim, multiple_of, ffn_dim_multiplier=None):
@@ -209,12 +282,29 @@ def load_hf(d: Path) -> Source:
     except (KeyError, ValueError) as e:
         raise ConvertError(f"{arch}: unsupported config.json: {type(e).__name__} {_oneline(e)}") from None
     table = tensor_table(files)
-    if "model.embed_tokens.weight" not in table:  # bare LlamaModel without the "model." prefix
-        table = {"model." + k: v for k, v in table.items()}
-    dtype = table["model.embed_tokens.weight"]().dtype if "model.embed_tokens.weight" in table else torch.float32
-    return Source(args, dict(HF_NAMES, **HF_FAMILY_NAMES.get(arch, {})), table, dtype, permute=False,
-                  tied=args.tie_embeddings, tokenizer=_copy_tokenizer(d), ignore=("rotary_emb.inv_freq",),
+    names = dict(HF_NAMES, **HF_FAMILY_NAMES.get(arch, {}))
+    prefix = names["tok"].split(".")[0] + "."
+    if names["tok"] not in table and names["tok"].removeprefix(prefix) in table:  # a bare LlamaModel / GPT2Model
+        table = {prefix + k: v for k, v in table.items()}
+    if arch == "FalconForCausalLM":
+        ours = FALCON_NORMS[args.parallel_attn, args.parallel_norms]
+        for key, theirs in zip(("attn_norm", "ffn_norm"), ours):
+            names.update(_LN(key, _T + theirs) if theirs else {})
+    table = {k: _hf_layout(arch, k, f, args) for k, f in table.items()}
+    dtype = table[names["tok"]]().dtype if names["tok"] in table else torch.float32
+    return Source(args, names, table, dtype, permute=arch == "GPTJForCausalLM", tied=args.tie_embeddings,
+                  tokenizer=_copy_tokenizer(d), ignore=("rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias"),
                   norm_offset=1.0 if arch in NORM_PLUS_ONE else 0.0)
+
+
+def _hf_layout(arch: str, name: str, load, args):
+    """The loader of one Hugging Face tensor, in nn.Linear's layout with q, k, v rows in model.py's order: GPT-2's
+    Conv1D weights are [in, out] (transposed), Falcon's fused query_key_value is reordered (_falcon_qkv)."""
+    if arch == "GPT2LMHeadModel" and name.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight")):
+        return lambda: load().t().contiguous()
+    if arch == "FalconForCausalLM" and ".query_key_value." in name:
+        return lambda: _falcon_qkv(load(), args)
+    return load
 
 
 def load_meta(d: Path) -> Source:
@@ -324,9 +414,10 @@ def load_gguf(path: Path) -> Source:
                      n_head=n_head, dim=dim, intermediate_size=int(m("feed_forward_length")),
                      n_local_heads=int(m("attention.head_count_kv", n_head)),
                      head_dim=head_dim, rope_base=float(m("rope.freq_base", 1e4)),
-                     norm_eps=float(m("attention.layer_norm_epsilon" if arch == "starcoder2"
+                     norm_eps=float(m("attention.layer_norm_epsilon" if arch in GGUF_LAYER_NORM
                                       else "attention.layer_norm_rms_epsilon", 1e-5)),
-                     attn_bias="blk.0.attn_q.bias" in infos, qk_norm="blk.0.attn_q_norm.weight" in infos, **fam)
+                     attn_bias="blk.0.attn_q.bias" in infos or "blk.0.attn_qkv.bias" in infos,
+                     qk_norm="blk.0.attn_q_norm.weight" in infos, **fam)
     if "rope_freqs.weight" in infos:  # llama.cpp stores Llama-3.1 rope scaling as per-frequency factors
         args = _match_rope_freqs(args, load(infos["rope_freqs.weight"]))
     names = dict(GGUF_NAMES, **GGUF_FAMILY_NAMES.get(arch, {}))
@@ -340,7 +431,7 @@ def load_gguf(path: Path) -> Source:
             print(f"warning: tokenizer not written ({_oneline(e)})", file=sys.stderr)
 
     return Source(args, names, {k: (lambda t=t: load(t)) for k, t in infos.items()}, torch.float32,
-                  permute=arch == "llama", tokenizer=write_tokenizer,
+                  permute=arch in GGUF_PERMUTED, tokenizer=write_tokenizer,
                   ignore=("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"))
 
 
@@ -384,6 +475,25 @@ def _gguf_family(arch, meta, infos, n_layer, dim, n_head, head_dim, load, m):
                         sliding_window=int(get("attention.sliding_window") or 4096)).items()
     elif arch != "phi3" and get("attention.sliding_window"):
         yield "sliding_window", int(get("attention.sliding_window"))
+    if arch == "smollm3":  # no GGUF key: llama.cpp skips rotary on every 4th layer (n_no_rope_layer_step = 4)
+        yield "nope_layers", [i for i in range(n_layer) if (i + 1) % 4 == 0] or None
+    plain = dict(norm_type="layer", mlp_gated=False, mlp_act="gelu_tanh" if arch in ("gpt2", "gptj") else "gelu")
+    bias = "blk.0.attn_qkv.bias" in infos
+    if arch == "gpt2":
+        yield from dict(plain, mlp_bias=True, attn_out_bias=True, learned_pos=True,
+                        nope_layers=list(range(n_layer))).items()
+    if arch == "gptj":
+        yield from dict(plain, mlp_bias=True, parallel_attn=True, output_bias="output.bias" in infos,
+                        rotary_dim=int(get("rope.dimension_count") or head_dim)).items()
+    if arch == "falcon":  # llama.cpp runs every Falcon as a parallel block; attn_norm_2 = Falcon-40B's ln_mlp
+        yield from dict(plain, mlp_bias=bias, attn_out_bias=bias, parallel_attn=True,
+                        parallel_norms=2 if "blk.0.attn_norm_2.weight" in infos else 1).items()
+    if arch == "mpt":
+        if "blk.0.attn_q_norm.weight" in infos or "position_embd.weight" in infos:
+            raise ConvertError("GGUF mpt: qk_ln and learned positions (no ALiBi) are not supported")
+        yield from dict(plain, norm_bias=False, alibi=True, nope_layers=list(range(n_layer)),
+                        alibi_bias_max=float(get("attention.max_alibi_bias") or 8),
+                        clip_qkv=float(get("attention.clamp_kqv")) if get("attention.clamp_kqv") else None).items()
     if get("expert_count"):
         if arch != "llama":
             raise ConvertError(f"GGUF {arch}: mixture of experts is only implemented for Mixtral (arch llama)")
@@ -449,8 +559,13 @@ def build_state_dict(s: Source, dtype: torch.dtype):
         return s.names.get(key, "\0").format(i, 0) in s.tensors
 
     sd = {"tok_embeddings.weight": get("tok"), "norm.weight": norm("norm")}
-    if args.norm_type == "layer":
+    layer_norm_bias = args.norm_type == "layer" and args.norm_bias
+    if layer_norm_bias:
         sd["norm.bias"] = get("norm_bias")
+    if args.learned_pos:
+        sd["pos_embeddings.weight"] = get("pos")
+    if args.output_bias:
+        sd["output.bias"] = get("output_bias")
     out = get("output", required=False)
     tied = s.tied if s.tied is not None else out is None or torch.equal(out, sd["tok_embeddings.weight"])
     if out is None and not tied:
@@ -461,18 +576,22 @@ def build_state_dict(s: Source, dtype: torch.dtype):
     q_size, kv_size = args.n_head * args.head_dim, args.n_local_heads * args.head_dim
     for i in tqdm(range(args.n_layer), desc="converting layers"):
         p = f"layers.{i}."
-        if has("qkv", i):  # fused (Phi-3): already q, k, v rows in model.py's order
+        if has("qkv", i):  # fused (Phi-3, GPT-2, Falcon, MPT): q, k, v rows in model.py's order (see _hf_layout)
             q, k, v = get("qkv", i).split([q_size, kv_size, kv_size])
         else:
             q, k, v = get("q", i), get("k", i), get("v", i)
+        rd = args.rotary_dim
         if s.permute:
-            q, k = permute_rotary(q, args.n_head), permute_rotary(k, args.n_local_heads)
+            q, k = permute_rotary(q, args.n_head, rd), permute_rotary(k, args.n_local_heads, rd)
         sd[p + "attention.wqkv.weight"] = torch.cat([q, k, v])
         if args.attn_bias:
-            qb, kb = get("q_bias", i), get("k_bias", i)
+            if has("qkv_bias", i):
+                qb, kb, vb = get("qkv_bias", i).split([q_size, kv_size, kv_size])
+            else:
+                qb, kb, vb = get("q_bias", i), get("k_bias", i), get("v_bias", i)
             if s.permute:
-                qb, kb = permute_rotary(qb, args.n_head), permute_rotary(kb, args.n_local_heads)
-            sd[p + "attention.wqkv.bias"] = torch.cat([qb, kb, get("v_bias", i)])
+                qb, kb = permute_rotary(qb, args.n_head, rd), permute_rotary(kb, args.n_local_heads, rd)
+            sd[p + "attention.wqkv.bias"] = torch.cat([qb, kb, vb])
         if args.qk_norm:
             sd[p + "attention.q_norm.weight"], sd[p + "attention.k_norm.weight"] = norm("q_norm", i), norm("k_norm", i)
         sd[p + "attention.wo.weight"] = get("o", i)
@@ -482,12 +601,14 @@ def build_state_dict(s: Source, dtype: torch.dtype):
             sd.update(_experts(get, has, i, args))
         else:
             sd.update(_mlp(get, has, i, args, p + "feed_forward."))
-        norms = [("attention_norm", "attn_norm"), ("ffn_norm", "ffn_norm")]
+        norms = [("attention_norm", "attn_norm")]
+        if not args.parallel_attn or args.parallel_norms == 2:  # a parallel block with one norm has no ffn_norm
+            norms.append(("ffn_norm", "ffn_norm"))
         if args.sandwich_norm:
             norms += [("post_attention_norm", "post_attn_norm"), ("post_ffn_norm", "post_ffn_norm")]
         for ours, theirs in norms:
             sd[p + ours + ".weight"] = norm(theirs, i)
-            if args.norm_type == "layer":
+            if layer_norm_bias:
                 sd[p + ours + ".bias"] = get(theirs + "_bias", i)
     extra = sorted(n for n in set(s.tensors) - used if not n.endswith(s.ignore) and n != s.names["output"])
     if extra:

@@ -153,11 +153,14 @@ def test_runner_sampling_is_seeded(env, runner):
 
 
 def test_so_library(env, runner):
+    """--so, spelled as the source docs do: aoti_export.py --out-path X.so --device cpu, generate.py --dso X.so."""
     so = env["root"] / "tiny.so"
-    export_pt2(env["ckpt"], so, "--so")
+    r = run([sys.executable, REPO / "aoti_export.py", "--checkpoint_path", env["ckpt"], "--out-path", so, "--device",
+             "cpu", "--max_seq_length", MAX_SEQ])
+    assert r.returncode == 0, r.stderr[-3000:]
     assert json.loads((env["root"] / "tiny.so.json").read_text())["max_seq_len"] == str(MAX_SEQ)
     want = generate_py(["--aoti_package", env["pt2"]], env["bpe"], "Once upon a time", 20)
-    assert generate_py(["--aoti_package", so], env["bpe"], "Once upon a time", 20) == want
+    assert generate_py(["--dso", so], env["bpe"], "Once upon a time", 20) == want
     r = run([runner, so, "-z", env["bins"]["bpe"], "-i", "Once upon a time", "-n", 20, "-t", 0])
     assert r.returncode == 0 and r.stdout == want, r.stderr
 
@@ -213,3 +216,16 @@ def test_broken_inputs(env, runner, tmp_path):
     r = run([sys.executable, REPO / "aoti_export.py", "--checkpoint_path", tmp_path / "nope.pth", "--output_path",
              tmp_path / "x.pt2"])
     assert r.returncode == 1 and r.stderr.startswith("error: ") and not (tmp_path / "x.pt2").exists()
+
+
+def test_modes_need_their_models(env, runner):
+    """A package exported without a mode's model: one error line naming the export flag (runner and generate.py)."""
+    for mode, flag in (("hybrid", "--prefill_chunk"), ("lookahead", "--lookahead")):
+        r = run([runner, env["pt2"], "-z", env["bins"]["bpe"], "-i", "hi", "-t", 0, "-M", mode])
+        assert r.returncode == 1 and r.stdout == "", r.stderr
+        assert r.stderr.strip().splitlines()[-1].startswith("error: ") and flag in r.stderr, r.stderr
+    r = run([sys.executable, REPO / "generate.py", "--aoti_package", env["pt2"], "--tokenizer_path", env["bpe"],
+             "--temperature", 0, "--lookahead", "5,1,2"])
+    last = r.stderr.strip().splitlines()[-1]  # (importing executorch / torchao may log lines before it)
+    assert r.returncode == 1 and last.startswith("error: ") and "aoti_export.py --lookahead" in last, r.stderr
+    assert "Traceback" not in r.stderr

@@ -154,6 +154,8 @@ GGUF_CASES = {  # family -> (GGUF arch, config overrides: llama.cpp stores no qu
     "phi3": ("phi3", {}),
     "starcoder2": ("starcoder2", dict(sliding_window=4096)),  # what every StarCoder2 release uses; GGUF omits it
     "mixtral": ("llama", {}),
+    # no GGUF key for the NoPE layers: llama.cpp skips rotary on every 4th layer, which SmolLM3-3B does
+    "smollm3": ("smollm3", dict(num_hidden_layers=4, no_rope_layers=None, no_rope_layer_interval=4)),
 }
 _GG = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
        "self_attn.o_proj": "attn_output", "self_attn.qkv_proj": "attn_qkv", "mlp.gate_proj": "ffn_gate",
@@ -222,7 +224,7 @@ def write_family_gguf(hf, arch: str, path):
         g = names[hf_name]
         if arch.startswith("gemma") and hf_name.endswith("norm.weight"):
             t = t + 1
-        if arch == "llama" and (".q_proj." in hf_name or ".k_proj." in hf_name):  # HF half-split -> adjacent pairs
+        if arch in ("llama", "smollm3") and (".q_proj." in hf_name or ".k_proj." in hf_name):  # -> adjacent pairs
             n = c.num_attention_heads if ".q_proj." in hf_name else c.num_key_value_heads
             t = t.reshape(n, 2, head_dim // 2, -1).transpose(1, 2).reshape(t.shape)
         w.add_tensor(g, t.numpy())

@@ -1,5 +1,5 @@
-# speculative.py: lookahead decoding. One step's forward (swapped slot caches + custom mask) against transformers on
-# the explicit sequences each token should see; output == plain greedy (several N, W, G; prompts incl. repetitive
+# speculative.py: lookahead decoding. One step's call of the lookahead contract (StepCache + custom mask) against
+# transformers on the explicit sequences each token should see; output == plain greedy (several N, W, G; prompts incl. repetitive
 # ones where the pool hits); the model is left as it was; stop ids / limits / context end; clear errors; CLI.
 import pytest
 import torch
@@ -25,40 +25,49 @@ PROMPTS = [[1, 5, 9, 3, 7, 2], [42], REPETITIVE]
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 @torch.no_grad()
 def test_one_step_sees_exactly_its_own_sequence(arch):
-    """Every token of a step (current, lookahead levels, candidates) gets the logits of a plain forward over the
-    sequence it stands for; committed candidate tokens then serve as ordinary cache entries."""
+    """Every token of a step's call (tokens fed again, current, lookahead levels, candidates) gets the logits of a
+    plain forward over the sequence it stands for; the tokens fed again and the current one then serve as ordinary
+    cache entries for the next call."""
     hf = tiny_hf(arch, seed=5, vocab_size=64)
     model = hf_to_model(hf)
-    G.TorchBackend(model, 1, 48)
+    b = G.TorchBackend(model, 1, 48)
+    S = b.max_seq_length
     ref = lambda seq: hf(torch.tensor([seq])).logits[0, -1]
     g = torch.Generator().manual_seed(0)
     rnd = lambda *shape: torch.randint(0, 64, shape, generator=g).tolist()
-    prompt, cur = rnd(9), 17
+    prompt = rnd(9)
     W, n_levels = 4, 3
     levels = rnd(n_levels, W)
     cands = [tuple(rnd(3)), tuple(rnd(2)), tuple(rnd(3))]
-    scratch = (W - 1) + W * (n_levels - 1) + 8
-    with SP._Lookahead(model, W, scratch) as la:
-        torch.testing.assert_close(la.prefill(prompt), hf(torch.tensor([prompt])).logits[0], atol=1e-4, rtol=1e-4)
-        p = len(prompt)
-        logits, tokens, idx, cidx = la.step(cur, p, levels, cands)
-        assert logits.shape[0] == len(tokens) == 1 + (W - 1) + W * (n_levels - 1) + 8
-        base = prompt + [cur]
-        torch.testing.assert_close(logits[0], ref(base), atol=1e-4, rtol=1e-4)
-        for (j, i), t in idx.items():
-            seq = base + levels[0][1:i + 1] + [levels[jj][i] for jj in range(1, j + 1)]
-            torch.testing.assert_close(logits[t], ref(seq), atol=1e-4, rtol=1e-4, msg=f"level {j} column {i}")
-        for c, ids in zip(cands, cidx):
-            for m, t in enumerate(ids):
-                torch.testing.assert_close(logits[t], ref(base + list(c[:m + 1])), atol=1e-4, rtol=1e-4)
-        # keep the first two tokens of candidate 2: they become positions p+1, p+2; the next step starts at p+3
-        la.commit(cidx[2][:2], p)
-        nxt_cur, p2 = 5, p + 3
-        logits2, _, idx2, cidx2 = la.step(nxt_cur, p2, levels[:1], [tuple(rnd(2))])
-        torch.testing.assert_close(logits2[0], ref(base + list(cands[2][:2]) + [nxt_cur]), atol=1e-4, rtol=1e-4)
-    # the swap is undone: the original caches, no hooks, plain decoding unchanged
+
+    def call(tokens, positions, allowed):
+        return b.forward_masked(torch.tensor([tokens]), torch.tensor(positions), SP.additive(allowed))[0]
+
+    L = len(prompt)
+    pre = call(prompt, list(range(L)), SP.causal_mask(range(L), S)[0, 0] == 0)
+    torch.testing.assert_close(pre, hf(torch.tensor([prompt])).logits[0], atol=1e-4, rtol=1e-4)
+    # the text so far: the prompt (in the cache), 2 tokens accepted last step (fed again), the current token
+    seq = prompt + rnd(3)
+    tokens, positions, allowed, r, idx, cidx = SP.step_inputs(seq, L, levels, cands, S)
+    assert r == 2 and len(tokens) == r + 1 + (W - 1) + W * (n_levels - 1) + 8
+    logits = call(tokens, positions, allowed)
+    for k in range(r + 1):
+        torch.testing.assert_close(logits[k], ref(seq[:L + k + 1]), atol=1e-4, rtol=1e-4)
+    for (j, i), t in idx.items():
+        want = seq + levels[0][1:i + 1] + [levels[jj][i] for jj in range(1, j + 1)]
+        torch.testing.assert_close(logits[r + t], ref(want), atol=1e-4, rtol=1e-4, msg=f"level {j} column {i}")
+    for c, ids in zip(cands, cidx):
+        for m, t in enumerate(ids):
+            torch.testing.assert_close(logits[r + t], ref(seq + list(c[:m + 1])), atol=1e-4, rtol=1e-4)
+    # the next step: seq and two more tokens; the cache holds seq now (committed = len(seq))
+    seq2 = seq + rnd(2)
+    tokens, positions, allowed, r, idx, cidx = SP.step_inputs(seq2, len(seq), levels[:1], [tuple(rnd(2))], S)
+    assert r == 1
+    torch.testing.assert_close(call(tokens, positions, allowed)[r], ref(seq2), atol=1e-4, rtol=1e-4)
+    # a call that would not fit the cache is refused (the caller takes a plain step)
+    assert SP.step_inputs(seq2, len(seq), levels, cands, len(seq2) + 5) is None
+    # the swap is undone: the original caches, plain decoding unchanged
     assert all(type(l.attention.kv_cache).__name__ == "KVCache" for l in model.layers)
-    assert all(not l.attention._forward_pre_hooks for l in model.layers)
 
 
 @pytest.mark.parametrize("ngram,window,gcap", [(2, 1, 1), (3, 3, 2), (4, 4, 4), (5, 2, 3)])
@@ -73,6 +82,17 @@ def test_output_equals_plain_greedy(llama, cpu, ngram, window, gcap):
             assert st["new_tokens"] == 40 and st["steps"] == sum(st["accepted_hist"])
             assert st["steps"] + 1 == 40 - sum((n - 1) * c for n, c in enumerate(st["accepted_hist"]) if n)
             assert max(n for n, c in enumerate(st["accepted_hist"]) if c) <= ngram
+
+
+def test_compiled_backend_equals_plain_greedy(llama, cpu):
+    """--compile: the lookahead contract through torch.compile (dynamic T; autotuning off to keep the test short)."""
+    import torch._inductor.config as cfg
+    _, model = llama
+    want, _ = G.generate(G.TorchBackend(model, 1, 96), [REPETITIVE], 24, cpu)
+    b = G.TorchBackend(model, 1, 96, compile=True)
+    with cfg.patch(max_autotune=False, max_autotune_gemm=False):
+        got, st = SP.lookahead_generate(b, REPETITIVE, 24, cpu, 5, 1, 2)
+    assert got == want[0] and st["mean_accepted"] > 1
 
 
 def test_other_architecture_equals_plain_greedy(cpu):
@@ -143,7 +163,7 @@ def test_bad_combinations(llama, cpu):
     b = G.TorchBackend(model, 1, 64)
     with pytest.raises(ValueError, match="greedy only"):
         SP.lookahead_generate(b, PROMPTS[0], 10, cpu, 4, 3, 3, temperature=0.8)
-    with pytest.raises(ValueError, match="PyTorch backend"):
+    with pytest.raises(ValueError, match="attention mask.*--lookahead"):
         SP.lookahead_generate(NoModel(), PROMPTS[0], 10, cpu, 4, 3, 3)
     for n, w, g in [(1, 3, 3), (4, 0, 3), (4, 3, 0), (2.5, 3, 3)]:
         with pytest.raises(ValueError, match="lookahead"):

@@ -106,3 +106,16 @@ def test_broken_programs(env, runner, tmp_path):
         assert r.returncode == 1 and last.startswith("error: ") and msg in last, (name, r.stderr)
     r = run([runner, tmp_path / "missing.pte", "-z", env["bins"]["bpe"], "-i", "hi"])
     assert r.returncode == 1 and "cannot open" in r.stderr
+
+
+def test_modes_need_their_methods(env, runner):
+    """A program exported without a mode's method: one error line naming the export flag (runner and generate.py)."""
+    for mode, flag in (("hybrid", "--prefill_chunk"), ("lookahead", "--lookahead")):
+        r = run([runner, env["pte"], "-z", env["bins"]["bpe"], "-i", "hi", "-t", 0, "-M", mode])
+        assert r.returncode == 1 and r.stdout == "", r.stderr
+        assert r.stderr.strip().splitlines()[-1].startswith("error: ") and flag in r.stderr, r.stderr
+    r = run([sys.executable, REPO / "generate.py", "--pte", env["pte"], "--tokenizer_path", env["bpe"],
+             "--temperature", 0, "--lookahead", "5,1,2"])
+    last = r.stderr.strip().splitlines()[-1]  # (importing executorch / torchao may log lines before it)
+    assert r.returncode == 1 and last.startswith("error: ") and "et_export.py --lookahead" in last, r.stderr
+    assert "Traceback" not in r.stderr
