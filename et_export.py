@@ -225,13 +225,30 @@ def export_programs(model, prefill_chunk: Optional[int] = None, backend: str = "
     return progs
 
 
-def _backend_partitioners(backend: str) -> list:
+def _backend_partitioners(backend: str, log=lambda *a: None) -> list:
     """Partitioners for a backend name; a clear error naming what to install when a vendor SDK is missing."""
     if backend == "portable":
         return []
     if backend == "xnnpack":
         from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
-        return [XnnpackPartitioner()]
+
+        class _XnnpackPartitioner(XnnpackPartitioner):
+            """XnnpackPartitioner that, when XNNPACK takes every op it asks to keep whole (linear, torchao's quant
+            ops) as it stands (float32, 8da4w), hands to_edge_transform_and_lower no per-node filter: with one, it
+            retraces the whole program through run_decompositions twice more (about a quarter of the lowering time).
+            The .pte is the same byte for byte. Otherwise (fp16: the rope's cast weight is not a constant) the filter
+            stays. Says how many subgraphs go to XNNPACK (the long part)."""
+
+            def ops_to_not_decompose(self, ep):
+                ops, keep = super().ops_to_not_decompose(ep)
+                kept = [n for n in ep.graph.nodes if n.op == "call_function" and n.target in ops]
+                return ops, (None if all(keep(n) for n in kept) else keep)
+
+            def partition(self, exported_program):
+                result = super().partition(exported_program)
+                log(f"preprocessing {len(result.partition_tags)} subgraphs for XNNPACK ...")
+                return result
+        return [_XnnpackPartitioner()]
     if backend == "qnn":
         root = os.environ.get("QNN_SDK_ROOT", "")
         if not root or not Path(root).is_dir():
@@ -272,11 +289,14 @@ def lower(progs: dict, backend: str, constant_methods: dict, verbose: bool = Fal
     from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge_transform_and_lower
     from executorch.exir.passes import MemoryPlanningPass
     from executorch.exir.passes.sym_shape_eval_pass import ConstraintBasedSymShapeEvalPass
-    partitioners = _backend_partitioners(backend)
-    edge = to_edge_transform_and_lower(progs, transform_passes=[et_passes.inferred_view_dims], partitioner=partitioners,
-                                       constant_methods=constant_methods,
-                                       compile_config=EdgeCompileConfig(_check_ir_validity=False,
-                                                                        _skip_dim_order=True))
+    log = (lambda *a: print(*a, file=sys.stderr)) if verbose else (lambda *a: None)
+    partitioners = _backend_partitioners(backend, log)
+    log(f"lowering to {backend}: decompositions, partitioning{', preprocessing' if partitioners else ''} ...")
+    with _torch_internal_warnings_hidden():
+        edge = to_edge_transform_and_lower(progs, transform_passes=[et_passes.inferred_view_dims],
+                                           partitioner=partitioners, constant_methods=constant_methods,
+                                           compile_config=EdgeCompileConfig(_check_ir_validity=False,
+                                                                            _skip_dim_order=True))
     summary = et_passes.op_summary(edge)
     reinplace = et_passes.reinplace_is_safe(edge)
     config = ExecutorchBackendConfig(
@@ -285,11 +305,21 @@ def lower(progs: dict, backend: str, constant_methods: dict, verbose: bool = Fal
         emit_mutable_buffer_names=True,
         run_reinplace_pass=reinplace,
     )
+    log("to_executorch: memory planning, emitting ...")
+    with _torch_internal_warnings_hidden():
+        et = edge.to_executorch(config)
+    return et, summary
+
+
+@contextlib.contextmanager
+def _torch_internal_warnings_hidden():
+    """Lowering makes torch warn about its own internals (buffer mutation, its deprecated LeafSpec, once per deep
+    copy): noise between the progress lines that no user can act on."""
     import warnings
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Mutation on a buffer")
-        et = edge.to_executorch(config)
-    return et, summary
+        warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)`", category=FutureWarning)
+        yield
 
 
 def _token_ids(tokenizer_path, bos_id, eos_ids):
@@ -335,6 +365,8 @@ def export_pte(model, output_path, max_seq_length: int = DEFAULT_MAX_SEQ_LENGTH,
     S = model.max_seq_length
     if lookahead and model.norm.weight.dtype != torch.float32:
         raise ValueError("--lookahead programs take a float32 mask: export them with -d fp32")
+    methods = ["forward"] + ["prefill", "decode"] * bool(prefill_chunk) + ["lookahead"] * lookahead
+    log(f"exporting {', '.join(methods)} with torch.export ...")
     progs = export_programs(model, prefill_chunk, backend, lookahead)
     t1 = time.perf_counter()
     cfg = model.config
@@ -346,12 +378,13 @@ def export_pte(model, output_path, max_seq_length: int = DEFAULT_MAX_SEQ_LENGTH,
     }
     if prefill_chunk:
         constant_methods["get_prefill_chunk"] = int(prefill_chunk)
-    et, summary = lower(progs, backend, constant_methods)
+    et, summary = lower(progs, backend, constant_methods, verbose)
     t2 = time.perf_counter()
     missing = _ops_without_kernel(et)
     if missing:  # e.g. an op some family's block needs and nothing lowers: refuse here, not at load time
         raise ValueError(f"{cfg.family or 'this model'}: the {backend} .pte needs operator(s) {', '.join(missing)} that "
                          f"ExecuTorch has no kernel for, so it could not run; nothing was written")
+    log(f"writing {output_path} ...")
     with atomic_path(output_path) as tmp, open(tmp, "wb") as f:
         et.write_to_file(f)
     size = output_path.stat().st_size
@@ -550,6 +583,7 @@ def main(argv=None):
         if model.quantization:
             raise ValueError(f"{args.checkpoint_path} is already quantized; export it without --quantize")
         import quantize
+        print(f"quantizing to {args.quantize} ...", file=sys.stderr)
         model.quantization = quantize.quantize_model(model, args.quantize, groupsize=args.groupsize)
         model.requires_grad_(False)
     bos, eos = _token_ids(args.tokenizer_path, args.bos_id, args.eos_ids)

@@ -1,7 +1,10 @@
 # ExecuTorch export (et_export.py): tiny random models lowered to .pte files and run through ExecuTorch's Python
 # runtime (PTEBackend), compared with eager model.py through generate.generate.
+import contextlib
+import io
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -69,7 +72,10 @@ def float_ckpt(tmp_path_factory):
 @pytest.fixture(scope="module")
 def float_pte(float_ckpt):
     pte = float_ckpt.parent / "tiny.pte"
-    et_export.main(["--checkpoint_path", str(float_ckpt), "--output_path", str(pte), "--max_seq_length", "128"])
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        et_export.main(["--checkpoint_path", str(float_ckpt), "--output_path", str(pte), "--max_seq_length", "128"])
+    (pte.parent / "export.log").write_text(err.getvalue())
     return pte
 
 
@@ -89,6 +95,17 @@ def test_float_pte_matches_eager(float_ckpt, float_pte):
     # greedy tokens through generate.generate, twice on one loaded program (the cache is simply overwritten)
     ref = _greedy(eager)
     assert _greedy(pte) == ref and _greedy(pte) == ref and len(ref) == 12
+
+
+def test_export_says_each_long_step(float_pte):
+    """A line before each long step, in order; the XNNPACK one counts the subgraphs the op summary finds delegated."""
+    log = (float_pte.parent / "export.log").read_text()
+    lines = log.splitlines()
+    steps = ["exporting forward", "lowering to xnnpack", "preprocessing", "to_executorch", "writing"]
+    at = [next(i for i, line in enumerate(lines) if line.startswith(s)) for s in steps]
+    assert at == sorted(at), log
+    subgraphs = int(re.search(r"preprocessing (\d+) subgraphs", log).group(1))
+    assert subgraphs == int(re.search(r"in (\d+) xnnpack delegate call", log).group(1)) > 0, log
 
 
 def test_constant_methods(float_pte):
@@ -164,6 +181,19 @@ def test_8da4w_pte_matches_eager_8da4w(tmp_path):
         assert r_pte.returncode == 0 and r_eager.returncode == 0, r_pte.stderr[-2000:] + r_eager.stderr[-2000:]
         ppl = [_perplexity(r.stdout + r.stderr) for r in (r_pte, r_eager)]
         assert ppl[0] == pytest.approx(ppl[1], rel=1e-3), ppl
+
+
+def test_partitioner_without_decomposition_filter_writes_the_same_pte(tmp_path, monkeypatch):
+    """et_export's XNNPACK partitioner drops XnnpackPartitioner's per-node decomposition filter (two fewer retraces of
+    the whole program); the stock partitioner gives the very same bytes (an 8da4w model: linears and quant ops)."""
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+    model = _tiny(2)
+    _quantize().quantize_model(model, "8da4w", groupsize=32, log=False)
+    ours, stock = tmp_path / "ours.pte", tmp_path / "stock.pte"
+    et_export.export_pte(model, ours, 32, verbose=False)
+    monkeypatch.setattr(et_export, "_backend_partitioners", lambda backend, log=None: [XnnpackPartitioner()])
+    et_export.export_pte(model, stock, 32, verbose=False)
+    assert ours.read_bytes() == stock.read_bytes()
 
 
 def _perplexity(text: str) -> float:
