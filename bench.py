@@ -43,6 +43,9 @@ PROMPTS = {
     "code": ("class Calculator:\n    def add(self, a, b):\n        return a + b\n\n    def sub(self, a, b):\n"
              "        return a - b\n\n    def mul(self, a, b):\n        return a * b\n\n    def"),
 }
+# a ~512-token prompt (495 tokens with SmolLM2's tokenizer: 4 prefill chunks of 128): hybrid (fixed-length prefill)
+# vs one dynamic-length forward
+PROMPTS["long"] = " ".join([PROMPTS["story"]] * 15)
 CB_PROMPTS = [  # continuous batching: more prompts than slots
     "The history of the printing press begins", "Here is a recipe for a simple tomato soup:",
     "The three laws of motion are", "Once upon a time, in a village at the edge of a forest,",
@@ -80,6 +83,13 @@ BUILD = {
     "runner-et/build/run": ["sh", "-c", "cmake -S runner-et -B runner-et/build && cmake --build runner-et/build -j2"],
     "runner-aoti/build/run": ["sh", "-c",
                               "cmake -S runner-aoti -B runner-aoti/build && cmake --build runner-aoti/build -j2"],
+    # the runners' decoding modes (-M kv|hybrid|lookahead): one program with every method / model, a 1024-token
+    # context (the 512-token prompt + 128 tokens), prefill chunks of 128
+    "{art}/fp32.modes.pte": [PY, "et_export.py", "--checkpoint_path", "{ck}/model.pth", "--output_path",
+                             "{art}/fp32.modes.pte", "--prefill_chunk", "128", "--lookahead"],
+    "{art}/fp32.modes.j{j}.pt2": [PY, "aoti_export.py", "--checkpoint_path", "{ck}/model.pth", "--output_path",
+                                  "{art}/fp32.modes.j{j}.pt2", "--prefill_chunk", "128", "--lookahead",
+                                  "--threads", "{j}"],
 }
 
 
@@ -92,10 +102,21 @@ def gen(*args, weights="{ck}/model.pth", prompt="story", vs=None, needs=(), peer
     return dict(kind="gen", args=args, weights=weights, prompt=prompt, vs=vs, needs=[*ck, *needs], peer=peer)
 
 
-def runner(binary, artifact, weights, vs=None, peer=None):
-    """A C++ runner row: ./binary artifact -z tokenizer.bin -i prompt -n N -t 0 -x -j threads."""
-    return dict(kind="runner", binary=binary, artifact=artifact, weights=weights, prompt="story", vs=vs,
-                needs=[artifact, "{art}/tokenizer.bin", binary], peer=peer)
+def runner(binary, artifact, weights, vs=None, peer=None, prompt="story", mode=None):
+    """A C++ runner row: ./binary artifact -z tokenizer.bin -i prompt -n N -t 0 -x -j threads [-M mode]."""
+    return dict(kind="runner", binary=binary, artifact=artifact, weights=weights, prompt=prompt, vs=vs,
+                needs=[artifact, "{art}/tokenizer.bin", binary], peer=peer, mode=mode)
+
+
+def runner_modes(name, binary, artifact):
+    """kv / lookahead (5,1,2) on the code and story prompts, kv / hybrid on the long prompt; ratio to kv, same run."""
+    rows = {}
+    for prompt, modes in (("code", ("lookahead",)), ("story", ("lookahead",)), ("long", ("hybrid",))):
+        rows[f"{name} kv {prompt}"] = runner(binary, artifact, "{ck}/model.pth", prompt=prompt, mode="kv")
+        for m in modes:
+            rows[f"{name} {m} {prompt}"] = runner(binary, artifact, "{ck}/model.pth", prompt=prompt, mode=m,
+                                                  vs=f"{name} kv {prompt}")
+    return rows
 
 
 def artifact_row(flag, artifact, weights, vs=None, peer=None):
@@ -157,6 +178,8 @@ ROWS = {
     "compile fp32 code": gen("--compile", prompt="code", vs="eager fp32 code"),
     "compile fp32 cb4": gen("--compile", "--full_batch_size", "4", prompt="cb", vs="compile fp32"),
     "eager fp32 cb4": gen("--full_batch_size", "4", prompt="cb", vs="eager fp32"),
+    **runner_modes("runner-et", "runner-et/build/run", "{art}/fp32.modes.pte"),
+    **runner_modes("runner-aoti", "runner-aoti/build/run", "{art}/fp32.modes.j{j}.pt2"),
 }
 DEFAULT_ROWS = ["eager fp32", "compile fp32", "eager bf16", "compile bf16"]
 GROUPS = {  # --rows shorthands
@@ -169,7 +192,9 @@ GROUPS = {  # --rows shorthands
            "runner-et fp32 ctx1024", "runner-et 8da4w g32 ctx1024"],
     "modes": ["compile fp32", "compile spec int4 k5", "compile spec int8 k6", "eager fp32 code",
               "eager lookahead code", "compile fp32 code", "eager fp32", "eager fp32 cb4",
-              "compile fp32 cb4"],
+              "compile fp32 cb4"] + [f"{r} {m} {p}" for r in ("runner-et", "runner-aoti")
+                                     for p, ms in (("code", ("kv", "lookahead")), ("story", ("kv", "lookahead")),
+                                                   ("long", ("kv", "hybrid"))) for m in ms],
 }
 GROUPS["peer"] = ["llama.cpp F32", "compile fp32", "aoti fp32", "runner-aoti fp32", "runner-et fp32",
                   "llama.cpp F16", "compile bf16", "llama.cpp Q8_0", "compile int8", "compile 8da8w",
@@ -223,8 +248,10 @@ def run_peer(row, args, fill):
 def run_runner(row, args, fill):
     """The C++ runner, runs + 1 times (the first warms the page cache); medians of what it prints on stderr."""
     cmd = [str(REPO / fill(row["binary"])), fill(row["artifact"]), "-z", fill("{art}/tokenizer.bin"), "-i",
-           PROMPTS["story"], "-n", str(args.max_new_tokens), "-t", "0", "-x",
+           PROMPTS[row["prompt"]], "-n", str(args.max_new_tokens), "-t", "0", "-x",
            "-j", str(torch.get_num_threads())]  # main() applied --threads
+    if row.get("mode"):
+        cmd += ["-M", row["mode"], "-L", "5,1,2"]
     runs, rss = [], 0.0
     for _ in range(args.runs + 1):
         p = subprocess.run(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -237,10 +264,14 @@ def run_runner(row, args, fill):
             raise RuntimeError(f"no timing line in the runner's output: {err[-200:]!r}")
         runs.append(dict(ttft_s=float(m[1]) / 1000, prefill_tok_s=float(m[2]), decode_tok_s=float(m[3]),
                          new_tokens=int(m[5])))
+        m = re.search(r"([\d.]+) tokens/forward", err)  # lookahead: tokens per forward of the program
+        if m and row.get("mode") == "lookahead":
+            runs[-1]["tokens_per_step"] = float(m[1])
         m = re.search(r"peak memory ([\d.]+) MB", err)  # the runner's own VmHWM (ru_maxrss would count ours)
         rss = max(rss, float(m[1]) if m else 0.0)
     runs = runs[1:]
-    med = {k: statistics.median(r[k] for r in runs) for k in ("decode_tok_s", "prefill_tok_s", "ttft_s")}
+    med = {k: statistics.median(r[k] for r in runs) for k in ("decode_tok_s", "prefill_tok_s", "ttft_s")
+           + (("tokens_per_step",) if "tokens_per_step" in runs[0] else ())}
     med.update(peak_rss_mb=rss, new_tokens=runs[0]["new_tokens"], decode_runs=[r["decode_tok_s"] for r in runs])
     return med
 

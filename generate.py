@@ -544,7 +544,10 @@ def chat(args, tok, device, dtype):
         try:
             user = input("> ")
         except EOFError:
+            print()  # the prompt's line ends
             break
+        if not sys.stdin.isatty():  # piped input: echo it, so the transcript reads like a terminal session
+            print(user)
         if not user.strip():
             break
         messages.append({"role": "user", "content": user})
