@@ -28,7 +28,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Optional
 
 import torch
 
@@ -59,7 +58,6 @@ BUILD = {
     "{ck}/model_int8.pth": [PY, *Q, "int8"],
     "{ck}/model_int4.g32.pth": [PY, *Q, "int4", "--groupsize", "32"],
     "{ck}/model_8da4w.g32.pth": [PY, *Q, "8da4w", "--groupsize", "32"],
-    "{ck}/model_8da8w.pth": [PY, *Q, "8da8w"],
     # exported with a 256-token context (the prompt + 128 tokens fit; generate.py sizes its cache the same way): a
     # static cache is read whole at every step, at 1024 tokens 47 MB per step for this model (the ctx1024 rows)
     "{art}/fp32.s256.pte": [PY, "et_export.py", "--checkpoint_path", "{ck}/model.pth", "--output_path",
@@ -141,8 +139,6 @@ ROWS = {
     "eager int8": gen("--checkpoint_path", "{ck}/model_int8.pth", vs="eager fp32"),
     "compile int8": gen("--compile", "--checkpoint_path", "{ck}/model_int8.pth", vs="compile fp32",
                         peer="llama.cpp Q8_0"),
-    "compile 8da8w": gen("--compile", "--checkpoint_path", "{ck}/model_8da8w.pth", vs="compile fp32",
-                         peer="llama.cpp Q8_0"),  # int8 activations too, as llama.cpp's Q8_0 does
     "compile int4 g32": gen("--compile", "--checkpoint_path", "{ck}/model_int4.g32.pth", vs="compile fp32",
                             peer="llama.cpp Q4_0"),
     "compile 8da4w g32": gen("--compile", "--checkpoint_path", "{ck}/model_8da4w.g32.pth", vs="compile fp32"),
@@ -183,8 +179,8 @@ ROWS = {
 }
 DEFAULT_ROWS = ["eager fp32", "compile fp32", "eager bf16", "compile bf16"]
 GROUPS = {  # --rows shorthands
-    "quant": ["compile fp32", "compile int8", "compile 8da8w", "compile int4 g32", "compile 8da4w g32",
-              "compile bf16", "compile bf16 int8", "compile bf16 int4 g32"],
+    "quant": ["compile fp32", "compile int8", "compile int4 g32", "compile 8da4w g32", "compile bf16",
+              "compile bf16 int8", "compile bf16 int4 g32"],
     "export": ["compile fp32", "compile int4 g32", "aoti fp32", "runner-aoti fp32", "aoti int8", "runner-aoti int8",
                "pte fp32", "pte 8da4w g32", "runner-et fp32", "runner-et 8da4w g32", "runner-et fp32 ctx1024",
                "runner-et 8da4w g32 ctx1024", "onnx fp32"],
@@ -197,8 +193,8 @@ GROUPS = {  # --rows shorthands
                                                    ("long", ("kv", "hybrid"))) for m in ms],
 }
 GROUPS["peer"] = ["llama.cpp F32", "compile fp32", "aoti fp32", "runner-aoti fp32", "runner-et fp32",
-                  "llama.cpp F16", "compile bf16", "llama.cpp Q8_0", "compile int8", "compile 8da8w",
-                  "llama.cpp Q4_0", "compile int4 g32", "runner-et 8da4w g32"]
+                  "llama.cpp F16", "compile bf16", "llama.cpp Q8_0", "compile int8", "llama.cpp Q4_0",
+                  "compile int4 g32", "runner-et 8da4w g32"]
 GROUPS["all"] = list(ROWS)
 # --rows server: server.py under 1, 4 and 8 concurrent clients (scripts/bench_server.py), next to the generate.py
 # batch-1 row of the same backend ("compile fp32") in the same run
@@ -337,10 +333,8 @@ def run_row(name, args, bw, nproc=1):
     res["world_size"], res["vs"], res["peer"] = nproc, row["vs"], row["peer"]
     res["file_mb"] = _file_mb(Path(size_of)) if size_of else None
     # a GGUF holds exactly the tensors one step reads (tied embedding once): its size is the weight bytes
-    args_ = row.get("args", [])
-    dtype = args_[args_.index("--dtype") + 1] if "--dtype" in args_ else None  # a bfloat16 row reads half the bytes
     res["weight_bytes"] = (Path(size_of).stat().st_size if row["kind"] == "peer"
-                           else _weight_bytes(fill(row["weights"]), dtype))
+                           else _weight_bytes(fill(row["weights"])))
     if row["prompt"] != "cb":  # a continuous-batching row reads the weights once per step for several sequences
         res["gb_s"] = res["weight_bytes"] * res["decode_tok_s"] / 1e9
         res["pct_of_ceiling"] = 100 * res["gb_s"] / bw
@@ -371,12 +365,12 @@ def _file_mb(p: Path) -> float:
     return sum(f.stat().st_size for f in files) / 2**20
 
 
-def _weight_bytes(ck: str, dtype: Optional[str] = None) -> int:
-    """Bytes of the weights one decode step reads: the checkpoint's tensors in the row's dtype (a tied embedding
-    counted once, as the output projection; mmap, nothing is read unless the dtype changes)."""
+def _weight_bytes(ck: str) -> int:
+    """Bytes of the weights one decode step reads: the checkpoint's tensors (a tied embedding counted once, as the
+    output projection; mmap, nothing is read)."""
     import generate as G
     from model import load_model
-    return G.weight_bytes(load_model(ck, dtype=getattr(torch, dtype) if dtype else None))
+    return G.weight_bytes(load_model(ck))
 
 
 def table(results, bw):

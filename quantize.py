@@ -10,9 +10,6 @@
 # Modes (weights of every nn.Linear; activations stay float unless said otherwise):
 #   int8       weight-only, symmetric, one scale per output channel          w = q * s,            q in [-127, 127]
 #   int4       weight-only, asymmetric, groups of G along in_features        w = q * s + z,        q in [0, 15]
-#   8da8w      int8 weights as in int8, x int8 dynamic per-token asymmetric activations: like llama.cpp's Q8_0
-#              (which quantizes activations too), so compiled CPU float32 decode runs oneDNN's int8 GEMM (VNNI dot
-#              products: 4 weights per lane op instead of ~5 float ops per weight); ExecuTorch: XNNPACK qd8-f32-qc8w.
 #   8da4w      int4 groupwise weights (scales on the bfloat16 grid) x int8 dynamic per-token asymmetric activations, for
 #              ExecuTorch/XNNPACK: x @ w.T = xq @ ((q - 8) s).T + group_sums(x) @ (z + 8 s).T, i.e. XNNPACK's qb4w GEMM
 #              (zero point 8 only) on the int8 activations xq plus a small float GEMM of the float activations' group
@@ -49,8 +46,7 @@ from torch import Tensor
 
 from common import GROUPSIZES, ArgumentParser, check_device, checkpoint_file, cli, default_checkpoint
 
-MODES = ("int8", "8da8w", "int4", "8da4w", "int4-gptq")
-GROUPLESS = ("int8", "8da8w")  # modes without --groupsize
+MODES = ("int8", "int4", "8da4w", "int4-gptq")
 EMBEDDINGS = ("int8", "int4", "none")
 FORMAT_VERSION = 1
 
@@ -164,23 +160,17 @@ def quantize_tensor(w: Tensor, scheme: dict) -> dict:
     return {"q": q, "scales": s, "zeros": z}
 
 
-def quantize_per_token_int8(x: Tensor, row_range: Optional[Callable] = None):
-    """Dynamic asymmetric int8 quantization of each row of x (last dim): integers q in [-128, 127] (in x's dtype), zero
-    points zp and scales [..., 1], x ~ (q - zp) * scale; the arithmetic of torchao's choose_qparams_affine /
-    quantize_affine (ASYMMETRIC, int8, zero kept exact). row_range(lo, hi) -> (lo, hi): the range of the whole row
-    when x is a slice of it (tp.py's row-parallel shards)."""
+def fake_quant_per_token_int8(x: Tensor, row_range: Optional[Callable] = None) -> Tensor:
+    """Dynamic asymmetric int8 quantization of each row of x (last dim), then dequantization: the same arithmetic as
+    torchao's choose_qparams_affine / quantize_affine / dequantize_affine (ASYMMETRIC, int8, zero kept exact).
+    row_range(lo, hi) -> (lo, hi): the range of the whole row when x is a slice of it (tp.py's row-parallel shards)."""
     lo = torch.clamp(x.amin(-1, keepdim=True), max=0)
     hi = torch.clamp(x.amax(-1, keepdim=True), min=0)
     if row_range is not None:
         lo, hi = row_range(lo, hi)
     scale = torch.clamp((hi - lo) / 255.0, min=torch.finfo(x.dtype).smallest_normal)
     zp = torch.clamp(-128 - torch.round(lo / scale), -128, 127)
-    return torch.clamp(torch.round(x * (1.0 / scale)) + zp, -128, 127), zp, scale
-
-
-def fake_quant_per_token_int8(x: Tensor, row_range: Optional[Callable] = None) -> Tensor:
-    """quantize_per_token_int8, then dequantization: what the int8 kernels of XNNPACK and oneDNN compute exactly."""
-    q, zp, scale = quantize_per_token_int8(x, row_range)
+    q = torch.clamp(torch.round(x * (1.0 / scale)) + zp, -128, 127)
     return (q - zp) * scale
 
 
@@ -296,33 +286,12 @@ class QuantizedWeight(nn.Module):
 
     _int8_words = None
     _int4_words = None
-    # 8da8w (QuantizedLinear sets dynamic_act): compiled float32 decode runs oneDNN's int8 GEMM on its own packed copy
-    # (an opaque mkldnn tensor, not saved) and all-zero weight zero points.
-    dynamic_act = False
-    _onednn = None
-
-    def __getstate__(self):  # copy.deepcopy, pickle: without the derived copies (oneDNN's is opaque: no storage)
-        state = self.__dict__.copy()
-        for k in ("_int4_cpu", "_int8_words", "_int4_words", "_onednn"):
-            state.pop(k, None)
-        return state
-
-    def __setstate__(self, state):
-        super().__setstate__(state)
-        self._rebuild_native()
 
     def _rebuild_native(self):
         self._int4_cpu = None
         self._int8_words = None
         self._int4_words = None
-        self._onednn = None
-        cpu = self.qdata.device.type == "cpu"
-        if (self.bits == 8 and self.dynamic_act and cpu and self.scales.dtype == torch.float32
-                and torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_prepack")):
-            self._onednn = (torch.ops.onednn.qlinear_prepack(self.qdata, [1, self.in_features]),
-                            torch.zeros(self.out_features, dtype=torch.int32))
-            return
-        tiles = cpu and self.out_features % 16 == 0  # the word layouts' 16-channel tiles
+        tiles = self.qdata.device.type == "cpu" and self.out_features % 16 == 0  # the word layouts' 16-channel tiles
         if self.bits == 8 and tiles and self.in_features % 4 == 0:
             # compiled decode reads int8 weights as int32 words in tiles of 16 output channels (see fused_linear):
             # [N/16, K/4, 16], byte j of word [t, i, c] holds q[16t + c, j*K/4 + i] + 128. A plain attribute (not
@@ -366,17 +335,6 @@ class QuantizedWeight(nn.Module):
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self._int4_cpu[0], self.groupsize, self._int4_cpu[1])
         else:
             return None
-        return y.reshape(*x.shape[:-1], self.out_features)
-
-    def int8_dynamic_linear(self, x: Tensor) -> Tensor:
-        """8da8w, compiled decode (one float32 row x): x quantized as quantize_per_token_int8 does (as uint8, zero point
-        + 128), then oneDNN's u8 x s8 GEMM with int32 sums scaled once per output: fake_quant_per_token_int8(x) @ w.T
-        up to float rounding."""
-        q, zp, scale = quantize_per_token_int8(x.reshape(1, self.in_features))
-        packed, wzp = self._onednn
-        y = torch.ops.onednn.qlinear_pointwise.tensor(
-            (q + 128).to(torch.uint8), scale.reshape(()), (zp + 128).to(torch.int32).reshape(()), packed,
-            self.scales, wzp, None, 1.0, 0, torch.float32, "none", [], "")
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def int_values(self) -> Tensor:
@@ -485,9 +443,6 @@ class QuantizedLinear(nn.Module):
         self.qweight = qweight
         self.act = act
         self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
-        if act == "int8" and qweight.bits == 8 and not qweight.dynamic_act:  # 8da8w: oneDNN's int8 GEMM for decode
-            qweight.dynamic_act = True
-            qweight._rebuild_native()
 
     def forward(self, x: Tensor) -> Tensor:
         qw = self.qweight
@@ -498,10 +453,6 @@ class QuantizedLinear(nn.Module):
             if qw.xnnpack and qw.zeros is not None:  # asymmetric 8da4w: the zero term takes the float activations
                 zt = F.linear(group_sums(x, qw.groupsize), qw.zero_term.to(x.dtype))
             compiled = torch.compiler.is_compiling() and not torch.compiler.is_exporting()
-            if (qw._onednn is not None and zt is None and self.act_quant is None and x.dtype == torch.float32
-                    and _compiled_single_row(x)):
-                y = qw.int8_dynamic_linear(x)
-                return y + self.bias if self.bias is not None else y
             if self.act_quant is not None:  # tp.py's row-parallel shards: the range of the whole row
                 x = self.act_quant(x)
             else:
@@ -594,7 +545,7 @@ def check_args(mode: str, groupsize: Optional[int], embedding: Optional[str] = N
     """The checks of quantize_model's arguments that need no model (the CLI runs them before loading anything)."""
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
-    if mode not in GROUPLESS and groupsize not in GROUPSIZES:
+    if mode != "int8" and groupsize not in GROUPSIZES:
         raise ValueError(f"--groupsize must be one of {', '.join(map(str, GROUPSIZES))} for {mode}, got {groupsize}")
     if embedding is not None and embedding not in EMBEDDINGS:
         raise ValueError(f"--embedding must be one of {', '.join(EMBEDDINGS)}, got {embedding!r}")
@@ -606,10 +557,10 @@ def check_args(mode: str, groupsize: Optional[int], embedding: Optional[str] = N
 def make_recipe(model: nn.Module, mode: str, groupsize: Optional[int] = 32, embedding: Optional[str] = None,
                 log: bool = True) -> dict:
     """Decide what gets quantized how, for arguments that passed check_args (no weights touched)."""
-    four_bit = mode not in GROUPLESS
+    four_bit = mode != "int8"
     G = groupsize if four_bit else None
-    linear = _scheme(4, G, xnnpack=(mode == "8da4w")) if four_bit else _scheme(8)
-    act = "int8" if mode in ("8da4w", "8da8w") else None
+    linear = _scheme(8) if mode == "int8" else _scheme(4, G, xnnpack=(mode == "8da4w"))
+    act = "int8" if mode == "8da4w" else None
     embedding = embedding or "int8"  # see the header: the table is also the output projection of tied models
     notes, skip = [], []
     emb = getattr(model, "tok_embeddings", None)
@@ -633,7 +584,7 @@ def make_recipe(model: nn.Module, mode: str, groupsize: Optional[int] = 32, embe
                                  f"try a smaller group size")
     return {"format": FORMAT_VERSION, "mode": mode, "groupsize": G, "linear": linear, "act": act,
             "embedding": emb_scheme, "tied_output": tied,
-            "output_act": act if (tied and emb_scheme) else None,  # 8da4w/8da8w: dynamic int8 activations
+            "output_act": act if (tied and emb_scheme) else None,  # 8da4w: dynamic int8 activations, int8/int4 table
             "skip": skip, "notes": notes}
 
 
@@ -671,7 +622,7 @@ def quantize_model(model: nn.Module, mode: str, groupsize: int = 32, calibration
                    log: bool = True) -> dict:
     """Quantize a float model in place; returns the recipe to store with checkpoint_state(model, quantization=...).
 
-    mode: int8 | 8da8w | int4 | 8da4w | int4-gptq (needs calibration_ids: token ids, 1-D or [n, seq_len]).
+    mode: int8 | int4 | 8da4w | int4-gptq (needs calibration_ids: token ids, 1-D or [n, seq_len]).
     embedding: None (the mode's default), "int8", "int4" or "none"."""
     check_args(mode, groupsize, embedding, calibration_ids is not None)
     if any(isinstance(m, (QuantizedLinear, QuantizedEmbedding)) for m in model.modules()):
@@ -703,7 +654,7 @@ def quantize_model(model: nn.Module, mode: str, groupsize: int = 32, calibration
 # ----------------------------------------------------------------------------------------------------------- CLI
 def output_path(checkpoint: Path, mode: str, groupsize: Optional[int]) -> Path:
     """model.pth -> model_int8.pth, model_int4.g32.pth, model_8da4w.g32.pth, model_int4-gptq.g128.pth"""
-    suffix = f".g{groupsize}" if mode not in GROUPLESS else ""
+    suffix = f".g{groupsize}" if mode != "int8" else ""
     return checkpoint.with_name(f"{checkpoint.stem}_{mode}{suffix}.pth")
 
 
