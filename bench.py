@@ -28,6 +28,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -333,8 +334,10 @@ def run_row(name, args, bw, nproc=1):
     res["world_size"], res["vs"], res["peer"] = nproc, row["vs"], row["peer"]
     res["file_mb"] = _file_mb(Path(size_of)) if size_of else None
     # a GGUF holds exactly the tensors one step reads (tied embedding once): its size is the weight bytes
+    args_ = row.get("args", [])
+    dtype = args_[args_.index("--dtype") + 1] if "--dtype" in args_ else None  # a bfloat16 row reads half the bytes
     res["weight_bytes"] = (Path(size_of).stat().st_size if row["kind"] == "peer"
-                           else _weight_bytes(fill(row["weights"])))
+                           else _weight_bytes(fill(row["weights"]), dtype))
     if row["prompt"] != "cb":  # a continuous-batching row reads the weights once per step for several sequences
         res["gb_s"] = res["weight_bytes"] * res["decode_tok_s"] / 1e9
         res["pct_of_ceiling"] = 100 * res["gb_s"] / bw
@@ -365,12 +368,12 @@ def _file_mb(p: Path) -> float:
     return sum(f.stat().st_size for f in files) / 2**20
 
 
-def _weight_bytes(ck: str) -> int:
-    """Bytes of the weights one decode step reads: the checkpoint's tensors (a tied embedding counted once, as the
-    output projection; mmap, nothing is read)."""
+def _weight_bytes(ck: str, dtype: Optional[str] = None) -> int:
+    """Bytes of the weights one decode step reads: the checkpoint's tensors in the row's dtype (a tied embedding
+    counted once, as the output projection; mmap, nothing is read unless the dtype changes)."""
     import generate as G
     from model import load_model
-    return G.weight_bytes(load_model(ck))
+    return G.weight_bytes(load_model(ck, dtype=getattr(torch, dtype) if dtype else None))
 
 
 def table(results, bw):
