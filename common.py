@@ -4,6 +4,7 @@
 # `error: ...` line. Imports nothing from this repo except, lazily, scripts/download.py to prepare the default model.
 import argparse
 import contextlib
+import logging
 import math
 import os
 import resource
@@ -27,6 +28,14 @@ INDUCTOR_CPU = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backe
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer.tiktoken", "tiktoken_config.json",
                    "tokenizer_config.json", "special_tokens_map.json", "generation_config.json", "chat_template.jinja",
                    "chat_template.json")
+
+
+# Third-party log lines that are not actionable here, dropped by what they say (the loggers' other lines stay):
+# torchao's wheel carries CUDA-only and other-Python kernels (_C_cutlass_90a, _C_mxfp8...cpython-310) that it fails to
+# load on a CPU machine, and it registers an Enum with torch's pytree through a call torch now calls deprecated.
+KNOWN_NOISE = {"torchao": "torchao/_C", "torch.utils._pytree": "register_constant()"}
+for _logger, _fragment in KNOWN_NOISE.items():
+    logging.getLogger(_logger).addFilter(lambda record, f=_fragment: f not in record.getMessage())
 
 
 def first_line(e: BaseException, limit: int = 300) -> str:

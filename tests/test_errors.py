@@ -407,3 +407,14 @@ def test_sigterm_during_exports_leaves_nothing(tiny_checkpoint, tmp_path):
         assert "Traceback" not in "".join(lines), (k, "".join(lines)[-3000:])
         assert not _litter(folder), (k, _litter(folder))
         assert not [f for f in folder.iterdir() if f.suffix in (".onnx", ".pt2", ".pte")], (k, list(folder.iterdir()))
+
+
+def test_known_third_party_noise_is_dropped_and_other_lines_stay():
+    """torchao's failed loads of CUDA / other-Python kernels and torch's register_constant() deprecation are not
+    printed once common.py is imported (every script imports it first); other torchao warnings still are."""
+    code = ("import logging, common, torchao, executorch.exir\n"
+            "logging.getLogger('torchao').warning('a real torchao warning')\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "Failed to load" not in r.stderr and "register_constant()" not in r.stderr, r.stderr[-2000:]
+    assert "a real torchao warning" in r.stderr
