@@ -20,6 +20,8 @@
 #include <string>
 #include <vector>
 
+#include <unistd.h>
+
 #include "options.h"
 #include "sampler.h"
 #include "tokenizer.h"
@@ -208,7 +210,11 @@ inline int chat_loop(Model& model, Tokenizer& tok, Sampler& sampler, const Optio
       user = o.prompt;
     } else {
       write_out("> ");
-      if (!std::getline(std::cin, user)) break;
+      if (!std::getline(std::cin, user)) {
+        write_out("\n");  // the prompt's line ends (as generate.py --chat)
+        break;
+      }
+      if (!isatty(0)) write_out(user + "\n");  // piped input: echoed, so the transcript reads like a terminal's
     }
     first = false;
     if (user.find_first_not_of(" \t\r\n") == std::string::npos) break;
