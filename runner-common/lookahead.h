@@ -70,26 +70,16 @@ inline std::vector<int> lookahead_generate(Model& model, const Tokenizer& tok, c
     return call(T) + size_t(T - 1) * V;  // the last row
   };
 
-  std::vector<int> out;
-  bool done = max_new <= 0;
-  auto keep = [&](int t) {
-    if (done) return;
-    if (is_stop(tok, t)) {
-      done = true;
-      return;
-    }
-    out.push_back(t);
-    if (on_token) on_token(t);
-    done = int(out.size()) >= max_new;
-  };
+  KeptTokens kept{tok, max_new, on_token};
+  const std::vector<int>& out = kept.out;
   const double t0 = now_s();
   int cur = argmax_row(causal(0, L - 1), V);
   seq.push_back(cur);
   int committed = L;  // seq[0..committed) have their keys/values in the cache, at their positions
-  keep(cur);
+  kept.put(cur);
   const double t_first = now_s(), c_first = cpu_s();
   int steps = 0;
-  while (!done) {
+  while (!kept.done) {
     const int p = int(seq.size()) - 1;  // index of the current token
     const int r = p - committed;        // tokens fed again
     const int depth = std::min(N - 1, max_new - int(out.size()) - 1);
@@ -176,22 +166,13 @@ inline std::vector<int> lookahead_generate(Model& model, const Tokenizer& tok, c
     }
     committed = p + 1;
     const int v = int(accepted.size());
-    for (int a : accepted) keep(a);
+    for (int a : accepted) kept.put(a);
     seq.insert(seq.end(), accepted.begin(), accepted.end());
     for (int e = std::max(int(seq.size()) - v + 1, N); e <= int(seq.size()); e++) pool.add(&seq[e - N]);
     cur = seq.back();
   }
-  const double t_end = now_s(), c_end = cpu_s();
-  if (st) {
-    st->decode_cpu_s = c_end - c_first;
-    st->prompt_tokens = L;
-    st->ttft_s = t_first - t0;
-    st->decode_s = t_end - t_first;
-    st->steps = steps;
-    st->decode_tokens = std::max(int(out.size()) - 1, 0);
-    st->new_tokens = int(out.size());
-  }
-  return out;
+  fill_stats(st, L, t0, t_first, c_first, steps, std::max(int(out.size()) - 1, 0), int(out.size()));
+  return kept.out;
 }
 
 }  // namespace llm

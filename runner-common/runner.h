@@ -96,6 +96,40 @@ struct GenStats {
   double ttft_s = 0, decode_s = 0, decode_cpu_s = 0;
 };
 
+// The tokens one generation keeps (every mode): a stop id ends it, max_new caps it, each kept token is streamed.
+struct KeptTokens {
+  const Tokenizer& tok;
+  int max_new;
+  const std::function<void(int)>& on_token;
+  std::vector<int> out;
+  bool done = max_new <= 0;
+
+  void put(int t) {
+    if (done) return;
+    if (is_stop(tok, t)) {
+      done = true;
+      return;
+    }
+    out.push_back(t);
+    if (on_token) on_token(t);
+    done = int(out.size()) >= max_new;
+  }
+};
+
+// The timings of one generation: t0 before the prompt, t_first / c_first (wall / CPU) when the first token came.
+inline void fill_stats(GenStats* st, int prompt_tokens, double t0, double t_first, double c_first, int steps,
+                       int decode_tokens, int new_tokens) {
+  if (!st) return;
+  const double t_end = now_s(), c_end = cpu_s();
+  st->decode_cpu_s = c_end - c_first;
+  st->prompt_tokens = prompt_tokens;
+  st->ttft_s = t_first - t0;
+  st->decode_s = t_end - t_first;
+  st->steps = steps;
+  st->decode_tokens = decode_tokens;
+  st->new_tokens = new_tokens;
+}
+
 // hybrid: the prompt at start_pos.. through the fixed-length prefill program, chunks of N tokens, the last one padded
 // (token 0 at the positions after the prompt, clamped to the context: causally after it, overwritten by decode).
 // Returns the logits of the prompt's last token.
@@ -129,43 +163,24 @@ inline std::vector<int> generate(Model& model, const Tokenizer& tok, Sampler& sa
                 std::to_string(mi.max_seq_len) + " tokens");
   if (max_new <= 0 || max_new > mi.max_seq_len - len) max_new = mi.max_seq_len - len;
   std::vector<int64_t> ids(prompt.begin(), prompt.end());
-  std::vector<int> out;
-  bool done = false;
-  auto keep = [&](int t) {
-    if (done) return;
-    if (is_stop(tok, t)) {
-      done = true;
-      return;
-    }
-    out.push_back(t);
-    if (on_token) on_token(t);
-  };
   if (o.decoding == "lookahead")
     return lookahead_generate(model, tok, ids, start_pos, max_new, o.ngram, o.window, o.gcap, on_token, st);
+  KeptTokens kept{tok, max_new, on_token};
   const double t0 = now_s();
   const float* logits = o.decoding == "hybrid" ? hybrid_prefill(model, ids, start_pos)
                                                : model.forward(ids.data(), int(ids.size()), start_pos);
   int next = sampler.sample(logits, mi.vocab_size);
-  keep(next);
+  kept.put(next);
   const double t_first = now_s(), c_first = cpu_s();
   int steps = 0;
-  for (int i = 0; i < max_new - 1 && !done; i++) {
+  for (int i = 0; !kept.done; i++) {  // at most max_new - 1 steps: kept.put ends at max_new tokens
     int64_t t = next;
     next = sampler.sample(model.forward(&t, 1, len + i), mi.vocab_size);
-    keep(next);
+    kept.put(next);
     steps++;
   }
-  const double t_end = now_s(), c_end = cpu_s();
-  if (st) {
-    st->decode_cpu_s = c_end - c_first;
-    st->prompt_tokens = int(prompt.size());
-    st->ttft_s = t_first - t0;
-    st->decode_s = t_end - t_first;
-    st->steps = steps;
-    st->decode_tokens = steps;
-    st->new_tokens = int(out.size());
-  }
-  return out;
+  fill_stats(st, int(prompt.size()), t0, t_first, c_first, steps, steps, int(kept.out.size()));
+  return kept.out;
 }
 
 inline void report(const GenStats& st) {

@@ -71,10 +71,10 @@ def converted(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("name", list(FAMILIES))
 @torch.no_grad()
-def test_logits_prefill_and_every_decode_step(name, converted, one_thread):
-    d, hf = converted(name)
+def assert_logits_match(d, hf):
+    """The converted checkpoint in d against transformers' hf: prefill of 20 tokens, then 20 decode steps through the
+    cache, every logit within 1e-4 (tests/test_families_classic.py uses it too)."""
     model = load_model(d / "model.pth")
     model.setup_caches(1, 48)
     ids = torch.randint(0, VOCAB, (1, 40), generator=torch.Generator().manual_seed(1))
@@ -86,15 +86,24 @@ def test_logits_prefill_and_every_decode_step(name, converted, one_thread):
         assert (got[:, 0] - ref[:, t]).abs().max() <= 1e-4, f"decode step at position {t}"
 
 
-@pytest.mark.parametrize("name", list(FAMILIES))
-def test_greedy_tokens_batch_of_two_prompts(name, converted, cpu, one_thread):
-    d, hf = converted(name)
-    model = load_model(d / "model.pth")
+def assert_greedy_batch_matches(d, hf):
+    """A padded batch of two prompts (11 and 4 tokens, per-row positions): 32 greedy tokens each, as transformers'."""
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (11, 4)]
     expected = [hf_greedy(hf, p, 32) for p in prompts]
-    out, _ = generate(TorchBackend(model, max_batch_size=2, max_seq_length=64), prompts, 32, cpu)
+    backend = TorchBackend(load_model(d / "model.pth"), max_batch_size=2, max_seq_length=64)
+    out, _ = generate(backend, prompts, 32, torch.device("cpu"))
     assert out == expected
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_logits_prefill_and_every_decode_step(name, converted, one_thread):
+    assert_logits_match(*converted(name))
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_greedy_tokens_batch_of_two_prompts(name, converted, one_thread):
+    assert_greedy_batch_matches(*converted(name))
 
 
 @pytest.mark.parametrize("name", ["mistral", "gemma2"])

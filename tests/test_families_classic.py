@@ -17,7 +17,7 @@ import sys
 import pytest
 import torch
 from conftest import hf_greedy, make_bpe_tokenizer, run_cli
-from test_families import VOCAB
+from test_families import VOCAB, assert_greedy_batch_matches, assert_logits_match
 from test_families_backends import MAX_SEQ, PROMPTS, backend_tokens, eager_tokens
 
 from generate import TorchBackend, generate
@@ -72,27 +72,14 @@ def converted(tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", list(CLASSIC))
-@torch.no_grad()
 def test_logits_prefill_and_every_decode_step(name, converted, one_thread):
-    d, hf = converted(name)
-    model = load_model(d / "model.pth")
-    model.setup_caches(1, 48)
-    ids = torch.randint(0, VOCAB, (1, 40), generator=torch.Generator().manual_seed(1))
-    ref = hf(ids).logits
-    assert (model(ids[:, :20], torch.arange(20)) - ref[:, :20]).abs().max() <= 1e-4
-    for t in range(20, 40):
-        got = model(ids[:, t:t + 1], torch.tensor([t]))
-        assert (got[:, 0] - ref[:, t]).abs().max() <= 1e-4, f"decode step at position {t}"
+    assert_logits_match(*converted(name))
 
 
 @pytest.mark.parametrize("name", list(CLASSIC))
 def test_greedy_tokens_batch_of_two_prompts(name, converted, one_thread):
     """A padded batch (per-row positions: learned position embeddings and ALiBi read them too)."""
-    d, hf = converted(name)
-    g = torch.Generator().manual_seed(7)
-    prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (11, 4)]
-    out, _ = generate(TorchBackend(load_model(d / "model.pth"), max_batch_size=2, max_seq_length=64), prompts, 32, CPU)
-    assert out == [hf_greedy(hf, p, 32) for p in prompts]
+    assert_greedy_batch_matches(*converted(name))
 
 
 @torch.no_grad()
