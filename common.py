@@ -36,6 +36,31 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer.tiktoken", "t
 KNOWN_NOISE = {"torchao": "torchao/_C", "torch.utils._pytree": "register_constant()"}
 for _logger, _fragment in KNOWN_NOISE.items():
     logging.getLogger(_logger).addFilter(lambda record, f=_fragment: f not in record.getMessage())
+# C++ libraries print past Python's logging, straight to file descriptor 2: ExecuTorch's runtime, at its first
+# method load on an x86 machine, prints five lines looking for an ARM register file ("[cpuinfo_utils.cpp:87] Failed
+# to open midr file ..."). Not actionable, so native_stderr_filtered drops lines starting with these.
+NATIVE_NOISE = ("[cpuinfo_utils.cpp:",)
+
+
+@contextlib.contextmanager
+def native_stderr_filtered(noise=NATIVE_NOISE):
+    """Runs the block with file descriptor 2 sent to a temporary file, then writes the lines back to stderr, except
+    those starting with one of `noise`."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            kept = [ln for ln in tmp.read().decode(errors="replace").splitlines(keepends=True)
+                    if not ln.startswith(noise)]
+            sys.stderr.write("".join(kept))
+            sys.stderr.flush()
 
 
 def first_line(e: BaseException, limit: int = 300) -> str:

@@ -49,7 +49,7 @@ import torch
 from torch import Tensor, nn
 
 import et_passes
-from common import ArgumentParser, atomic_path, cli, first_line, resolve_checkpoint
+from common import ArgumentParser, atomic_path, cli, first_line, native_stderr_filtered, resolve_checkpoint
 
 BACKENDS = ("xnnpack", "portable", "qnn", "coreml", "mps")
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -495,7 +495,8 @@ class PTEBackend:
 
     def _load(self, method):
         try:
-            return self.program.load_method(method)
+            with native_stderr_filtered():  # the runtime's threadpool prints cpuinfo noise at the first load
+                return self.program.load_method(method)
         except Exception as e:  # noqa: BLE001
             raise ValueError(f"cannot load method {method!r} of {self.path}: {type(e).__name__}: "
                              f"{first_line(e)}") from None

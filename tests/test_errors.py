@@ -418,3 +418,17 @@ def test_known_third_party_noise_is_dropped_and_other_lines_stay():
     assert r.returncode == 0, r.stderr[-2000:]
     assert "Failed to load" not in r.stderr and "register_constant()" not in r.stderr, r.stderr[-2000:]
     assert "a real torchao warning" in r.stderr
+
+
+def test_native_noise_is_dropped_and_other_native_lines_stay():
+    """Lines C++ code writes to file descriptor 2 inside common.native_stderr_filtered come back, except ExecuTorch's
+    cpuinfo noise."""
+    code = ("import os, sys, common\n"
+            "with common.native_stderr_filtered():\n"
+            "    os.write(2, b'[cpuinfo_utils.cpp:87] Failed to open midr file /sys/x\\na native warning\\n')\n"
+            "    print('a python line', file=sys.stderr)\n"
+            "print('after', file=sys.stderr)\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "midr" not in r.stderr, r.stderr
+    assert r.stderr.splitlines()[-3:] == ["a native warning", "a python line", "after"], r.stderr
