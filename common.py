@@ -12,6 +12,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -61,6 +62,39 @@ def native_stderr_filtered(noise=NATIVE_NOISE):
                     if not ln.startswith(noise)]
             sys.stderr.write("".join(kept))
             sys.stderr.flush()
+
+
+def busy_cores(seconds: float = 0.3) -> float:
+    """How many cores other processes keep busy now: /proc/stat sampled `seconds` apart (0 where it is missing)."""
+    def sample():
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+        return sum(v), v[3] + v[4]  # all jiffies, idle + iowait
+    try:
+        t0, i0 = sample()
+        time.sleep(seconds)
+        t1, i1 = sample()
+    except (OSError, ValueError, IndexError):
+        return 0.0
+    return (os.cpu_count() or 1) * (1 - (i1 - i0) / max(1, t1 - t0))
+
+
+def set_threads(threads: Optional[int], log=None) -> int:
+    """CPU threads: --threads N, else $OMP_NUM_THREADS, else torch's count (the physical cores) less the cores that
+    other processes keep busy right now. OpenMP threads spin-wait at every kernel's end for a thread whose core someone
+    else holds, and decode slows several-fold (README, "Threads": measured); a free core is worth more than a busy one.
+    Returns the count (every timing line prints it)."""
+    import torch
+    if threads is None and not os.environ.get("OMP_NUM_THREADS"):
+        n = torch.get_num_threads()
+        busy = round(busy_cores())
+        threads = max(1, min(n, (os.cpu_count() or n) - busy))
+        if threads < n and log:
+            log(f"{busy} of {os.cpu_count()} cores are busy with other work: {threads} thread"
+                f"{'s' if threads > 1 else ''} (--threads N to choose)")
+    if threads:
+        torch.set_num_threads(threads)
+    return torch.get_num_threads()
 
 
 def first_line(e: BaseException, limit: int = 300) -> str:

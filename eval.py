@@ -25,7 +25,7 @@ from typing import Optional
 
 import torch
 
-from common import ArgumentParser, check_device, cli, resolve_checkpoint
+from common import ArgumentParser, check_device, cli, resolve_checkpoint, set_threads
 from generate import load_backend
 
 
@@ -131,7 +131,7 @@ def parse_args(argv=None):
     p.add_argument("--bos", choices=["auto", "yes", "no"], default="auto",
                    help="prepend BOS (auto: the tokenizer's default)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "mps"])
-    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's, all cores)")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: the cores not busy with other work)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--compile", action="store_true", help="torch.compile the forward (dynamic length)")
     p.add_argument("--mode", default="kv", choices=["kv", "hybrid", "lookahead"],
@@ -152,8 +152,7 @@ def main(argv=None):
     if not args.text_file.is_file():
         raise ValueError(f"--text_file {args.text_file} is not a file")
     check_device(args.device)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads, log=lambda m: print(m, file=sys.stderr))
     check_windows(args.max_seq_length, args.stride)
     if args.mode == "hybrid" and not (args.pte or args.aoti_package or args.prefill_chunk):
         raise ValueError("--mode hybrid: give --prefill_chunk N (or a .pte / .pt2 exported with --prefill_chunk N)")

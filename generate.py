@@ -27,7 +27,8 @@ from typing import Callable, Optional
 import torch
 
 import tp  # tensor parallelism under torchrun
-from common import DEFAULT_CHECKPOINT, INDUCTOR_CPU, REPO, ArgumentParser, check_device, cli, peak_memory_mb, resolve_checkpoint
+from common import (DEFAULT_CHECKPOINT, INDUCTOR_CPU, REPO, ArgumentParser, check_device, cli, peak_memory_mb,
+                    resolve_checkpoint, set_threads)
 from model import load_model
 
 
@@ -361,7 +362,8 @@ def add_backend_args(p: ArgumentParser):
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step")
     p.add_argument("--compile_prefill", action="store_true", help="also compile prefill (dynamic length)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "mps"])
-    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's, all cores)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads (default: the cores not busy with other work; README: Threads)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--max_seq_length", type=int, default=None,
                    help="KV cache length (default: prompt + new tokens; server.py: 2048)")
@@ -449,8 +451,7 @@ def main(argv=None) -> list[dict]:
     """Runs generate.py; returns each timed run's stats (bench.py reads them)."""
     args = parse_args(argv)
     check_device(args.device)
-    if args.threads:  # OpenMP threads spinning on busy cores make every step slow: state the count with a timing
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads, log=lambda m: print(m, file=sys.stderr))  # common.py says how the default is chosen
     prompts = None if args.chat else read_prompts(args)
     decode_mode = None if args.chat else make_decode_mode(args, len(prompts))  # checks its flags before loading
     device = torch.device(args.device)

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 import generate as G
-from common import REPO, ArgumentParser, check_device, cli, resolve_checkpoint
+from common import REPO, ArgumentParser, check_device, cli, resolve_checkpoint, set_threads
 
 DEFAULT_CONTEXT = 2048
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
@@ -398,8 +398,7 @@ def main(argv=None):
         sock.listen(2048)  # connections made before uvicorn runs wait in the backlog
     except (OSError, OverflowError) as e:
         raise ValueError(f"cannot listen on {args.host}:{args.port}: {e}") from None
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    args.threads = set_threads(args.threads, log=lambda m: print(m, file=sys.stderr))  # the engine thread's count too
     resolve_checkpoint(args)
     print(f"loading {args.checkpoint_path or 'the artifact'} ...", file=sys.stderr, flush=True)
     srv = Server(args, args.full_batch_size)

@@ -432,3 +432,31 @@ def test_native_noise_is_dropped_and_other_native_lines_stay():
     assert r.returncode == 0, r.stderr[-2000:]
     assert "midr" not in r.stderr, r.stderr
     assert r.stderr.splitlines()[-3:] == ["a native warning", "a python line", "after"], r.stderr
+
+
+def test_default_threads_leave_out_the_cores_other_work_keeps_busy(monkeypatch):
+    """No --threads and no $OMP_NUM_THREADS: torch's count less the busy cores (at least 1), said in one line; an
+    explicit count wins. The busy-core count itself is read from /proc/stat."""
+    import torch
+    import common
+    before = torch.get_num_threads()
+    lines = []
+    try:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        monkeypatch.setattr(common.os, "cpu_count", lambda: 4)
+        torch.set_num_threads(4)
+        monkeypatch.setattr(common, "busy_cores", lambda: 2.6)
+        assert common.set_threads(None, log=lines.append) == 1
+        assert lines == ["3 of 4 cores are busy with other work: 1 thread (--threads N to choose)"]
+        torch.set_num_threads(4)
+        monkeypatch.setattr(common, "busy_cores", lambda: 0.3)
+        assert common.set_threads(None, log=lines.append) == 4 and len(lines) == 1
+        assert common.set_threads(3, log=lines.append) == 3 and len(lines) == 1
+        monkeypatch.setenv("OMP_NUM_THREADS", "2")
+        torch.set_num_threads(2)
+        monkeypatch.setattr(common, "busy_cores", lambda: 4.0)
+        assert common.set_threads(None, log=lines.append) == 2 and len(lines) == 1
+    finally:
+        torch.set_num_threads(before)
+    monkeypatch.undo()
+    assert 0.0 <= common.busy_cores(0.05) <= (__import__("os").cpu_count() or 1) + 0.01
