@@ -20,13 +20,23 @@ Decoding modes (runner-aoti -M, generate.py / eval.py): a package holds more tha
   * --lookahead: model "lookahead", forward(tokens [1, T], input_pos [T], mask [1, 1, T, S] float32) with dynamic T:
     speculative.py's lookahead contract (token k writes cache slot input_pos[0] + k; model.py's network through
     speculative.StepCache at the kv_cache swap point). With causal masks it is also the prompt and plain decode.
-Each model holds its own copy of the constants; a loader that runs several of them gives them one KV cache: tensors
-it allocates (shape in the metadata, kv_cache_shape) and hands to every model with update_constant_buffer(...,
-user_managed=True), under the constants' internal names (the FQN with '.' -> '_'). The metadata's `models` lists the
-models. The spellings of the source docs work too: --out-path (= --output_path), --device cpu|cuda.
+The models of such a package share their weights: each is compiled without its constants
+(aot_inductor.package_constants_in_so=False) and the package holds every distinct constant once, as a record under
+data/weights/llama_flat/ (64-byte aligned, uncompressed) listed by that folder's `index` (one line per model and
+constant: model, internal name, record, dtype, storage offset, shape, stride). A loader maps the package file, makes
+tensors over those records (no copy) and gives them to each model it runs with update_constant_buffer(...,
+user_managed=True), with one KV cache it allocates (shape in the metadata, kv_cache_shape; the cache is not in the
+index). The constants are matched by content, not by name: AOT Inductor names the prepacked GEMM weights
+constantN in the order it makes them (with several per original FQN), so names need not line up between models;
+on SmolLM2-135M every model's constants are the same bytes and the package holds the weights once (see
+shared_constants() and runner-aoti/run.cpp). The metadata's `models` lists the models and `shared_weights` names
+the folder. The spellings of the source docs work too: --out-path (= --output_path), --device cpu|cuda.
 """
+import hashlib
 import json
+import mmap
 import os
+import re
 import sys
 import time
 import zipfile
@@ -39,6 +49,7 @@ from common import (INDUCTOR_CPU, ArgumentParser, atomic_path, check_device, che
                     write_atomic)
 
 METADATA_VERSION = "1"
+SHARED_WEIGHTS = "data/weights/llama_flat"  # a multi-model package's constants: `index` + one record per tensor
 
 
 # ----------------------------------------------------------------------------------------------------------- export
@@ -144,6 +155,8 @@ def export(checkpoint_path, output_path, max_seq_length: int = 1024, dtype: Opti
                     model, example, kw, dynamic_shapes={"idx": {1: seq}, "input_pos": {0: seq}, "mask": {2: seq}},
                     strict=False, prefer_deferred_runtime_asserts_over_guards=True), example, kw)
     meta["models"] = ",".join(programs)
+    if len(programs) > 1:
+        meta["shared_weights"] = SHARED_WEIGHTS
     if prefill_chunk:
         meta["prefill_chunk"] = str(prefill_chunk)
     log(f"exported {len(programs)} graph(s) ({', '.join(programs)}) in {time.perf_counter() - t0:.1f} s; "
@@ -166,17 +179,97 @@ def export(checkpoint_path, output_path, max_seq_length: int = 1024, dtype: Opti
         elif len(programs) == 1:
             with torch.no_grad():
                 torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp), inductor_configs=configs)
-        else:  # several models in one package (torch._inductor.package.package_aoti)
-            from torch._inductor.package import package_aoti
+        else:  # several models in one package, their constants once (package_shared)
             files = {}
+            # each model's constants come out as a separate blob (binary_blob), which package_shared splits,
+            # dedups and stores; the shared libraries hold none
+            shared = {**configs, "aot_inductor.package": True, "aot_inductor.package_constants_in_so": False,
+                      "aot_inductor.package_constants_on_disk_format": "binary_blob"}
             for name, (prog, ex, kw) in programs.items():
                 log(f"  compiling {name} ...")
                 with torch.no_grad():
-                    files[name] = torch._inductor.aot_compile(prog.module(), ex, kw,
-                                                              options={**configs, "aot_inductor.package": True})
-            package_aoti(str(tmp), files)
+                    files[name] = torch._inductor.aot_compile(prog.module(), ex, kw, options=shared)
+            package_shared(tmp, files, log)
     log(f"compiled in {time.perf_counter() - t0:.1f} s -> {output_path} ({output_path.stat().st_size / 1e6:.1f} MB)")
     return output_path
+
+
+def constant_table(wrapper_cpp) -> list[dict]:
+    """A compiled model's constants in the order of its weights blob, from the wrapper source AOT Inductor generates
+    (its constants_info_[i] lines: name, dtype, storage offset, data_size (64-byte aligned), shape, stride)."""
+    rows: dict[int, dict] = {}
+    for i, field, value in re.findall(r"constants_info_\[(\d+)\]\.(\w+) = (.*);", Path(wrapper_cpp).read_text()):
+        rows.setdefault(int(i), {})[field] = value
+    table = []
+    for i in sorted(rows):
+        r = rows[i]
+        if r.get("from_folded") != "false" or "layout_strided" not in r.get("layout", ""):
+            raise RuntimeError(f"{wrapper_cpp}: constant {r.get('name')} is folded or not strided (unsupported)")
+        dims = lambda v: [int(x) for x in v.strip("{}").split(",") if x.strip()]
+        table.append(dict(name=r["name"].strip('"'), dtype=re.search(r"dtype_(\w+)", r["dtype"])[1],
+                          offset=int(r["offset"]), nbytes=int(r["data_size"]), shape=dims(r["shape"]),
+                          stride=dims(r["stride"])))
+    return table
+
+
+def package_shared(path, files: dict, log=print) -> None:
+    """Write a package of several models whose constants are stored once: each model's files from aot_compile
+    (binary_blob: the constants in a separate <wrapper>_weights.blob), the blobs split into their constants, every
+    distinct one (by content) a record under SHARED_WEIGHTS, and the index that maps each model's constants to them.
+    KV cache buffers are left out (the loader allocates one cache for all models)."""
+    from torch.export.pt2_archive._package import PT2ArchiveWriter
+    records: dict[bytes, str] = {}  # content hash -> record name
+    index, stored, total = [], 0, 0
+    with PT2ArchiveWriter(str(path)) as archive:
+        for model, model_files in files.items():
+            blob = next(f for f in model_files if isinstance(f, str) and f.endswith("_weights.blob"))
+            wrapper = next(f for f in model_files if isinstance(f, str) and f.endswith(".wrapper.cpp"))
+            for f in model_files:
+                if isinstance(f, str) and f != blob:
+                    archive.write_file(f"data/aotinductor/{model}/{os.path.basename(f)}", f)
+            table = constant_table(wrapper)
+            with open(blob, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as data:
+                if sum(c["nbytes"] for c in table) != len(data):
+                    raise RuntimeError(f"{blob}: {len(data)} bytes, its constants table says "
+                                       f"{sum(c['nbytes'] for c in table)}")
+                at = 0
+                for c in table:
+                    chunk, at = data[at:at + c["nbytes"]], at + c["nbytes"]
+                    if "_kv_cache_" in c["name"]:  # the loader's (the FQN's ".kv_cache." with '.' -> '_')
+                        continue
+                    total += len(chunk)
+                    key = hashlib.sha256(chunk).digest()
+                    if key not in records:
+                        records[key] = f"{SHARED_WEIGHTS}/{len(records)}"
+                        archive.write_bytes(records[key], chunk)
+                        stored += len(chunk)
+                    index.append("\t".join([model, c["name"], records[key], c["dtype"], str(c["offset"]),
+                                            ",".join(map(str, c["shape"])), ",".join(map(str, c["stride"]))]))
+        archive.write_string(f"{SHARED_WEIGHTS}/index", "\n".join(index) + "\n")
+    log(f"  constants of {len(files)} models: {total / 1e6:.1f} MB, {stored / 1e6:.1f} MB stored "
+        f"({len(records)} distinct tensors)")
+
+
+def shared_constants(path, models) -> dict:
+    """{model: {internal name: tensor}} for the models of a package written by package_shared: tensors over the
+    package file's records (mapped copy-on-write: shared by every model, nothing copied)."""
+    reader = torch._C.PyTorchFileReader(str(path))
+    index = reader.get_record(f"{SHARED_WEIGHTS}/index").decode()
+    with open(path, "rb") as fh:
+        data = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
+    out: dict = {m: {} for m in models}
+    whole: dict = {}
+    for line in index.splitlines():
+        model, name, record, dtype, offset, shape, stride = line.split("\t")
+        if model not in out:
+            continue
+        if record not in whole:
+            whole[record] = torch.frombuffer(data, dtype=torch.uint8, count=reader.get_record_size(record),
+                                             offset=reader.get_record_offset(record))
+        dims = lambda v: [int(x) for x in v.split(",") if x]
+        out[model][name] = whole[record].view(getattr(torch, dtype)).as_strided(dims(shape), dims(stride),
+                                                                              int(offset))
+    return out
 
 
 def so_metadata_path(so_path) -> Path:
@@ -250,20 +343,24 @@ class AOTIBackend:
         except Exception as e:
             raise ValueError(f"{path}: cannot load AOT Inductor package ({first_line(e)})") from None
         self._set_metadata(path, meta, device)
-        if len(loaded) > 1:
-            self._share_cache(loaded, meta)
+        if len(loaded) > 1 or meta.get("shared_weights"):
+            self._share_constants(path, names, loaded, meta)
         if mode == "hybrid":
             self.prefill_runner, self.prefill_chunk = loaded[0], int(meta["prefill_chunk"])
         self.has_masked = mode == "lookahead"
 
-    def _share_cache(self, loaded, meta):
-        """One KV cache for several models of a package: our tensors, given to each model (user_managed)."""
+    def _share_constants(self, path, names, loaded, meta):
+        """The models of a package get one KV cache (our tensors) and, where the package stores them once
+        (shared_weights), the weights: given to each model as user-managed constants (no copy)."""
         shape = [int(x) for x in meta["kv_cache_shape"].split(",")]
         dtype = getattr(torch, meta.get("cache_dtype", "float32"))
-        names = [n for n in loaded[0].loader.get_constant_fqns() if ".kv_cache." in n]
-        self.cache = {n.replace(".", "_"): torch.zeros(shape, dtype=dtype, device=self.device) for n in names}
-        for m in loaded:
-            m.loader.update_constant_buffer(self.cache, False, False, True)
+        kv = [n for n in loaded[0].loader.get_constant_fqns() if ".kv_cache." in n]
+        self.cache = {n.replace(".", "_"): torch.zeros(shape, dtype=dtype, device=self.device) for n in kv}
+        weights = shared_constants(path, names) if meta.get("shared_weights") else {}
+        for name, m in zip(names, loaded):
+            consts = {**weights.get(name, {}), **self.cache}
+            m.loader.update_constant_buffer(consts, False, bool(weights), True)  # all of them, when shared
+        self.constants = weights  # the tensors stay alive as long as the models
 
     def _load_so(self, path: Path, device):
         side = so_metadata_path(path)

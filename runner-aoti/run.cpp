@@ -4,13 +4,17 @@
 // generate / chat loops live in runner-common/ and are shared with runner-et.
 // Decoding modes load other models of the same package (aoti_export.py --prefill_chunk / --lookahead; its metadata
 // lists them in `models`): -M hybrid "prefill" (T fixed) + "model", -M lookahead "lookahead" alone (tokens,
-// positions, mask [1, 1, T, S]). Models of one package each hold their constants; those that run together get one
-// KV cache: tensors allocated here (shape: metadata kv_cache_shape) and handed to each with
+// positions, mask [1, 1, T, S]). The models of such a package hold no constants (aot_export.py's package_shared): its
+// records under the metadata's `shared_weights` folder hold each distinct weight once and that folder's `index` says
+// which constant of which model each one is; they are mapped from the package file here (copy-on-write, no copy) and
+// handed, with one KV cache allocated here (shape: metadata kv_cache_shape), to every loaded model with
 // update_constant_buffer(..., user_managed = true) under the constants' internal names (FQN, '.' -> '_').
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
 #include <ATen/ops/zeros.h>
 #include <c10/core/InferenceMode.h>
+#include <caffe2/serialize/inline_container.h>
 #include <torch/csrc/inductor/aoti_package/model_package_loader.h>
 #include <torch/csrc/inductor/aoti_runner/model_container_runner_cpu.h>
 
@@ -21,6 +25,11 @@
 #include <filesystem>
 #include <fstream>
 #include <sstream>
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include "runner.h"
 
@@ -165,17 +174,18 @@ class AotiModel : public llm::Model {
     restore();
     if (priv) private_tmp_ = priv;
     set_metadata(path, loader_->get_metadata());
-    if (decoding == "hybrid") {
-      info_.prefill_len = meta_int(meta, "prefill_chunk", 0);
-      share_cache(meta);
-    }
+    if (decoding == "hybrid") info_.prefill_len = meta_int(meta, "prefill_chunk", 0);
+    if (decoding == "hybrid" || meta.count("shared_weights"))
+      share_constants(path, decoding == "lookahead" ? "lookahead" : "model", meta);
     info_.lookahead = decoding == "lookahead";
     dtype_ = meta.count("dtype") && meta["dtype"] == "bfloat16" ? at::kBFloat16
              : meta.count("dtype") && meta["dtype"] == "float16" ? at::kHalf : at::kFloat;
   }
 
-  // one KV cache for "prefill" and "model": tensors of ours, used by both (user_managed: no copy)
-  void share_cache(std::unordered_map<std::string, std::string>& meta) {
+  // The loaded models' constants: one KV cache (tensors of ours) and, in a package that stores them once
+  // (shared_weights), the weights mapped from the package; given to each model as user-managed (no copy).
+  void share_constants(const std::string& path, const std::string& main,
+                       std::unordered_map<std::string, std::string>& meta) {
     std::vector<int64_t> shape;
     std::stringstream ss(meta["kv_cache_shape"]);
     for (std::string item; std::getline(ss, item, ',');) shape.push_back(std::stoll(item));
@@ -188,8 +198,68 @@ class AotiModel : public llm::Model {
       cache_[name] = at::zeros(shape, at::TensorOptions().dtype(dtype).device(device_));
     }
     if (cache_.empty() || shape.size() != 4) throw llm::Error("package metadata lacks the KV cache (kv_cache_shape)");
-    loader_->update_constant_buffer(cache_, false, false, true);
-    prefill_->update_constant_buffer(cache_, false, false, true);
+    const bool shared = meta.count("shared_weights") > 0;
+    if (shared) map_weights(path, meta["shared_weights"]);
+    std::vector<std::pair<std::string, torch::inductor::AOTIModelPackageLoader*>> models{{main, loader_.get()}};
+    if (prefill_) models.push_back({"prefill", prefill_.get()});
+    for (auto& [name, loader] : models) {
+      auto consts = weights_[name];
+      consts.insert(cache_.begin(), cache_.end());
+      try {
+        loader->update_constant_buffer(consts, false, shared, true);  // shared: every constant must be given
+      } catch (const std::exception& e) {
+        throw llm::Error(path + ": cannot give model " + name + " its constants: " + first_line(e.what()));
+      }
+    }
+  }
+
+  // weights_[model][internal name]: tensors over the package's records (the file mapped copy-on-write), as
+  // listed by <dir>/index: model, name, record, dtype, storage offset, shape, stride (tab-separated)
+  void map_weights(const std::string& path, const std::string& dir) {
+    std::string index;
+    std::unique_ptr<caffe2::serialize::PyTorchStreamReader> reader;
+    try {
+      reader = std::make_unique<caffe2::serialize::PyTorchStreamReader>(path);
+      auto rec = reader->getRecord(dir + "/index");
+      index.assign(static_cast<const char*>(std::get<0>(rec).get()), std::get<1>(rec));
+    } catch (const std::exception& e) {
+      throw llm::Error(path + ": cannot read its weights index: " + first_line(e.what()));
+    }
+    const int fd = open(path.c_str(), O_RDONLY);
+    struct stat st {};
+    if (fd < 0 || fstat(fd, &st) != 0) throw llm::Error("cannot open " + path);
+    void* p = mmap(nullptr, size_t(st.st_size), PROT_READ | PROT_WRITE, MAP_PRIVATE, fd, 0);
+    close(fd);
+    if (p == MAP_FAILED) throw llm::Error("cannot map " + path);
+    map_ = static_cast<char*>(p), map_size_ = size_t(st.st_size);
+    auto dims = [](const std::string& v) {
+      std::vector<int64_t> out;
+      std::stringstream s(v);
+      for (std::string x; std::getline(s, x, ',');) out.push_back(std::stoll(x));
+      return out;
+    };
+    std::unordered_map<std::string, at::Tensor> records;
+    std::stringstream lines(index);
+    for (std::string line; std::getline(lines, line);) {
+      std::vector<std::string> f;
+      std::stringstream fs(line);
+      for (std::string x; std::getline(fs, x, '\t');) f.push_back(x);
+      if (f.size() == 6) f.push_back("");  // a 0-dim constant: no strides
+      if (f.size() != 7) throw llm::Error(path + ": bad weights index line: " + line.substr(0, 200));
+      const at::ScalarType dt = f[3] == "float32" ? at::kFloat : f[3] == "bfloat16" ? at::kBFloat16
+                                : f[3] == "float16" ? at::kHalf : f[3] == "int8" ? at::kChar
+                                : f[3] == "uint8" ? at::kByte : f[3] == "int32" ? at::kInt
+                                : f[3] == "int64" ? at::kLong : at::kBool;
+      if (f[3] != "bool" && dt == at::kBool) throw llm::Error(path + ": unknown dtype in its weights: " + f[3]);
+      auto it = records.find(f[2]);
+      if (it == records.end()) {
+        const size_t off = reader->getRecordOffset(f[2]), n = reader->getRecordSize(f[2]);
+        if (off + n > map_size_) throw llm::Error(path + ": weights record " + f[2] + " past the end of the file");
+        it = records.emplace(f[2], at::from_blob(map_ + off, {int64_t(n)}, at::kByte)).first;
+      }
+      at::Tensor t = it->second.view(dt).as_strided(dims(f[5]), dims(f[6]), std::stoll(f[4]));
+      weights_[f[0]][f[1]] = device_.is_cpu() ? t : t.to(device_);
+    }
   }
 
   void load_so(const std::string& path) {
@@ -229,6 +299,8 @@ class AotiModel : public llm::Model {
   ~AotiModel() override {
     loader_.reset();  // removes its unpacked files
     prefill_.reset();
+    weights_.clear();
+    if (map_) munmap(map_, map_size_);
     if (!private_tmp_.empty()) {
       std::error_code ec;
       std::filesystem::remove_all(private_tmp_, ec);
@@ -268,6 +340,9 @@ class AotiModel : public llm::Model {
  private:
   std::unique_ptr<torch::inductor::AOTIModelPackageLoader> loader_, prefill_;
   std::unordered_map<std::string, at::Tensor> cache_;
+  std::unordered_map<std::string, std::unordered_map<std::string, at::Tensor>> weights_;  // model -> name -> tensor
+  char* map_ = nullptr;  // the package file, mapped (shared_weights)
+  size_t map_size_ = 0;
   at::ScalarType dtype_ = at::kFloat;
 
   at::Tensor tensor(const int64_t* data, std::vector<int64_t> shape) {

@@ -103,6 +103,25 @@ def test_every_mode_of_both_runners_prints_generate_py_text(arts, runners, one_t
         assert all(w.returncode == 0 for w in want) and len({w.stdout for w in want}) == 1, want[0].stderr
 
 
+def test_pt2_holds_the_weights_once(arts):
+    """The three models of the modes .pt2 hold no constants of their own: the package stores each distinct constant
+    once and its index gives every model the same records (the prepacked weights of the dynamic-length, fixed-length
+    and masked programs are the same bytes); their bytes are the checkpoint's weights, not three times them."""
+    import aoti_export
+    reader = torch._C.PyTorchFileReader(str(arts["pt2"]))
+    index = reader.get_record(f"{aoti_export.SHARED_WEIGHTS}/index").decode().splitlines()
+    records: dict = {}
+    for line in index:
+        model, name, record = line.split("\t")[:3]
+        records.setdefault(model, []).append(record)
+    assert set(records) == {"model", "prefill", "lookahead"}
+    assert sorted(records["model"]) == sorted(records["prefill"]) == sorted(records["lookahead"])
+    stored = sum(reader.get_record_size(r) for r in set(records["model"]))
+    ckpt = torch.load(arts["ckpt"], weights_only=True, mmap=True)
+    weights = sum(t.numel() * t.element_size() for t in ckpt.values() if isinstance(t, torch.Tensor))
+    assert weights <= stored < 1.1 * weights  # (+ the rope table)
+
+
 def test_perplexity_is_the_same_in_every_mode(arts, one_thread):
     """The three-phase check: float checkpoint, quantized checkpoint, exported programs; in each, the hybrid and
     lookahead programs give the KV program's perplexity."""
