@@ -23,7 +23,10 @@ DEFAULT_CHECKPOINT = REPO / "checkpoints" / "SmolLM2-135M-Instruct" / "model.pth
 # matrix products may use Inductor's own C++ GEMM template (blocked, OpenMP-parallel over the output, epilogues
 # fused) instead of MKL's packed sgemm, which runs a one-row product (decode) on one thread whatever the thread count.
 # Autotuning times both where both apply; ATen stays a choice because some products (batched ones) have no template.
-INDUCTOR_CPU = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
+# Floating-point contraction lets the C++ compiler fuse a multiply and an add into one FMA: quantize.py's decode
+# reductions (a product and a sum per weight) measured 1.34x (int4 g32) and 1.14x (int8) faster at 1 thread.
+INDUCTOR_CPU = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
+                "cpp.enable_floating_point_contract_flag": "fast"}
 
 # every file tokenizer.py reads beside a checkpoint; converters and exporters copy exactly these
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer.tiktoken", "tiktoken_config.json",
