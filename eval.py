@@ -1,4 +1,4 @@
-# Perplexity of a text file with a sliding window, for any checkpoint (float or quantized) and, through generate.py's
+# Perplexity of a text file with a sliding window, for any checkpoint (float or quantized) and, through engine.py's
 # backend protocol, for exported artifacts (--pte, --aoti_package, --onnx) whose forward returns every position.
 #
 #     python eval.py --checkpoint_path checkpoints/SmolLM2-135M-Instruct/model_int4.g32.pth --text_file some.txt
@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 
 from common import ArgumentParser, check_device, cli, resolve_checkpoint, set_threads
-from generate import load_backend
+from engine import load_backend
 
 
 def check_windows(max_seq_length: int, stride: Optional[int], n_tokens: Optional[int] = None) -> None:

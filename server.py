@@ -1,4 +1,4 @@
-# An OpenAI-compatible server over generate.py's continuous-batching Engine, with a small chat page.
+# An OpenAI-compatible server over engine.py's continuous-batching Engine, with a small chat page.
 #
 #     python server.py                                              # default model, http://127.0.0.1:8000/
 #     python server.py --checkpoint_path checkpoints/NAME/model_int8.pth --compile --full_batch_size 8 --port 8000
@@ -11,7 +11,7 @@
 # Threads: one engine thread owns the model and the Engine (cache slots + FIFO queue). The HTTP side (starlette on
 # uvicorn's asyncio loop) parses and validates requests, tokenizes them and hands Jobs and cancellations to that
 # thread through a queue.Queue; each Job hands its text back through an asyncio.Queue (loop.call_soon_threadsafe).
-# A Job keeps its tokens with generate.py's Emitter (stop ids, max_tokens), decodes them with tokenizer.py's streaming
+# A Job keeps its tokens with engine.py's Emitter (stop ids, max_tokens), decodes them with tokenizer.py's streaming
 # decoder (never splitting a UTF-8 character) and cuts at stop strings, so a finished request frees its slot in the
 # same step. A client that goes away mid-request cancels it: its slot is free before the next step.
 import asyncio
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-import generate as G
+import engine as E
 from common import REPO, ArgumentParser, check_device, cli, resolve_checkpoint, set_threads
 
 DEFAULT_CONTEXT = 2048
@@ -83,12 +83,12 @@ class Job:
 
     def __init__(self, srv, ids, max_tokens, stops, temperature, top_p, seed, ignore_eos, loop):
         self.loop, self.events, self.srv = loop, asyncio.Queue(), srv
-        self.emit = G.Emitter(1, max_tokens, () if ignore_eos else srv.tok.stop_ids, None, srv.device)
+        self.emit = E.Emitter(1, max_tokens, () if ignore_eos else srv.tok.stop_ids, None, srv.device)
         self.decoder, self.stops, self.text, self.sent = srv.tok.stream(), stops, "", 0
         self.stopped = self.ended = False
         self.failed: str = ""
         gen = torch.Generator().manual_seed(random.randrange(2**63) if seed is None else seed)
-        self.request = G.Request(ids, self.keep, temperature, None, top_p, gen, self.end)
+        self.request = E.Request(ids, self.keep, temperature, None, top_p, gen, self.end)
         self.prompt_tokens = len(ids)
 
     @property
@@ -142,13 +142,13 @@ class Server:
         self.device, self.threads = torch.device(args.device), args.threads
         self.tok = load_tokenizer(args.tokenizer_path)
         max_seq = args.max_seq_length or DEFAULT_CONTEXT
-        self.backend = G.load_backend(args, self.device, getattr(torch, args.dtype), slots_wanted or 4, max_seq)
-        G.check_vocab(self.tok, self.backend)
+        self.backend = E.load_backend(args, self.device, getattr(torch, args.dtype), slots_wanted or 4, max_seq)
+        E.check_vocab(self.tok, self.backend)
         # continuous batching needs rows mapped to cache slots (a QPC compiled without --full_batch_size has none)
         batches = "batch_index" in inspect.signature(self.backend.forward).parameters and \
             getattr(self.backend, "full_batch_size", 0) is not None
         slots = min(slots_wanted or 4, self.backend.max_batch_size) if batches else 1
-        self.engine = G.Engine(self.backend, self.device, slots, args.prefill_chunk)
+        self.engine = E.Engine(self.backend, self.device, slots, args.prefill_chunk)
         self.how = (f"{slots} slots, continuous batching" if batches else
                     "one request at a time (this backend has no batch_index: no continuous batching)")
         self.context = self.backend.max_seq_length
@@ -171,10 +171,10 @@ class Server:
         # warm-up: compiles (--compile) the decode step for 3, 2 and 1 rows (one static, one dynamic and one size-1
         # graph cover every row count) before the first request, and warms up prefill
         n = min(3, len(self.engine.req))
-        warm = G.Emitter(n, 4, (), None, self.device)
+        warm = E.Emitter(n, 4, (), None, self.device)
         try:
             for i in range(n):
-                self.engine.add(G.Request(self.tok.encode("Hello") or [0], lambda t, i=i: warm.put(i, t) and
+                self.engine.add(E.Request(self.tok.encode("Hello") or [0], lambda t, i=i: warm.put(i, t) and
                                           len(warm.out[i]) < 2 + i))
             while self.engine.busy():
                 self.engine.step()
@@ -374,7 +374,7 @@ def make_app(srv: Server):
 # ------------------------------------------------------------------------------------------------- CLI
 def parse_args(argv=None):
     p = ArgumentParser(description="OpenAI-compatible server (chat, completions, a chat page) on any backend.")
-    G.add_backend_args(p)
+    E.add_backend_args(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0 = pick a free port (printed)")
     return p.parse_args(argv)

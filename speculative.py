@@ -31,7 +31,7 @@
 #     `lookahead` program that runner-common/lookahead.h (the same algorithm in C++) and generate.py's --pte /
 #     --aoti_package backends call. The network is model.py's; the swap is undone after each call.
 #
-# Both: batch 1 (one prompt); tokens kept and timed by generate.py's Emitter (its stats plus the acceptance figures);
+# Both: batch 1 (one prompt); tokens kept and timed by engine.py's Emitter (its stats plus the acceptance figures);
 # format_stats() for a one-line summary. Their arguments are checked once, by check_speculate_k / check_lookahead
 # (generate.py calls them on the command line's values before anything loads).
 # Greedy output equals plain greedy decoding up to floating-point rounding: the target scores several tokens per
@@ -50,7 +50,7 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor, nn
 
-from generate import Emitter, logits_to_probs, prefill
+from engine import Emitter, logits_to_probs, prefill
 
 
 # ----------------------------------------------------------------------------------------------------------- helpers
@@ -127,7 +127,7 @@ def speculative_generate(target_backend, draft_backend, prompt_ids, max_new_toke
                          on_token: Optional[Callable[[int, int], None]] = None):
     """Speculative decoding of one prompt (batch 1). Returns (new token ids, stats).
 
-    target_backend / draft_backend follow generate.py's backend protocol; the target must return [1, T, V] logits.
+    target_backend / draft_backend follow engine.py's backend protocol; the target must return [1, T, V] logits.
     temperature 0: the output is the target's greedy output. Otherwise the standard accept / resample rule on
     logits_to_probs(temperature, top_k, top_p) of both models keeps the target's distribution. on_token(0, token)
     streams the kept tokens. stats: accepted_hist[n] = verification steps that kept n draft tokens, mean_accepted,

@@ -1,5 +1,5 @@
 # ExecuTorch export (et_export.py): tiny random models lowered to .pte files and run through ExecuTorch's Python
-# runtime (PTEBackend), compared with eager model.py through generate.generate.
+# runtime (PTEBackend), compared with eager model.py through engine.generate.
 import contextlib
 import io
 import json
@@ -18,7 +18,7 @@ sys.path.insert(0, str(REPO))
 pytest.importorskip("executorch")
 
 import et_export  # noqa: E402
-import generate  # noqa: E402
+import engine  # noqa: E402
 from model import ModelArgs, Transformer, checkpoint_state, load_model, save_checkpoint  # noqa: E402
 
 ARGS = dict(n_layer=2, n_head=4, n_local_heads=2, dim=64, intermediate_size=128, vocab_size=300, block_size=128)
@@ -52,7 +52,7 @@ def _write_tokenizer(d: Path):
 
 
 def _greedy(backend, n=12, prompt=PROMPT):
-    out, _ = generate.generate(backend, [list(prompt)], n, CPU, temperature=0.0)
+    out, _ = engine.generate(backend, [list(prompt)], n, CPU, temperature=0.0)
     return out[0]
 
 
@@ -82,7 +82,7 @@ def float_pte(float_ckpt):
 def test_float_pte_matches_eager(float_ckpt, float_pte):
     assert float_pte.is_file() and not float_pte.with_name(float_pte.name + ".tmp").exists()
     pte = et_export.PTEBackend(float_pte)
-    eager = generate.TorchBackend(load_model(float_ckpt), 1, 128)
+    eager = engine.TorchBackend(load_model(float_ckpt), 1, 128)
     assert (pte.max_batch_size, pte.max_seq_length, pte.prefill_chunk) == (1, 128, None)
     # logits: a prompt in one call (dynamic length), then single-token decode steps over the persistent cache
     toks = torch.tensor([PROMPT])
@@ -92,7 +92,7 @@ def test_float_pte_matches_eager(float_ckpt, float_pte):
     for i in range(3):
         t, p = torch.tensor([[7 + i]]), torch.tensor([len(PROMPT) + i])
         torch.testing.assert_close(pte.forward(t, p), eager.forward(t, p), atol=1e-4, rtol=1e-4)
-    # greedy tokens through generate.generate, twice on one loaded program (the cache is simply overwritten)
+    # greedy tokens through engine.generate, twice on one loaded program (the cache is simply overwritten)
     ref = _greedy(eager)
     assert _greedy(pte) == ref and _greedy(pte) == ref and len(ref) == 12
 
@@ -126,7 +126,7 @@ def test_portable_backend_with_prefill_and_decode_methods(float_ckpt, tmp_path):
     assert all(s["delegate_calls"] == 0 and s["portable_ops"] > 0 for s in info["summary"].values())
     be = et_export.PTEBackend(pte)
     assert {"forward", "prefill", "decode"} <= be.method_names and be.constants["get_prefill_chunk"] == 4
-    eager = generate.TorchBackend(load_model(float_ckpt), 1, 64)
+    eager = engine.TorchBackend(load_model(float_ckpt), 1, 64)
     assert _greedy(be) == _greedy(eager)
     # prefill (2 chunks of 4) + decode write the same cache that forward reads
     prog, toks = be.program, torch.tensor([PROMPT])
@@ -163,7 +163,7 @@ def test_8da4w_pte_matches_eager_8da4w(tmp_path):
     et_export.main(["--checkpoint_path", str(tmp_path / "model.pth"), "--output_path", str(pte),
                     "--max_seq_length", "128", "--bos_id", "1", "--eos_ids", str(EOS)])  # quantized: exported as-is
     be = et_export.PTEBackend(pte)
-    eager = generate.TorchBackend(load_model(tmp_path / "model.pth"), 1, 128)
+    eager = engine.TorchBackend(load_model(tmp_path / "model.pth"), 1, 128)
     toks = torch.tensor([PROMPT])
     torch.testing.assert_close(be.forward(toks, torch.arange(8)), eager.forward(toks, torch.arange(8)),
                                atol=1e-3, rtol=1e-3)

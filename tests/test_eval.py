@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import eval as ev
-import generate
+import engine
 from conftest import assert_clean_error, hf_to_model, run_cli, tiny_hf
 
 CPU = torch.device("cpu")
@@ -56,7 +56,7 @@ def test_matches_transformers(pair, ids, L, stride):
     """Per-window NLL equal to transformers' on the same windows: strided, disjoint (stride = window), an uneven
     stride, and one window holding the whole text."""
     hf, model = pair
-    backend = generate.TorchBackend(model, 1, min(L, 128))
+    backend = engine.TorchBackend(model, 1, min(L, 128))
     r = ev.perplexity(backend, ids, L, stride, CPU)
     assert len(r["windows"]) == len(ev.sliding_windows(len(ids), min(L, 128), stride or min(L, 128) // 2))
     total = 0.0
@@ -88,11 +88,11 @@ class _LastOnly(_Chunked):
 
 def test_chunked_backend_and_last_position_backend(pair, ids):
     _, model = pair
-    plain = ev.perplexity(generate.TorchBackend(model, 1, 64), ids, 64, 32, CPU)
-    chunked = ev.perplexity(_Chunked(generate.TorchBackend(model, 1, 64), 24), ids, 64, 32, CPU)
+    plain = ev.perplexity(engine.TorchBackend(model, 1, 64), ids, 64, 32, CPU)
+    chunked = ev.perplexity(_Chunked(engine.TorchBackend(model, 1, 64), 24), ids, 64, 32, CPU)
     assert chunked["nll"] == pytest.approx(plain["nll"], rel=1e-5)
     with pytest.raises(ValueError, match="every position"):
-        ev.perplexity(_LastOnly(generate.TorchBackend(model, 1, 64), None), ids, 64, 32, CPU)
+        ev.perplexity(_LastOnly(engine.TorchBackend(model, 1, 64), None), ids, 64, 32, CPU)
 
 
 def test_quantized_model_perplexity_close_to_float(pair, ids):
@@ -100,10 +100,10 @@ def test_quantized_model_perplexity_close_to_float(pair, ids):
 
     import quantize
     _, model = pair
-    f = ev.perplexity(generate.TorchBackend(copy.deepcopy(model), 1, 64), ids, 64, 32, CPU)
+    f = ev.perplexity(engine.TorchBackend(copy.deepcopy(model), 1, 64), ids, 64, 32, CPU)
     q = copy.deepcopy(model)
     quantize.quantize_model(q, "int8", log=False)
-    r = ev.perplexity(generate.TorchBackend(q, 1, 64), ids, 64, 32, CPU)
+    r = ev.perplexity(engine.TorchBackend(q, 1, 64), ids, 64, 32, CPU)
     assert abs(r["nll"] - f["nll"]) < 0.02 * f["nll"]
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import hf_greedy, run_cli
 
-from generate import TorchBackend, generate
+from engine import TorchBackend, generate
 from model import ModelArgs, load_model, transformer_configs
 
 WINDOW = 8

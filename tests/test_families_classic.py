@@ -20,7 +20,7 @@ from conftest import hf_greedy, make_bpe_tokenizer, run_cli
 from test_families import VOCAB, assert_greedy_batch_matches, assert_logits_match
 from test_families_backends import MAX_SEQ, PROMPTS, backend_tokens, eager_tokens
 
-from generate import TorchBackend, generate
+from engine import TorchBackend, generate
 from model import ModelArgs, Transformer, load_model
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "scripts"))

@@ -5,7 +5,7 @@ import pytest
 import torch
 from conftest import assert_clean_error, hf_greedy, run_cli
 
-import generate as G
+import engine
 from model import load_model
 from tokenizer import load_tokenizer
 
@@ -43,12 +43,12 @@ def test_compile_matches_eager(tiny_checkpoint, cpu):
     d, _ = tiny_checkpoint
     model = load_model(d / "model.pth")
     prompts = [[5, 17, 33, 2, 90], [7, 8, 9]]
-    eager = G.TorchBackend(model, 2, 48)
-    want, _ = G.generate(eager, prompts, 20, cpu)
-    compiled = G.TorchBackend(model, 2, 48, compile=True)
-    got, _ = G.generate(compiled, prompts, 20, cpu)
+    eager = engine.TorchBackend(model, 2, 48)
+    want, _ = engine.generate(eager, prompts, 20, cpu)
+    compiled = engine.TorchBackend(model, 2, 48, compile=True)
+    got, _ = engine.generate(compiled, prompts, 20, cpu)
     assert got == want
-    got1, _ = G.generate(compiled, prompts[:1], 20, cpu)
+    got1, _ = engine.generate(compiled, prompts[:1], 20, cpu)
     assert got1 == want[:1]
 
 
@@ -57,30 +57,30 @@ def test_prefill_chunks_and_continuous_batching_equal_plain(tiny_checkpoint, cpu
     model = load_model(d / "model.pth")
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 300, (n,), generator=g).tolist() for n in (5, 11, 2, 8, 3)]
-    single = G.TorchBackend(model, 1, 40)
-    want = [G.generate(single, [p], 16, cpu, stop_ids={7})[0][0] for p in prompts]
-    got = [G.generate(single, [p], 16, cpu, stop_ids={7}, prefill_chunk=4)[0][0] for p in prompts]
+    single = engine.TorchBackend(model, 1, 40)
+    want = [engine.generate(single, [p], 16, cpu, stop_ids={7})[0][0] for p in prompts]
+    got = [engine.generate(single, [p], 16, cpu, stop_ids={7}, prefill_chunk=4)[0][0] for p in prompts]
     assert got == want
-    cb = G.TorchBackend(model, 2, 40)
-    got, st = G.generate_continuous(cb, prompts, 16, cpu, 2, stop_ids={7})
+    cb = engine.TorchBackend(model, 2, 40)
+    got, st = engine.generate_continuous(cb, prompts, 16, cpu, 2, stop_ids={7})
     assert got == want and st["new_tokens"] == sum(map(len, want))
 
 
 def test_sampling_rules():
     logits = torch.tensor([[2.0, 1.0, 0.5, -1.0, -3.0]])
-    assert G.sample(logits, 0.0).item() == 0
-    p = G.logits_to_probs(logits, 1.0, top_k=2, top_p=None)
+    assert engine.sample(logits, 0.0).item() == 0
+    p = engine.logits_to_probs(logits, 1.0, top_k=2, top_p=None)
     assert (p[0, 2:] == 0).all() and torch.allclose(p.sum(), torch.tensor(1.0))
     full = torch.softmax(logits, -1)[0]
-    p = G.logits_to_probs(logits, 1.0, top_k=None, top_p=0.7)  # smallest prefix reaching 0.7: the top two
+    p = engine.logits_to_probs(logits, 1.0, top_k=None, top_p=0.7)  # smallest prefix reaching 0.7: the top two
     assert full[0] < 0.7 <= full[0] + full[1]
     assert (p[0, 2:] == 0).all() and torch.allclose(p[0, :2], full[:2] / full[:2].sum())
     # a seeded generator reproduces the draw; frequencies follow the distribution
-    draws = [G.sample(logits, 1.0, None, None, torch.Generator().manual_seed(s)).item() for s in range(2000)]
+    draws = [engine.sample(logits, 1.0, None, None, torch.Generator().manual_seed(s)).item() for s in range(2000)]
     freq = torch.bincount(torch.tensor(draws), minlength=5).float() / len(draws)
     assert (freq - full).abs().max() < 0.04
     g1, g2 = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
-    assert G.sample(logits.repeat(4, 1), 0.8, 3, 0.9, g1).tolist() == G.sample(logits.repeat(4, 1), 0.8, 3, 0.9, g2).tolist()
+    assert engine.sample(logits.repeat(4, 1), 0.8, 3, 0.9, g1).tolist() == engine.sample(logits.repeat(4, 1), 0.8, 3, 0.9, g2).tolist()
 
 
 def test_seed_makes_sampling_reproducible(tiny_checkpoint):
@@ -96,9 +96,9 @@ def test_chat_reuses_the_cache(tiny_checkpoint, cpu):
     d, _ = tiny_checkpoint
     tok = load_tokenizer(d)
     model = load_model(d / "model.pth")
-    backend = G.TorchBackend(model, 1, 128)
+    backend = engine.TorchBackend(model, 1, 128)
     turn1 = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Paint the sea"}]))
-    out1, _ = G.generate(backend, [turn1], 10, cpu)
+    out1, _ = engine.generate(backend, [turn1], 10, cpu)
     conv = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Paint the sea"},
                                                {"role": "assistant", "content": tok.decode(out1[0])},
                                                {"role": "user", "content": "and the sky"}]))
@@ -107,8 +107,8 @@ def test_chat_reuses_the_cache(tiny_checkpoint, cpu):
     while common < min(len(cached), len(conv) - 1) and cached[common] == conv[common]:
         common += 1
     assert common >= len(turn1)
-    resumed, _ = G.generate(backend, [conv[common:]], 10, cpu, start_pos=common)
-    fresh, _ = G.generate(G.TorchBackend(model, 1, 128), [conv], 10, cpu)
+    resumed, _ = engine.generate(backend, [conv[common:]], 10, cpu, start_pos=common)
+    fresh, _ = engine.generate(engine.TorchBackend(model, 1, 128), [conv], 10, cpu)
     assert resumed == fresh
     r = run_cli("generate.py", "--checkpoint_path", d / "model.pth", "--chat", "--max_new_tokens", 8,
                 "--temperature", 0, stdin="Paint the sea\nand the sky\n\n")

@@ -3,7 +3,7 @@ import pytest
 import torch
 from conftest import hf_greedy, hf_to_model, tiny_hf
 
-from generate import TorchBackend, generate
+from engine import TorchBackend, generate
 from model import ModelArgs, Transformer, transformer_configs
 
 ARCHS = [("llama", {}), ("llama", {"tie": True}), ("mistral", {}), ("qwen2", {}), ("qwen3", {}),

@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 import export_onnx  # noqa: E402
-import generate  # noqa: E402
+import engine  # noqa: E402
 from export_onnx import OnnxBackend  # noqa: E402
 from model import ModelArgs, Transformer, checkpoint_state, load_model, save_checkpoint  # noqa: E402
 
@@ -55,7 +55,7 @@ def make_checkpoint(directory: Path, seed=0, tokenizer=True, **overrides) -> Pat
 
 
 def torch_backend(ckpt, batch, ctx=CTX):
-    return generate.TorchBackend(load_model(ckpt), batch, ctx)
+    return engine.TorchBackend(load_model(ckpt), batch, ctx)
 
 
 @pytest.fixture(scope="module")
@@ -165,7 +165,7 @@ def test_logits_close_to_pytorch(exported, ckpt):
 
 
 def _greedy(backend, prompts, n=8, **kw):
-    out, _ = generate.generate(backend, prompts, n, torch.device("cpu"), temperature=0.0, **kw)
+    out, _ = engine.generate(backend, prompts, n, torch.device("cpu"), temperature=0.0, **kw)
     return out
 
 
@@ -189,15 +189,13 @@ def test_greedy_tokens_padded_batch(exported, exported_cb, ckpt):
         _greedy(torch_backend(ckpt, 2), prompts[:2], 6)
 
 
-@pytest.mark.skipif(not hasattr(generate, "generate_continuous"),
-                    reason="generate.generate_continuous (continuous batching loop) is not in generate.py yet")
 def test_continuous_batching_more_prompts_than_slots(exported, exported_cb, ckpt):
     prompts = [[3, 1, 4, 1, 5], [27, 18], [100, 200, 300, 12, 13, 14, 15], [9], [77, 66, 55]]
     n = 7
     want = [_greedy(torch_backend(ckpt, 1), [p], n)[0] for p in prompts]
     for path in (exported_cb[0], exported[0]):  # batch_index in the graph / emulated by OnnxBackend
         backend = OnnxBackend(path, max_batch_size=2)
-        got, stats = generate.generate_continuous(backend, prompts, n, torch.device("cpu"), 2, temperature=0.0)
+        got, stats = engine.generate_continuous(backend, prompts, n, torch.device("cpu"), 2, temperature=0.0)
         assert got == want, path
         assert stats["new_tokens"] == sum(map(len, want))
 

@@ -19,6 +19,7 @@ import pytest
 import torch
 from conftest import REPO, hf_to_model, make_bpe_tokenizer, tiny_hf
 
+import engine
 import generate as G
 
 SLOTS = 4  # fewer than the 8 concurrent clients: the rest wait in the queue
@@ -348,32 +349,32 @@ def test_engine_one_slot_without_batch_index_and_mixed_sampling(tiny, cpu):
     _, d = tiny
     model = load_model(d / "model.pth")
     prompts = [[5, 17, 33, 2, 90], [7, 8, 9], [100, 3]]
-    want = [G.generate(G.TorchBackend(model, 1, 64), [p], 10, cpu)[0][0] for p in prompts]
-    got, _ = G.generate_continuous(NoSlots(G.TorchBackend(model, 1, 64)), prompts, 10, cpu, 1)
+    want = [engine.generate(engine.TorchBackend(model, 1, 64), [p], 10, cpu)[0][0] for p in prompts]
+    got, _ = engine.generate_continuous(NoSlots(engine.TorchBackend(model, 1, 64)), prompts, 10, cpu, 1)
     assert got == want
     # sampled rows beside greedy rows in one batch: the greedy rows stay exactly greedy
-    engine = G.Engine(G.TorchBackend(model, 3, 64), cpu, 3)
-    emit = G.Emitter(6, 10, (), None, cpu)
+    eng = engine.Engine(engine.TorchBackend(model, 3, 64), cpu, 3)
+    emit = engine.Emitter(6, 10, (), None, cpu)
     for i in range(6):
         hot = i % 2 == 1
-        engine.add(G.Request(prompts[i // 2], lambda t, i=i: emit.put(i, t), 1.5 if hot else 0.0,
-                             generator=torch.Generator().manual_seed(i)))
-    while engine.busy():
-        engine.step()
+        eng.add(engine.Request(prompts[i // 2], lambda t, i=i: emit.put(i, t), 1.5 if hot else 0.0,
+                               generator=torch.Generator().manual_seed(i)))
+    while eng.busy():
+        eng.step()
     assert emit.out[0::2] == want
     assert emit.out[1::2] != want
     # the queue is served in order; a request cancelled while it waits never runs, one cancelled in its slot stops
-    engine, first, ends = G.Engine(G.TorchBackend(model, 1, 64), cpu, 1), [], {}
-    reqs = [G.Request(p, lambda t, i=i: first.append(i) or True, on_end=lambda why, i=i: ends.setdefault(i, why))
+    eng, first, ends = engine.Engine(engine.TorchBackend(model, 1, 64), cpu, 1), [], {}
+    reqs = [engine.Request(p, lambda t, i=i: first.append(i) or True, on_end=lambda why, i=i: ends.setdefault(i, why))
             for i, p in enumerate(prompts + prompts[:1])]
     for r in reqs:
-        engine.add(r)
-    engine.cancel(reqs[1])
+        eng.add(r)
+    eng.cancel(reqs[1])
     for _ in range(3):
-        engine.step()
-    engine.cancel(reqs[0])
-    while engine.busy():
-        engine.step()
+        eng.step()
+    eng.cancel(reqs[0])
+    while eng.busy():
+        eng.step()
     assert ends == {1: "cancelled", 0: "cancelled", 2: "length", 3: "length"}
     assert first == [0] * 4 + [2] * (64 - len(prompts[2])) + [3] * (64 - len(prompts[0]))
 

@@ -8,15 +8,12 @@ import pytest
 import torch
 from conftest import assert_clean_error, hf_to_model, run_cli, tiny_hf
 
-import generate as G
+import engine
 import speculative as SP
 from model import checkpoint_state, load_model, save_checkpoint
 
-REPO_GENERATE = open(G.__file__).read()
-
-
 def backend(model, seq=160):
-    return G.TorchBackend(model, 1, seq)
+    return engine.TorchBackend(model, 1, seq)
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: see conftest.one_thread
@@ -44,7 +41,7 @@ def test_greedy_equals_plain_greedy(models, cpu, draft):
     tb, db = backend(models["target"]), backend(models[draft])
     rates = []
     for i, prompt in enumerate(PROMPTS):
-        want, _ = G.generate(tb, [prompt], 32, cpu)
+        want, _ = engine.generate(tb, [prompt], 32, cpu)
         for k in ((1, 4), (2, 6), (3, 8))[i]:
             got, st = SP.speculative_generate(tb, db, prompt, 32, cpu, k)
             assert got == want[0], (prompt, k)
@@ -60,7 +57,7 @@ def test_greedy_equals_plain_greedy(models, cpu, draft):
 
 def test_draft_sharing_the_target_backend(models, cpu):
     tb = backend(models["target"])
-    want, _ = G.generate(tb, [PROMPTS[0]], 30, cpu)
+    want, _ = engine.generate(tb, [PROMPTS[0]], 30, cpu)
     got, st = SP.speculative_generate(tb, tb, PROMPTS[0], 30, cpu, 4)
     assert got == want[0] and st["acceptance_rate"] == 1.0
     assert st["tokens_per_step"] > 4  # k + 1 per forward, but for the shorter last round
@@ -74,7 +71,7 @@ def test_quantized_draft_checkpoint(models, cpu, tmp_path):
     draft = load_model(tmp_path / "model_int4.g32.pth")
     tb, db = backend(models["target"]), backend(draft)
     for prompt in PROMPTS:
-        want, _ = G.generate(tb, [prompt], 30, cpu)
+        want, _ = engine.generate(tb, [prompt], 30, cpu)
         got, st = SP.speculative_generate(tb, db, prompt, 30, cpu, 4)
         assert got == want[0]
         assert st["accepted"] > 0
@@ -83,9 +80,9 @@ def test_quantized_draft_checkpoint(models, cpu, tmp_path):
 def test_stop_ids_limits_and_streaming(models, cpu):
     tb, db = backend(models["target"], 48), backend(models["noisy"], 48)
     prompt = PROMPTS[2]
-    want, _ = G.generate(tb, [prompt], 40, cpu)
+    want, _ = engine.generate(tb, [prompt], 40, cpu)
     stop = want[0][17]
-    want_stop, _ = G.generate(tb, [prompt], 40, cpu, stop_ids=[stop])
+    want_stop, _ = engine.generate(tb, [prompt], 40, cpu, stop_ids=[stop])
     streamed = []
     got, _ = SP.speculative_generate(tb, db, prompt, 40, cpu, 5, stop_ids=[stop],
                                      on_token=lambda b, t: streamed.append((b, t)))
@@ -94,10 +91,10 @@ def test_stop_ids_limits_and_streaming(models, cpu):
         got, _ = SP.speculative_generate(tb, db, prompt, n, cpu, 4)
         assert got == want[0][:n]
     # the context (48) ends before max_new_tokens: same truncation as plain decoding
-    long_want, _ = G.generate(tb, [prompt], 100, cpu)
+    long_want, _ = engine.generate(tb, [prompt], 100, cpu)
     got, _ = SP.speculative_generate(tb, db, prompt, 100, cpu, 6)
     assert got == long_want[0] and len(got) == 48 - len(prompt)
-    assert SP.speculative_generate(tb, db, [[1, 2, 3]], 5, cpu, 2)[0] == G.generate(tb, [[1, 2, 3]], 5, cpu)[0][0]
+    assert SP.speculative_generate(tb, db, [[1, 2, 3]], 5, cpu, 2)[0] == engine.generate(tb, [[1, 2, 3]], 5, cpu)[0][0]
 
 
 def _chi2_critical(df: int, z: float = 3.29) -> float:
@@ -128,7 +125,7 @@ class TableBackend:
 
     def exact_joint(self, prompt, temperature, top_k, top_p):
         """P(t1, t2, t3, t4) of sampling four tokens after the prompt, by enumeration."""
-        probs = lambda logits: G.logits_to_probs(logits, temperature, top_k, top_p)
+        probs = lambda logits: engine.logits_to_probs(logits, temperature, top_k, top_p)
         p1 = probs(self.table[prompt[-2], prompt[-1]])              # [a]
         p2 = probs(self.table[prompt[-1]])                          # [a, b]
         p3 = probs(self.table)                                      # [x, y, next]
@@ -179,8 +176,8 @@ def test_sampling_on_a_real_model_keeps_the_first_speculated_token_distribution(
     db = backend(hf_to_model(tiny_hf("llama", seed=22, vocab_size=V)), 16)
     prompt, runs = [3, 1, 4, 1, 5], 600
     with torch.no_grad():
-        p1 = G.logits_to_probs(hf_t(torch.tensor([prompt])).logits[0, -1], 1.0, None, None)
-        p2 = G.logits_to_probs(hf_t(torch.tensor([prompt + [a] for a in range(V)])).logits[:, -1], 1.0, None, None)
+        p1 = engine.logits_to_probs(hf_t(torch.tensor([prompt])).logits[0, -1], 1.0, None, None)
+        p2 = engine.logits_to_probs(hf_t(torch.tensor([prompt + [a] for a in range(V)])).logits[:, -1], 1.0, None, None)
     ref = (p1[:, None] * p2).sum(0)
     counts = torch.zeros(V)
     for i in range(runs):
@@ -229,7 +226,7 @@ def test_bad_combinations(models, cpu):
     with pytest.raises(ValueError, match="every position"):
         SP.speculative_generate(chunked, db, PROMPTS[0], 10, cpu, 3)
     # a draft that returns only last-position logits is fine: drafting needs nothing else
-    want, _ = G.generate(tb, [PROMPTS[0]], 20, cpu)
+    want, _ = engine.generate(tb, [PROMPTS[0]], 20, cpu)
     assert SP.speculative_generate(tb, LastOnly(db), PROMPTS[0], 20, cpu, 3)[0] == want[0]
     with pytest.raises(ValueError, match="batch 1"):
         SP.speculative_generate(tb, db, [[1, 2], [3, 4]], 10, cpu, 3)
@@ -246,10 +243,6 @@ def test_format_stats(models, cpu):
     assert "acceptance rate" in line and "mean accepted" in line and "histogram" in line
 
 
-wired = pytest.mark.skipif("--speculate_k" not in REPO_GENERATE, reason="generate.py has no --speculate_k yet")
-
-
-@wired
 def test_cli_speculative_greedy_and_errors(tiny_checkpoint, tmp_path):
     d, _ = tiny_checkpoint
     base = ["generate.py", "--checkpoint_path", d / "model.pth", "--prompt", "Once upon a time", "--max_new_tokens",

@@ -57,7 +57,7 @@ def _have_quantize() -> bool:
 # ----------------------------------------------------------------------------------------------------------- the ranks
 def _compare(ref, shard, compile_mode=None):
     """Logits of a prefill + one decode step and greedy tokens (generate.generate), sharded vs reference."""
-    import generate as G
+    import engine
     cpu = torch.device("cpu")
     out = {}
     ids = torch.tensor([PROMPTS[0], PROMPTS[0][::-1]])
@@ -69,14 +69,14 @@ def _compare(ref, shard, compile_mode=None):
             b = m(ids[:, :1], torch.tensor([ids.shape[1]]))
         logits.append(torch.cat((a, b), 1))
     out["max_abs_diff"] = float((logits[0] - logits[1]).abs().max())
-    want, _ = G.generate(G.TorchBackend(ref, 2, 48), PROMPTS, NEW_TOKENS, cpu)
-    got, _ = G.generate(G.TorchBackend(shard, 2, 48), PROMPTS, NEW_TOKENS, cpu)
+    want, _ = engine.generate(engine.TorchBackend(ref, 2, 48), PROMPTS, NEW_TOKENS, cpu)
+    got, _ = engine.generate(engine.TorchBackend(shard, 2, 48), PROMPTS, NEW_TOKENS, cpu)
     out["ref_tokens"], out["tp_tokens"] = want, got
     if compile_mode:
-        backend = G.TorchBackend(shard, 2, 48)
+        backend = engine.TorchBackend(shard, 2, 48)
         fn = torch.compile(shard, fullgraph=True, **({} if compile_mode == "inductor" else {"backend": compile_mode}))
         backend.decode_fn = fn
-        got_c, _ = G.generate(backend, PROMPTS, NEW_TOKENS, cpu)
+        got_c, _ = engine.generate(backend, PROMPTS, NEW_TOKENS, cpu)
         out["compiled_tokens"] = got_c
     return out
 

@@ -1,0 +1,382 @@
+# The generation loop every stage drives, gpt-fast style: sampling, the backends' common contract, prefill, the
+# fixed-batch loop (generate) and the continuous-batching Engine. generate.py, server.py, eval.py, speculative.py and
+# bench.py import it; exporters do not. Plumbing below it is common.py's.
+#
+# A backend is anything with
+#     forward(tokens: LongTensor[B, T], input_pos: LongTensor[T] or [B, T]) -> FloatTensor[B, T, V] or [B, 1, V]
+#     max_batch_size, max_seq_length        (ints)
+#     prefill_chunk                         (None: any prompt length in one call; N: prompts go in chunks of exactly N)
+# input_pos [T] means every row sits at the same positions; [B, T] gives each row its own, -1 marking padding.
+# Optional: forward_masked(tokens [1, T], input_pos [T], mask [1, 1, T, S]) -> [1, T, V], speculative.py's lookahead
+# contract (TorchBackend; the .pte / .pt2 backends of artifacts exported with --lookahead), which --lookahead needs.
+# A [B, 1, V] result holds the logits of each row's last valid position (fixed-graph backends such as ONNX return that).
+# The same prefill / decode / sampling code below then drives eager PyTorch, torch.compile, an AOT Inductor package,
+# an ExecuTorch .pte, ONNX Runtime and a Cloud AI 100 QPC.
+#
+# Deliberate lazy plugin imports (the only ones back to importers of this file): load_backend() imports the backend
+# classes of aoti_export / et_export / export_onnx / compile_qaic; TorchBackend.forward_masked imports speculative.py.
+import time
+from collections import deque
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+import tp  # tensor parallelism under torchrun
+from common import DEFAULT_CHECKPOINT, INDUCTOR_CPU, REPO, ArgumentParser
+from model import load_model
+
+
+# ----------------------------------------------------------------------------------------------------------- sampling
+def logits_to_probs(logits: torch.Tensor, temperature: float, top_k: Optional[int], top_p: Optional[float]):
+    logits = logits / max(temperature, 1e-5)
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if top_p is not None and top_p < 1.0:
+        sorted_probs, idx = torch.sort(probs, dim=-1, descending=True)
+        drop = sorted_probs.cumsum(-1) - sorted_probs > top_p  # keep the smallest prefix whose mass reaches top_p
+        probs = probs.scatter(-1, idx, sorted_probs.masked_fill(drop, 0.0))
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample(logits: torch.Tensor, temperature: float = 0.0, top_k=None, top_p=None, generator=None) -> torch.Tensor:
+    """logits [B, V] -> token ids [B]. temperature 0 is greedy. Sampling runs on the CPU with a seeded generator so a
+    seed gives the same text on every device and backend."""
+    if temperature <= 0:
+        return logits.argmax(-1)
+    probs = logits_to_probs(logits.float().cpu(), temperature, top_k, top_p)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1).to(logits.device)
+
+
+# ----------------------------------------------------------------------------------------------------------- backends
+class TorchBackend:
+    """model.py's Transformer, eager or torch.compile'd (decode step; optionally prefill with a dynamic length)."""
+
+    prefill_chunk = None
+
+    def __init__(self, model, max_batch_size: int, max_seq_length: int, compile=False, compile_prefill=False):
+        device = next(model.parameters()).device
+        with torch.device(device):
+            model.setup_caches(max_batch_size, max_seq_length)
+        self.model = model
+        self.max_batch_size, self.max_seq_length = model.max_batch_size, model.max_seq_length
+        self.vocab_size = model.config.vocab_size
+        self.decode_fn = self.prefill_fn = model
+        if compile:
+            configure_inductor(device)
+            self.decode_fn = torch.compile(model, mode="reduce-overhead" if device.type == "cuda" else None,
+                                           fullgraph=True)
+        if compile_prefill:
+            self.prefill_fn = torch.compile(model, fullgraph=True, dynamic=True)
+        self.masked_fn = torch.compile(model, fullgraph=True, dynamic=True) if compile else model
+        self._step_caches = []
+
+    def forward(self, tokens, input_pos, batch_index=None):
+        fn = self.decode_fn if tokens.shape[1] == 1 else self.prefill_fn
+        with torch.inference_mode():
+            return fn(tokens, input_pos) if batch_index is None else fn(tokens, input_pos, batch_index)
+
+    def forward_masked(self, tokens, input_pos, mask):
+        """speculative.py's lookahead contract (batch 1): token k of tokens [1, T] sits at position input_pos[k] and
+        writes cache slot input_pos[0] + k; mask [1, 1, T, S] (additive) says what it attends to."""
+        from speculative import step_caches  # lazy plugin import (speculative.py imports this file's loop)
+        with torch.inference_mode(), step_caches(self.model, self._step_caches):
+            return self.masked_fn(tokens, input_pos, mask=mask.to(self.model.norm.weight.dtype))
+
+
+def configure_inductor(device: torch.device):
+    import torch._inductor.config as cfg
+    cfg.fx_graph_cache = True
+    if device.type == "cpu":
+        for k, v in INDUCTOR_CPU.items():  # shared with aoti_export.py (common.py says why)
+            setattr(cfg, k, v)
+        cfg.cpp_wrapper = True    # C++ launcher: less Python per decode step
+    else:
+        cfg.coordinate_descent_tuning = True
+        cfg.triton.unique_kernel_names = True
+
+
+def load_backend(args, device, dtype, max_batch_size, max_seq_length):
+    """Pick the backend from the command line. Exported artifacts carry their own sizes and precision."""
+    mode = getattr(args, "mode", None) or ("lookahead" if getattr(args, "lookahead", None) else "kv")
+    if getattr(args, "aoti_package", None):
+        from aoti_export import AOTIBackend
+        return AOTIBackend(args.aoti_package, device=device, mode=mode)
+    if getattr(args, "pte", None):
+        from et_export import PTEBackend
+        return PTEBackend(args.pte, mode=mode)
+    if getattr(args, "onnx", None):
+        from export_onnx import OnnxBackend
+        return OnnxBackend(args.onnx, max_batch_size=max_batch_size)
+    if getattr(args, "qpc", None):
+        from compile_qaic import QpcBackend
+        return QpcBackend(args.qpc, device_group=args.device_group)
+    if tp.get_world_size() > 1:  # under torchrun: this rank's shard of every attention / feed-forward matrix
+        model = tp.load_model_tp(args.checkpoint_path, device=device, dtype=dtype)
+    else:
+        model = load_model(args.checkpoint_path, device=device, dtype=dtype)
+    return TorchBackend(model, max_batch_size, max_seq_length, compile=args.compile, compile_prefill=args.compile_prefill)
+
+
+# ----------------------------------------------------------------------------------------------------------- the loop
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def prefill(backend, prompts: list[list[int]], device, chunk: Optional[int] = None, start_pos: int = 0,
+            batch_index: Optional[torch.Tensor] = None):
+    """Run the prompts through the backend; return each row's logits at its last prompt token, [B, V].
+    Same-length prompts use shared positions [T]; different lengths use per-row positions with -1 padding.
+    With a chunk size (fixed-shape backends), prompts go in chunks of exactly `chunk` tokens.
+    batch_index [B, 1] names the cache slot of each row (continuous batching)."""
+    B = len(prompts)
+    lens = [len(p) for p in prompts]
+    T = max(lens)
+    width = T if not chunk else -(-T // chunk) * chunk
+    tokens = torch.zeros(B, width, dtype=torch.long)
+    pos = torch.full((B, width), -1, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        tokens[b, :len(p)] = torch.tensor(p, dtype=torch.long)
+        pos[b, :len(p)] = torch.arange(start_pos, start_pos + len(p))
+    shared = len(set(lens)) == 1 and not chunk and batch_index is None
+    extra = {} if batch_index is None else {"batch_index": batch_index.to(device)}
+    last = None
+    for s in range(0, width, chunk or width):
+        e = s + (chunk or width)
+        ip = pos[0, s:e] if shared else pos[:, s:e]
+        logits = backend.forward(tokens[:, s:e].to(device), ip.to(device), **extra)
+        # rows whose last prompt token falls in this chunk take their logits from it
+        for b, n in enumerate(lens):
+            if s <= n - 1 < e:
+                row = logits[b, -1] if logits.shape[1] == 1 else logits[b, n - 1 - s]
+                if last is None:
+                    last = torch.empty(B, row.shape[-1], dtype=row.dtype, device=row.device)
+                last[b] = row
+    return last
+
+
+class Emitter:
+    """The one token keeper and run clock of every decoding loop (generate, generate_continuous, speculative.py's
+    speculative_generate and lookahead_generate). put(row, tokens) keeps a sequence's new tokens until a stop id or
+    max_new_tokens, streams each kept one through on_token(row, token) and says whether the sequence goes on. The
+    clock starts when the Emitter is made (just before the first prefill); the first put() marks the first token.
+    stats(): prompt_tokens, new_tokens (kept, all sequences), decode_steps (the loop's forwards after the first token)
+    and the one definition of the figures that every mode and bench.py report:
+        ttft_s         time from the start to the first token produced
+        prefill_tok_s  prompt tokens processed before that first token / ttft_s
+        decode_s       time after ttft_s, to the end
+        decode_tok_s   tokens produced after the first token of each sequence / decode_s"""
+
+    def __init__(self, rows: int, max_new_tokens: int, stop_ids, on_token, device):
+        self.out: list[list[int]] = [[] for _ in range(rows)]
+        self.done = [max_new_tokens <= 0] * rows
+        self.max_new, self.stop_ids, self.on_token, self.device = max_new_tokens, set(stop_ids), on_token, device
+        _sync(device)
+        self.t0, self.t_first = time.perf_counter(), None
+
+    def put(self, row: int, tokens) -> bool:
+        out = self.out[row]
+        for t in tokens:
+            if self.done[row] or t in self.stop_ids:
+                self.done[row] = True
+                break
+            out.append(t)
+            if self.on_token:
+                self.on_token(row, t)
+            self.done[row] = len(out) >= self.max_new
+        if self.t_first is None:
+            self.t_first = time.perf_counter()
+        return not self.done[row]
+
+    def stats(self, prompt_tokens: int, decode_steps: int, prefill_tokens: Optional[int] = None) -> dict:
+        """prefill_tokens: the prompt tokens processed before the first token when not all of them were."""
+        _sync(self.device)
+        t_end = time.perf_counter()
+        t_first = t_end if self.t_first is None else self.t_first
+        n, firsts = sum(map(len, self.out)), sum(1 for o in self.out if o)
+        ttft, decode_s, prefilled = t_first - self.t0, t_end - t_first, prefill_tokens or prompt_tokens
+        return dict(prompt_tokens=prompt_tokens, ttft_s=ttft, decode_steps=decode_steps, decode_s=decode_s,
+                    new_tokens=n, prefill_tok_s=prefilled / max(ttft, 1e-9),
+                    decode_tok_s=(n - firsts) / decode_s if decode_s > 0 and n > firsts else 0.0)
+
+
+def generate(backend, prompts: list[list[int]], max_new_tokens: int, device, *, temperature=0.0, top_k=None,
+             top_p=None, stop_ids=(), generator=None, on_token: Optional[Callable[[int, int], None]] = None,
+             start_pos: int = 0, prefill_chunk: Optional[int] = None):
+    """Generate for a batch of prompts. Returns (new token ids per prompt, Emitter.stats()).
+    on_token(row, token) is called for every kept token as it is produced (for streaming)."""
+    B = len(prompts)
+    lens = [start_pos + len(p) for p in prompts]
+    if B > backend.max_batch_size:
+        raise ValueError(f"{B} prompts but the backend holds at most {backend.max_batch_size} sequences")
+    if max(lens) >= backend.max_seq_length:
+        raise ValueError(f"prompt of {max(lens)} tokens does not fit the context of {backend.max_seq_length} tokens")
+    max_new_tokens = min(max_new_tokens, backend.max_seq_length - max(lens))
+    emit = Emitter(B, max_new_tokens, stop_ids, on_token, device)
+    keep = lambda ids: [emit.put(b, [t]) for b, t in enumerate(ids.tolist())]
+    logits = prefill(backend, prompts, device, chunk=prefill_chunk or backend.prefill_chunk, start_pos=start_pos)
+    nxt = sample(logits, temperature, top_k, top_p, generator)
+    keep(nxt)
+    shared = len(set(lens)) == 1
+    steps = 0
+    for i in range(max_new_tokens - 1):
+        if all(emit.done):
+            break
+        ip = torch.tensor([lens[0] + i] if shared else [[n + i] for n in lens], device=device)
+        logits = backend.forward(nxt.view(B, 1), ip)
+        nxt = sample(logits[:, -1], temperature, top_k, top_p, generator)
+        keep(nxt)
+        steps += 1
+    return emit.out, emit.stats(sum(lens) - B * start_pos, steps)
+
+
+@dataclass(eq=False)
+class Request:
+    """One sequence for the Engine: prompt ids; keep(tokens) -> bool keeps new tokens and says whether it goes on (an
+    Emitter's put; server.py adds stop strings); its sampling; on_end("stop" | "length" | "cancelled") at its end."""
+    ids: list
+    keep: Callable[[list], bool]
+    temperature: float = 0.0
+    top_k: Optional[int] = None
+    top_p: Optional[float] = None
+    generator: Optional[torch.Generator] = None
+    on_end: Optional[Callable[[str], None]] = None
+
+
+class Engine:
+    """Continuous batching: `slots` cache slots of a backend and a FIFO queue of Requests. step() refills the free
+    slots with the next queued requests (prefilled together, each row into its slot; their first tokens kept at once),
+    then advances every busy slot by one token in one forward (rows = busy slots), each row sampled with its own
+    request's parameters (greedy rows are a plain argmax). A request that ends frees its slot at once.
+    add() and cancel() go between steps: one thread owns the engine (server.py feeds it from its HTTP side).
+    With more than one slot the backend's forward must accept batch_index [B, 1] (rows -> cache slots)."""
+
+    def __init__(self, backend, device, slots: int, prefill_chunk: Optional[int] = None):
+        if slots > backend.max_batch_size:
+            raise ValueError(f"full_batch_size {slots} exceeds the backend's {backend.max_batch_size} slots")
+        self.backend, self.device, self.chunk = backend, device, prefill_chunk or backend.prefill_chunk
+        self.queue, self.steps = deque(), 0                  # waiting Requests; decode forwards so far
+        self.req: list[Optional[Request]] = [None] * slots  # the request each slot holds
+        self.pos, self.tok = [-1] * slots, [0] * slots       # position and token each slot feeds next
+
+    def add(self, r: Request):
+        if len(r.ids) >= self.backend.max_seq_length:
+            raise ValueError(f"prompt of {len(r.ids)} tokens does not fit the context of "
+                             f"{self.backend.max_seq_length} tokens")
+        self.queue.append(r)
+
+    def busy(self) -> bool:
+        return bool(self.queue) or any(r is not None for r in self.req)
+
+    def cancel(self, r: Request):
+        if r in self.queue:
+            self.queue.remove(r)
+            r.on_end and r.on_end("cancelled")
+        elif r in self.req:
+            self._end(self.req.index(r), "cancelled")
+
+    def _end(self, slot, reason):
+        r, self.req[slot], self.pos[slot] = self.req[slot], None, -1
+        r.on_end and r.on_end(reason)
+
+    def _accept(self, slot, t):  # keep a sampled token; free the slot when its sequence ends or reaches the context end
+        if not self.req[slot].keep([t]):
+            self._end(slot, "stop")
+        elif self.pos[slot] + 1 >= self.backend.max_seq_length:
+            self._end(slot, "length")
+        else:
+            self.tok[slot] = t
+
+    def _sample(self, logits, reqs) -> list[int]:
+        greedy = logits.argmax(-1).tolist()
+        return [g if r.temperature <= 0 else
+                int(sample(logits[b:b + 1], r.temperature, r.top_k, r.top_p, r.generator)[0])
+                for b, (g, r) in enumerate(zip(greedy, reqs))]
+
+    def step(self):
+        index = (lambda s: torch.tensor(s, device=self.device).view(-1, 1)) if len(self.req) > 1 else (lambda s: None)
+        new = [s for s, r in enumerate(self.req) if r is None][:len(self.queue)]
+        if new:  # refill the free slots: the new prompts go in together (padded), each into its own slot
+            for s in new:
+                self.req[s] = self.queue.popleft()
+                self.pos[s] = len(self.req[s].ids)
+            logits = prefill(self.backend, [self.req[s].ids for s in new], self.device, chunk=self.chunk,
+                             batch_index=index(new))
+            for s, t in zip(new, self._sample(logits, [self.req[s] for s in new])):
+                self._accept(s, t)
+        live = [s for s, r in enumerate(self.req) if r is not None]
+        if not live:
+            return
+        extra = {} if len(self.req) == 1 else {"batch_index": index(live)}
+        logits = self.backend.forward(torch.tensor([[self.tok[s]] for s in live], device=self.device),
+                                      torch.tensor([[self.pos[s]] for s in live], device=self.device), **extra)
+        self.steps += 1
+        for s, t in zip(live, self._sample(logits[:, -1], [self.req[s] for s in live])):
+            self.pos[s] += 1
+            self._accept(s, t)
+
+
+def generate_continuous(backend, prompts: list[list[int]], max_new_tokens: int, device, full_batch_size: int, *,
+                        temperature=0.0, top_k=None, top_p=None, stop_ids=(), generator=None,
+                        on_token: Optional[Callable[[int, int], None]] = None, prefill_chunk: Optional[int] = None):
+    """Continuous batching of a fixed list of prompts on an Engine with full_batch_size slots. Returns (new token ids
+    per prompt, Emitter.stats(): the first tokens come after the first full_batch_size prompts' prefill; later
+    prefills fall in decode_s)."""
+    engine = Engine(backend, device, full_batch_size, prefill_chunk)
+    emit = Emitter(len(prompts), max_new_tokens, stop_ids, on_token, device)
+    for i, p in enumerate(prompts):
+        engine.add(Request(p, partial(emit.put, i), temperature, top_k, top_p, generator))
+    while engine.busy():
+        engine.step()
+    return emit.out, emit.stats(sum(map(len, prompts)), engine.steps,
+                                prefill_tokens=sum(map(len, prompts[:full_batch_size])))
+
+
+def weight_bytes(model) -> int:
+    """Bytes of weights read per decode step (tied embedding/output counted once; the KV cache excluded)."""
+    seen, total = set(), 0
+    skip = ("cache", "rope", "qdata_int8", "zero_point")  # KV cache, tables, quantize.py's export-only operands
+    for t in list(model.parameters()) + [b for n, b in model.named_buffers() if not any(s in n for s in skip)]:
+        if t.data_ptr() in seen:
+            continue
+        seen.add(t.data_ptr())
+        total += t.numel() * t.element_size()
+    return total
+
+
+# ----------------------------------------------------------------------------------------------------------- flags
+def add_backend_args(p: ArgumentParser):
+    """The flags that pick and size a backend (load_backend); server.py takes the same."""
+    p.add_argument("--checkpoint_path", type=Path, default=None,
+                   help=f"model.pth from scripts/convert_checkpoint.py or quantize.py (default: {DEFAULT_CHECKPOINT.relative_to(REPO)}, prepared on first use)")
+    p.add_argument("--tokenizer_path", type=Path, default=None, help="default: the checkpoint's directory")
+    p.add_argument("--compile", action="store_true", help="torch.compile the decode step")
+    p.add_argument("--compile_prefill", action="store_true", help="also compile prefill (dynamic length)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "mps"])
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads (default: the cores not busy with other work; README: Threads)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--max_seq_length", type=int, default=None,
+                   help="KV cache length (default: prompt + new tokens; server.py: 2048)")
+    p.add_argument("--prefill_chunk", type=int, default=None, help="process prompts in fixed chunks of N tokens")
+    p.add_argument("--full_batch_size", type=int, default=None,
+                   help="continuous batching with N cache slots (more prompts/requests than slots: slots are refilled)")
+    p.add_argument("--aoti_package", "--dso", type=Path,
+                   help="run an AOT Inductor .pt2 (or a .so from aoti_export.py --so) from aoti_export.py")
+    p.add_argument("--pte", type=Path, help="run an ExecuTorch .pte from et_export.py")
+    p.add_argument("--onnx", type=Path, help="run an ONNX graph from export_onnx.py on ONNX Runtime")
+    p.add_argument("--qpc", type=Path, help="run a Cloud AI 100 QPC from compile_qaic.py")
+    p.add_argument("--device_group", default="0", help="Cloud AI 100 device ids for --qpc, e.g. 0,1")
+
+
+def check_vocab(tok, backend):
+    vocab = getattr(backend, "vocab_size", None)
+    if vocab and tok.vocab_size > vocab:
+        raise ValueError(f"the tokenizer has {tok.vocab_size} tokens but the model only {vocab}: "
+                         "wrong tokenizer for this model?")
