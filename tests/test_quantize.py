@@ -137,6 +137,19 @@ def test_embedding_rows_match_dequantized_table():
         torch.testing.assert_close(Q.QuantizedEmbedding(qw)(idx), F.embedding(idx, qw.dequantize()), rtol=0, atol=0)
 
 
+def test_compiled_decode_int8_layout_keeps_precision_in_bfloat16():
+    """The compiled int8 decode reduction reads bytes 0-2 offset by 128 and subtracts 128 * sum(x) once per row: with
+    bfloat16 activations that sum is far larger than the result, so it must be accumulated in float32. Compared with
+    the same bfloat16 input through the dequantized weights in float32 (bfloat16 rounding of the result only)."""
+    w, lin = _linear("int8", N=64, K=256)
+    qw = lin.qweight
+    assert qw._int8_words is not None  # the word layout this checks
+    x = (torch.randn(1, 1, 256) + 2.0).to(torch.bfloat16)  # a mean far from 0: a large offset term
+    ref = F.linear(x.float(), qw.dequantize(torch.float32))
+    got = qw.fused_linear(x).float()
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+
+
 # ----------------------------------------------------------------------------------------------------------- models
 def _peaked_model(seed=3):
     """A tiny random Llama whose output projection maps each token's embedding to a fixed successor (a permutation),
