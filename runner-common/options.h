@@ -21,7 +21,7 @@ namespace llm {
 struct Options {
   std::string model_path, tokenizer_path, prompt, system_prompt, mode = "generate";
   std::string decoding = "kv";           // -M kv|hybrid|lookahead
-  int ngram = 5, window = 1, gcap = 2;   // -L NGRAM,WINDOW,GCAP (lookahead; generate.py --lookahead's spelling)
+  int ngram = 6, window = 1, gcap = 1;   // -L NGRAM,WINDOW,GCAP (lookahead; generate.py --lookahead's spelling)
   bool has_prompt = false, encode_only = false, quiet = false, ignore_stop = false;
   float temperature = 1.0f, top_p = 0.9f;
   int top_k = 0, steps = 256, threads = 0;  // threads 0: OMP_NUM_THREADS, else the libraries' default
@@ -50,7 +50,7 @@ inline void usage(const char* name) {
                "              an export with --prefill_chunk N) | lookahead (n-gram guesses verified in one call per\n"
                "              step, greedy: -t 0; needs an export with --lookahead)\n"
                "  -L <n,w,g>  lookahead NGRAM,WINDOW,GCAP (n-gram size >= 2, window >= 1, n-grams verified >= 1),\n"
-               "              default 5,1,2\n",
+               "              default 6,1,1\n",
                name, name);
 }
 
@@ -99,7 +99,7 @@ inline void set_lookahead(Options& o, const std::string& v) {
   }
   const bool three = k == 3 && std::count(v.begin(), v.end(), ',') == 2;
   if (!three || vals[0] < 2 || vals[1] < 1 || vals[2] < 1)
-    throw Error("bad value for -L: " + v + " (want NGRAM,WINDOW,GCAP: NGRAM >= 2, WINDOW >= 1, GCAP >= 1, e.g. 5,1,2)");
+    throw Error("bad value for -L: " + v + " (want NGRAM,WINDOW,GCAP: NGRAM >= 2, WINDOW >= 1, GCAP >= 1, e.g. 6,1,1)");
   o.ngram = vals[0], o.window = vals[1], o.gcap = vals[2];
 }
 
