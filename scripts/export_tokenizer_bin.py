@@ -283,6 +283,10 @@ def detect_chat(tok):
 
 # ----------------------------------------------------------------------------------------------------------- export
 def _sections_common(tok, n_vocab, kind, flags, unk_id, pre, types, byte_ids, chat) -> list:
+    outside = sorted(i for i in {tok.eos_id, *tok.stop_ids} if not 0 <= i < n_vocab)
+    if outside:  # the runner refuses such a file at load: say it here, about the tokenizer's own files
+        raise ExportError(f"stop/EOS id{'s' if len(outside) > 1 else ''} {', '.join(map(str, outside))} outside the "
+                          f"tokenizer's {n_vocab} tokens: fix eos_token_id in generation_config.json / config.json")
     bos = tok.bos_id if tok.bos_id is not None else -1
     system = chat[1] if isinstance(chat[1], tuple) else (chat[1] or "", "")  # (default system, SmolLM3's no-think one)
     info = struct.pack("<10i", n_vocab, kind, bos, tok.eos_id, int(bool(tok.add_bos)), chat[0], flags,

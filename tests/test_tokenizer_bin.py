@@ -377,3 +377,19 @@ def test_exporter_errors(tmp_path):
     r = subprocess.run([sys.executable, str(REPO / "scripts" / "export_tokenizer_bin.py"), str(tmp_path / "nope"),
                         "-o", str(tmp_path / "t.bin")], capture_output=True, text=True)
     assert r.returncode == 1 and r.stderr.startswith("error: ") and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_stop_id_outside_the_vocabulary_is_refused_at_export(tmp_path):
+    """A config whose EOS id lies past the tokenizer's tokens (a tiny Phi-3 keeps Phi3Config's 32000) would give a
+    tokenizer.bin the runners refuse at load: the exporter says so first, in one line, and writes nothing."""
+    d = make_bpe_dir(tmp_path / "tok")
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 32000]}))
+    out = tmp_path / "t.bin"
+    r = subprocess.run([sys.executable, str(REPO / "scripts" / "export_tokenizer_bin.py"), str(d), "-o", str(out)],
+                       capture_output=True, text=True)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    errors = [l for l in r.stderr.splitlines() if l.startswith("error:")]
+    from tokenizers import Tokenizer
+    n = Tokenizer.from_file(str(d / "tokenizer.json")).get_vocab_size()
+    assert len(errors) == 1 and "id 32000 " in errors[0] and f"{n} tokens" in errors[0], r.stderr
+    assert not out.exists()
