@@ -49,6 +49,7 @@ from common import (INDUCTOR_CPU, ArgumentParser, atomic_path, check_device, che
                     write_atomic)
 
 METADATA_VERSION = "1"
+LOOKAHEAD_HINT = 12  # tokens of a typical lookahead step's call: the length its kernels are tuned for
 SHARED_WEIGHTS = "data/weights/llama_flat"  # a multi-model package's constants: `index` + one record per tensor
 
 
@@ -149,11 +150,18 @@ def export(checkpoint_path, output_path, max_seq_length: int = 1024, dtype: Opti
         if lookahead:
             import speculative
             speculative.check_step_contract(model.config)
-            kw = {"mask": speculative.causal_mask(range(2), S).to(device=device, dtype=run_dtype)}
+            # the example length is the size hint AOT Inductor tunes the GEMMs for: a typical step's call (the
+            # default 6,1,1: 5 to 15 tokens) rather than 2, the decode graph's. (SmolLM2-135M, one thread: a call
+            # of 12 tokens costs 98 ms CPU, 3.4x a one-token step: the C++ GEMM templates stream the weights once
+            # per 4 rows; oneDNN's packed weights would cost 75 ms, but they are opaque tensors a loader cannot
+            # map from the package, see package_shared)
+            T = min(LOOKAHEAD_HINT, S)
+            ex = (torch.zeros(1, T, dtype=torch.long, device=device), torch.arange(T, device=device))
+            kw = {"mask": speculative.causal_mask(range(T), S).to(device=device, dtype=run_dtype)}
             with speculative.step_caches(model):
                 programs["lookahead"] = (torch.export.export(
-                    model, example, kw, dynamic_shapes={"idx": {1: seq}, "input_pos": {0: seq}, "mask": {2: seq}},
-                    strict=False, prefer_deferred_runtime_asserts_over_guards=True), example, kw)
+                    model, ex, kw, dynamic_shapes={"idx": {1: seq}, "input_pos": {0: seq}, "mask": {2: seq}},
+                    strict=False, prefer_deferred_runtime_asserts_over_guards=True), ex, kw)
     meta["models"] = ",".join(programs)
     if len(programs) > 1:
         meta["shared_weights"] = SHARED_WEIGHTS
@@ -182,9 +190,12 @@ def export(checkpoint_path, output_path, max_seq_length: int = 1024, dtype: Opti
         else:  # several models in one package, their constants once (package_shared)
             files = {}
             # each model's constants come out as a separate blob (binary_blob), which package_shared splits,
-            # dedups and stores; the shared libraries hold none
+            # dedups and stores; the shared libraries hold none. GEMMs are Inductor's C++ templates only: with
+            # ATen's among the candidates, freezing's oneDNN-packed weights (opaque tensors, which a loader cannot
+            # map from a file) win some GEMMs of the many-row programs (prefill, lookahead)
             shared = {**configs, "aot_inductor.package": True, "aot_inductor.package_constants_in_so": False,
-                      "aot_inductor.package_constants_on_disk_format": "binary_blob"}
+                      "aot_inductor.package_constants_on_disk_format": "binary_blob",
+                      "max_autotune_gemm_backends": "CPP"}
             for name, (prog, ex, kw) in programs.items():
                 log(f"  compiling {name} ...")
                 with torch.no_grad():
