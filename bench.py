@@ -371,9 +371,9 @@ def _file_mb(p: Path) -> float:
 def _weight_bytes(ck: str, dtype: Optional[str] = None) -> int:
     """Bytes of the weights one decode step reads: the checkpoint's tensors in the row's dtype (a tied embedding
     counted once, as the output projection; mmap, nothing is read unless the dtype changes)."""
-    import generate as G
+    import engine
     from model import load_model
-    return G.weight_bytes(load_model(ck, dtype=getattr(torch, dtype) if dtype else None))
+    return engine.weight_bytes(load_model(ck, dtype=getattr(torch, dtype) if dtype else None))
 
 
 def table(results, bw):
