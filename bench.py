@@ -108,7 +108,7 @@ def runner(binary, artifact, weights, vs=None, peer=None, prompt="story", mode=N
 
 
 def runner_modes(name, binary, artifact):
-    """kv / lookahead (5,1,2) on the code and story prompts, kv / hybrid on the long prompt; ratio to kv, same run."""
+    """kv / lookahead (6,1,1, the runners' default) on the code and story prompts, kv / hybrid on the long prompt; ratio to kv, same run."""
     rows = {}
     for prompt, modes in (("code", ("lookahead",)), ("story", ("lookahead",)), ("long", ("hybrid",))):
         rows[f"{name} kv {prompt}"] = runner(binary, artifact, "{ck}/model.pth", prompt=prompt, mode="kv")
@@ -248,7 +248,7 @@ def run_runner(row, args, fill):
            PROMPTS[row["prompt"]], "-n", str(args.max_new_tokens), "-t", "0", "-x",
            "-j", str(torch.get_num_threads())]  # main() applied --threads
     if row.get("mode"):
-        cmd += ["-M", row["mode"], "-L", "5,1,2"]
+        cmd += ["-M", row["mode"], "-L", "6,1,1"]
     runs, rss = [], 0.0
     for _ in range(args.runs + 1):
         p = subprocess.run(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
