@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <chrono>
 #include <cerrno>
 #include <climits>
 #include <cmath>
@@ -13,6 +14,7 @@
 #include <ctime>
 #include <fstream>
 #include <string>
+#include <thread>
 
 #include "tokenizer_file.h"
 
@@ -28,10 +30,10 @@ struct Options {
   unsigned long long seed = 0;
 };
 
-inline void usage(const char* name) {
+inline void usage(const char* name, const char* artifact) {
   std::fprintf(stderr,
                "Usage:   %s <model> [options]\n"
-               "Example: %s model.pt2 -z tokenizer.bin -i \"Once upon a time\" -n 256 -t 0.8 -p 0.9 -s 42\n"
+               "Example: %s %s -z tokenizer.bin -i \"Once upon a time\" -n 256 -t 0.8 -p 0.9 -s 42\n"
                "Options:\n"
                "  -t <float>  temperature in [0,inf), default 1.0 (0 = greedy, the same tokens as generate.py)\n"
                "  -p <float>  top-p (nucleus) in (0,1], default 0.9 (1 = off)\n"
@@ -45,13 +47,13 @@ inline void usage(const char* name) {
                "  -e          encode only: print the prompt's token ids and exit (no model is loaded)\n"
                "  -q          quiet: no timings on stderr\n"
                "  -x          ignore stop tokens: always generate -n tokens (benchmarks)\n"
-               "  -j <int>    CPU threads >= 1 (default: $OMP_NUM_THREADS, else all cores; state it with any timing)\n"
+               "  -j <int>    CPU threads >= 1 (default: $OMP_NUM_THREADS, else the cores not busy with other work)\n"
                "  -M <string> decoding: kv (default) | hybrid (prompt through the fixed-length prefill program, needs\n"
                "              an export with --prefill_chunk N) | lookahead (n-gram guesses verified in one call per\n"
                "              step, greedy: -t 0; needs an export with --lookahead)\n"
                "  -L <n,w,g>  lookahead NGRAM,WINDOW,GCAP (n-gram size >= 2, window >= 1, n-grams verified >= 1),\n"
                "              default 6,1,1\n",
-               name, name);
+               name, name, artifact);
 }
 
 // The numeric flags -t -p -k -s -n -j: the whole value must be a number in the flag's range.
@@ -103,14 +105,43 @@ inline void set_lookahead(Options& o, const std::string& v) {
   o.ngram = vals[0], o.window = vals[1], o.gcap = vals[2];
 }
 
-inline Options parse_args(int argc, char** argv) {
+// artifact: the example model file in the usage text (model.pte / model.pt2)
+// The default thread count (generate.py's too, common.set_threads): the cores less those other processes keep busy
+// now (/proc/stat sampled 0.3 s apart), at least 1. OpenMP / XNNPACK threads wait at every kernel's end for the
+// slowest one, so a thread on a core someone else holds stalls them all (README: Threads).
+inline int free_cores(bool quiet) {
+  const int n = std::max(1u, std::thread::hardware_concurrency());
+  auto sample = [](long long& total, long long& idle) {
+    std::ifstream f("/proc/stat");
+    std::string cpu;
+    long long v[8] = {0};
+    f >> cpu;
+    for (long long& x : v) f >> x;
+    total = 0;
+    for (long long x : v) total += x;
+    idle = v[3] + v[4];  // idle + iowait
+    return bool(f);
+  };
+  long long t0, i0, t1, i1;
+  if (!sample(t0, i0)) return n;
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  if (!sample(t1, i1) || t1 <= t0) return n;
+  const int busy = int(std::lround(n * (1.0 - double(i1 - i0) / double(t1 - t0))));
+  const int free = std::max(1, n - busy);
+  if (free < n && !quiet)
+    std::fprintf(stderr, "%d of %d cores are busy with other work: %d thread%s (-j N to choose)\n", busy, n, free,
+                 free > 1 ? "s" : "");
+  return free;
+}
+
+inline Options parse_args(int argc, char** argv, const char* artifact) {
   Options o;
   if (argc < 2 || argv[1][0] == '-') {
     if (argc >= 2 && (std::string(argv[1]) == "-h" || std::string(argv[1]) == "--help")) {
-      usage(argv[0]);
+      usage(argv[0], artifact);
       std::exit(0);
     }
-    usage(argv[0]);
+    usage(argv[0], artifact);
     std::exit(1);
   }
   o.model_path = argv[1];
@@ -121,7 +152,7 @@ inline Options parse_args(int argc, char** argv) {
     if (f == 'e') { o.encode_only = true; continue; }
     if (f == 'q') { o.quiet = true; continue; }
     if (f == 'x') { o.ignore_stop = true; continue; }
-    if (f == 'h') { usage(argv[0]); std::exit(0); }
+    if (f == 'h') { usage(argv[0], artifact); std::exit(0); }
     if (std::string("tpksnjizmyML").find(f) == std::string::npos) throw Error("unknown option " + a + " (see -h)");
     if (i + 1 >= argc) throw Error("option " + a + " needs a value");
     std::string v = argv[++i];
@@ -140,6 +171,7 @@ inline Options parse_args(int argc, char** argv) {
     throw Error("bad value for -M: " + o.decoding + " (kv, hybrid or lookahead)");
   if (o.decoding == "lookahead" && o.temperature > 0) throw Error("lookahead decoding is greedy only: use -t 0");
   if (o.seed == 0) o.seed = (unsigned long long)std::time(nullptr);
+  if (o.threads == 0 && !std::getenv("OMP_NUM_THREADS") && !o.encode_only) o.threads = free_cores(o.quiet);
   if (o.tokenizer_path.empty()) {
     std::string dir = o.model_path.substr(0, o.model_path.find_last_of('/') + 1);
     std::string beside = dir + "tokenizer.bin";

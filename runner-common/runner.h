@@ -73,7 +73,7 @@ inline Error missing_program(const std::string& path, const std::string& program
                " (et_export.py / aoti_export.py)");
 }
 
-// o.model_path, o.threads (-j; 0 = not given: the runner keeps $OMP_NUM_THREADS or its library's default) and
+// o.model_path, o.threads (-j, else the free cores; 0 only when $OMP_NUM_THREADS sets the count) and
 // o.decoding (-M: which programs to load)
 using ModelLoader = std::function<std::unique_ptr<Model>(const Options& o)>;
 
@@ -183,14 +183,14 @@ inline std::vector<int> generate(Model& model, const Tokenizer& tok, Sampler& sa
   return kept.out;
 }
 
-inline void report(const GenStats& st) {
+inline void report(const GenStats& st, int threads) {
   const double prefill = st.prompt_tokens / std::max(st.ttft_s, 1e-9);
   const double decode = st.steps ? st.decode_tokens / st.decode_s : 0.0;
   std::fprintf(stderr,
                "TTFT %.1f ms | prefill %.1f tok/s | decode %.2f tok/s (%d steps) | %d new tokens | "
-               "%.2f tokens/forward\n",
+               "%.2f tokens/forward | %d threads\n",
                st.ttft_s * 1000, prefill, decode, st.steps, st.new_tokens,
-               st.steps ? double(st.decode_tokens) / st.steps : 0.0);
+               st.steps ? double(st.decode_tokens) / st.steps : 0.0, threads);
   if (st.decode_tokens)  // CPU time per token: a figure that holds up on a machine shared with other work
     std::fprintf(stderr, "decode %.2f ms/token wall, %.2f ms/token CPU (all threads)\n",
                  1000 * st.decode_s / st.decode_tokens, 1000 * st.decode_cpu_s / st.decode_tokens);
@@ -264,7 +264,7 @@ inline int chat_loop(Model& model, Tokenizer& tok, Sampler& sampler, const Optio
 }
 
 inline int run_main_inner(int argc, char** argv, const char* name, const ModelLoader& load) {
-  Options o = parse_args(argc, argv);
+  Options o = parse_args(argc, argv, std::string(name) == "runner-aoti" ? "model.pt2" : "model.pte");
   Tokenizer tok = load_tokenizer(o.tokenizer_path);
   if (o.encode_only) {
     std::vector<int> ids = encode(tok, o.prompt);
@@ -297,7 +297,8 @@ inline int run_main_inner(int argc, char** argv, const char* name, const ModelLo
   write_out(o.prompt);
   generate(*model, tok, sampler, ids, 0, o.steps, [&](int t) { write_out(stream_put(dec, t)); }, &st, o);
   write_out(stream_flush(dec) + "\n");
-  if (!o.quiet) report(st);
+  const char* env = std::getenv("OMP_NUM_THREADS");  // o.threads is 0 only when $OMP_NUM_THREADS set the count
+  if (!o.quiet) report(st, o.threads > 0 ? o.threads : std::max(1, env ? std::atoi(env) : 1));
   return 0;
 }
 

@@ -6,6 +6,7 @@
 # cmake or a C++ compiler is missing.
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -125,6 +126,19 @@ def test_runner_matches_generate_py(env, runner, kind):
         assert r.returncode == 0, r.stderr
         assert r.stdout == want, (kind, prompt)
         assert "achieved tok/s" in r.stderr and "TTFT" in r.stderr
+
+
+def test_runner_usage_and_default_threads(env, runner):
+    """The usage text's example is a .pt2; without -j and $OMP_NUM_THREADS the runner picks the free cores and the
+    timing line says how many threads ran."""
+    r = run([runner])
+    assert r.returncode == 1 and " model.pt2 -z" in r.stderr and ".pte" not in r.stderr, r.stderr
+    env_no_omp = {k: v for k, v in ENV.items() if k != "OMP_NUM_THREADS"}
+    r = run([runner, env["pt2"], "-z", env["bins"]["bpe"], "-i", "hi", "-n", 4, "-t", 0], env=env_no_omp)
+    timing = [l for l in r.stderr.splitlines() if l.startswith("TTFT")]
+    n = int(re.search(r"\| (\d+) threads$", timing[0])[1])
+    assert r.returncode == 0 and 1 <= n <= (os.cpu_count() or 1), r.stderr
+    assert ("cores are busy with other work" in r.stderr) == (n < (os.cpu_count() or 1)), r.stderr
 
 
 def test_runner_encode_mode(env, runner):

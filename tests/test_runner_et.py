@@ -2,8 +2,6 @@
 # exactly what `generate.py --pte x.pte --temperature 0` prints, for a tiny random model exported by et_export.py in
 # float32 and 8da4w, with a SentencePiece and a byte-level BPE tokenizer; broken programs are clear errors.
 # Skips (with the reason) when et_export.py or the executorch package is missing, or cmake / a compiler is.
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -106,6 +104,8 @@ def test_broken_programs(env, runner, tmp_path):
         assert r.returncode == 1 and last.startswith("error: ") and msg in last, (name, r.stderr)
     r = run([runner, tmp_path / "missing.pte", "-z", env["bins"]["bpe"], "-i", "hi"])
     assert r.returncode == 1 and "cannot open" in r.stderr
+    r = run([runner])  # the usage text's example is a .pte
+    assert r.returncode == 1 and " model.pte -z" in r.stderr and ".pt2" not in r.stderr, r.stderr
 
 
 def test_modes_need_their_methods(env, runner):
