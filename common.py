@@ -334,7 +334,12 @@ def fail(message: str) -> None:
     sys.exit(1)
 
 
+_terminated = 0  # the signal that asked this process to stop
+
+
 def _on_sigterm(signum, frame):
+    global _terminated
+    _terminated = signum
     raise SystemExit(128 + signum)  # unwinds like Ctrl-C, so every atomic_path cleans up its temporary files
 
 
@@ -346,4 +351,6 @@ def cli(entry: Callable) -> None:
     except KeyboardInterrupt:
         sys.exit(130)
     except (FileNotFoundError, ValueError, NotImplementedError, ImportError, RuntimeError, OSError) as e:
+        if _terminated:  # the handler's SystemExit came back wrapped (e.g. "Error calling __set_name__" on 3.11)
+            sys.exit(128 + _terminated)
         fail(first_line(e, 1000))

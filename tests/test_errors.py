@@ -460,3 +460,19 @@ def test_default_threads_leave_out_the_cores_other_work_keeps_busy(monkeypatch):
         torch.set_num_threads(before)
     monkeypatch.undo()
     assert 0.0 <= common.busy_cores(0.05) <= (__import__("os").cpu_count() or 1) + 0.01
+
+
+def test_sigterm_wrapped_by_python_still_exits_143():
+    """SIGTERM arriving inside code that wraps exceptions (a class's __set_name__, as in torch's lazy imports during
+    an AOT Inductor compile) still ends the process with 143, not an error line."""
+    code = ("import os, signal, time, common\n"
+            "class D:\n"
+            "    def __set_name__(self, owner, name):\n"
+            "        os.kill(os.getpid(), signal.SIGTERM)\n"
+            "        time.sleep(5)\n"
+            "def main():\n"
+            "    class C:\n"
+            "        x = D()\n"
+            "common.cli(main)\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 143 and "error:" not in r.stderr and "Traceback" not in r.stderr, (r.returncode, r.stderr)
