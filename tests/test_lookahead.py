@@ -5,7 +5,7 @@ import pytest
 import torch
 from conftest import assert_clean_error, hf_to_model, run_cli, tiny_hf
 
-import generate as G
+import engine
 import speculative as SP
 
 
@@ -30,7 +30,7 @@ def test_one_step_sees_exactly_its_own_sequence(arch):
     cache entries for the next call."""
     hf = tiny_hf(arch, seed=5, vocab_size=64)
     model = hf_to_model(hf)
-    b = G.TorchBackend(model, 1, 48)
+    b = engine.TorchBackend(model, 1, 48)
     S = b.max_seq_length
     ref = lambda seq: hf(torch.tensor([seq])).logits[0, -1]
     g = torch.Generator().manual_seed(0)
@@ -73,9 +73,9 @@ def test_one_step_sees_exactly_its_own_sequence(arch):
 @pytest.mark.parametrize("ngram,window,gcap", [(2, 1, 1), (3, 3, 2), (4, 4, 4), (5, 2, 3)])
 def test_output_equals_plain_greedy(llama, cpu, ngram, window, gcap):
     _, model = llama
-    b = G.TorchBackend(model, 1, 96)
+    b = engine.TorchBackend(model, 1, 96)
     for prompt in PROMPTS:
-        want, _ = G.generate(b, [prompt], 40, cpu)
+        want, _ = engine.generate(b, [prompt], 40, cpu)
         for prompt_ngrams in (True, False):
             got, st = SP.lookahead_generate(b, prompt, 40, cpu, ngram, window, gcap, prompt_ngrams=prompt_ngrams)
             assert got == want[0], (prompt, prompt_ngrams)
@@ -88,8 +88,8 @@ def test_compiled_backend_equals_plain_greedy(llama, cpu):
     """--compile: the lookahead contract through torch.compile (dynamic T; autotuning off to keep the test short)."""
     import torch._inductor.config as cfg
     _, model = llama
-    want, _ = G.generate(G.TorchBackend(model, 1, 96), [REPETITIVE], 24, cpu)
-    b = G.TorchBackend(model, 1, 96, compile=True)
+    want, _ = engine.generate(engine.TorchBackend(model, 1, 96), [REPETITIVE], 24, cpu)
+    b = engine.TorchBackend(model, 1, 96, compile=True)
     with cfg.patch(max_autotune=False, max_autotune_gemm=False):
         got, st = SP.lookahead_generate(b, REPETITIVE, 24, cpu, 5, 1, 2)
     assert got == want[0] and st["mean_accepted"] > 1
@@ -97,9 +97,9 @@ def test_compiled_backend_equals_plain_greedy(llama, cpu):
 
 def test_other_architecture_equals_plain_greedy(cpu):
     model = hf_to_model(tiny_hf("qwen3", seed=8, vocab_size=80))
-    b = G.TorchBackend(model, 1, 80)
+    b = engine.TorchBackend(model, 1, 80)
     for prompt in PROMPTS:
-        want, _ = G.generate(b, [prompt], 30, cpu)
+        want, _ = engine.generate(b, [prompt], 30, cpu)
         assert SP.lookahead_generate(b, prompt, 30, cpu, 4, 3, 3)[0] == want[0]
 
 
@@ -107,8 +107,8 @@ def test_repetitive_text_is_accepted_several_tokens_per_step(llama, cpu):
     """A prompt that repeats, and a model whose greedy text falls into a loop: verified n-grams from the pool
     (from the prompt/text, and from the lookahead branch alone) keep more than one token per forward."""
     _, model = llama
-    b = G.TorchBackend(model, 1, 128)
-    want, _ = G.generate(b, [REPETITIVE], 64, cpu)
+    b = engine.TorchBackend(model, 1, 128)
+    want, _ = engine.generate(b, [REPETITIVE], 64, cpu)
     for prompt_ngrams in (True, False):
         got, st = SP.lookahead_generate(b, REPETITIVE, 64, cpu, 4, 4, 4, prompt_ngrams=prompt_ngrams)
         assert got == want[0]
@@ -118,9 +118,9 @@ def test_repetitive_text_is_accepted_several_tokens_per_step(llama, cpu):
 
 def test_model_is_restored_even_after_an_error(llama, cpu):
     _, model = llama
-    b = G.TorchBackend(model, 1, 64)
+    b = engine.TorchBackend(model, 1, 64)
     caches = [l.attention.kv_cache for l in model.layers]
-    want, _ = G.generate(b, [PROMPTS[0]], 20, cpu)
+    want, _ = engine.generate(b, [PROMPTS[0]], 20, cpu)
 
     def boom(row, tok):
         raise RuntimeError("stop here")
@@ -129,16 +129,16 @@ def test_model_is_restored_even_after_an_error(llama, cpu):
         SP.lookahead_generate(b, PROMPTS[0], 20, cpu, 3, 2, 2, on_token=boom)
     assert [l.attention.kv_cache for l in model.layers] == caches
     assert all(not l.attention._forward_pre_hooks for l in model.layers)
-    assert G.generate(b, [PROMPTS[0]], 20, cpu)[0] == want
+    assert engine.generate(b, [PROMPTS[0]], 20, cpu)[0] == want
 
 
 def test_stop_ids_limits_streaming_and_context_end(llama, cpu):
     _, model = llama
-    b = G.TorchBackend(model, 1, 40)
+    b = engine.TorchBackend(model, 1, 40)
     prompt = REPETITIVE[:10]
-    want, _ = G.generate(b, [prompt], 30, cpu)
+    want, _ = engine.generate(b, [prompt], 30, cpu)
     stop = want[0][12]
-    want_stop, _ = G.generate(b, [prompt], 30, cpu, stop_ids=[stop])
+    want_stop, _ = engine.generate(b, [prompt], 30, cpu, stop_ids=[stop])
     streamed = []
     got, _ = SP.lookahead_generate(b, prompt, 30, cpu, 4, 3, 3, stop_ids=[stop],
                                    on_token=lambda r, t: streamed.append((r, t)))
@@ -146,7 +146,7 @@ def test_stop_ids_limits_streaming_and_context_end(llama, cpu):
     for n in (0, 1, 2, 5):
         assert SP.lookahead_generate(b, prompt, n, cpu, 4, 3, 3)[0] == want[0][:n]
     # the context (40) ends before max_new_tokens: guesses near the end must not step outside it
-    long_want, _ = G.generate(b, [prompt], 100, cpu)
+    long_want, _ = engine.generate(b, [prompt], 100, cpu)
     got, _ = SP.lookahead_generate(b, prompt, 100, cpu, 5, 6, 3)
     assert got == long_want[0] and len(got) == 40 - len(prompt)
 
@@ -160,7 +160,7 @@ class NoModel:
 
 def test_bad_combinations(llama, cpu):
     _, model = llama
-    b = G.TorchBackend(model, 1, 64)
+    b = engine.TorchBackend(model, 1, 64)
     with pytest.raises(ValueError, match="greedy only"):
         SP.lookahead_generate(b, PROMPTS[0], 10, cpu, 4, 3, 3, temperature=0.8)
     with pytest.raises(ValueError, match="attention mask.*--lookahead"):
@@ -182,10 +182,6 @@ def test_parse_lookahead_spec():
             SP.parse_lookahead_spec(bad)
 
 
-wired = pytest.mark.skipif("--lookahead" not in open(G.__file__).read(), reason="generate.py has no --lookahead yet")
-
-
-@wired
 def test_cli_lookahead_greedy_and_errors(tiny_checkpoint):
     d, _ = tiny_checkpoint
     base = ["generate.py", "--checkpoint_path", d / "model.pth", "--prompt", "the sea, the sky, the sea, the sky,",
