@@ -4,7 +4,7 @@
 // generate / chat loops live in runner-common/ and are shared with runner-et.
 // Decoding modes load other models of the same package (aoti_export.py --prefill_chunk / --lookahead; its metadata
 // lists them in `models`): -M hybrid "prefill" (T fixed) + "model", -M lookahead "lookahead" alone (tokens,
-// positions, mask [1, 1, T, S]). The models of such a package hold no constants (aot_export.py's package_shared): its
+// positions, mask [1, 1, T, S]). The models of such a package hold no constants (aoti_export.py's package_shared): its
 // records under the metadata's `shared_weights` folder hold each distinct weight once and that folder's `index` says
 // which constant of which model each one is; they are mapped from the package file here (copy-on-write, no copy) and
 // handed, with one KV cache allocated here (shape: metadata kv_cache_shape), to every loaded model with
@@ -34,6 +34,14 @@
 #include "runner.h"
 
 namespace {
+
+// "4,1,8,64" -> {4, 1, 8, 64} (metadata shapes, the weights index's shapes and strides; "" -> {})
+std::vector<int64_t> csv_ints(const std::string& v) {
+  std::vector<int64_t> out;
+  std::stringstream s(v);
+  for (std::string x; std::getline(s, x, ',');) out.push_back(std::stoll(x));
+  return out;
+}
 
 // The first line of an exception message, printable ASCII only (a dlopen error on a corrupt library quotes binary
 // garbage), at most 300 characters.
@@ -186,9 +194,7 @@ class AotiModel : public llm::Model {
   // (shared_weights), the weights mapped from the package; given to each model as user-managed (no copy).
   void share_constants(const std::string& path, const std::string& main,
                        std::unordered_map<std::string, std::string>& meta) {
-    std::vector<int64_t> shape;
-    std::stringstream ss(meta["kv_cache_shape"]);
-    for (std::string item; std::getline(ss, item, ',');) shape.push_back(std::stoll(item));
+    const std::vector<int64_t> shape = csv_ints(meta["kv_cache_shape"]);
     const std::string cd = meta.count("cache_dtype") ? meta["cache_dtype"] : "float32";
     const auto dtype = cd == "bfloat16" ? at::kBFloat16 : cd == "float16" ? at::kHalf : at::kFloat;
     for (const auto& fqn : loader_->get_constant_fqns()) {
@@ -232,12 +238,6 @@ class AotiModel : public llm::Model {
     close(fd);
     if (p == MAP_FAILED) throw llm::Error("cannot map " + path);
     map_ = static_cast<char*>(p), map_size_ = size_t(st.st_size);
-    auto dims = [](const std::string& v) {
-      std::vector<int64_t> out;
-      std::stringstream s(v);
-      for (std::string x; std::getline(s, x, ',');) out.push_back(std::stoll(x));
-      return out;
-    };
     std::unordered_map<std::string, at::Tensor> records;
     std::stringstream lines(index);
     for (std::string line; std::getline(lines, line);) {
@@ -257,7 +257,7 @@ class AotiModel : public llm::Model {
         if (off + n > map_size_) throw llm::Error(path + ": weights record " + f[2] + " past the end of the file");
         it = records.emplace(f[2], at::from_blob(map_ + off, {int64_t(n)}, at::kByte)).first;
       }
-      at::Tensor t = it->second.view(dt).as_strided(dims(f[5]), dims(f[6]), std::stoll(f[4]));
+      at::Tensor t = it->second.view(dt).as_strided(csv_ints(f[5]), csv_ints(f[6]), std::stoll(f[4]));
       weights_[f[0]][f[1]] = device_.is_cpu() ? t : t.to(device_);
     }
   }

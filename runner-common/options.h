@@ -26,7 +26,7 @@ struct Options {
   int ngram = 6, window = 1, gcap = 1;   // -L NGRAM,WINDOW,GCAP (lookahead; generate.py --lookahead's spelling)
   bool has_prompt = false, encode_only = false, quiet = false, ignore_stop = false;
   float temperature = 1.0f, top_p = 0.9f;
-  int top_k = 0, steps = 256, threads = 0;  // threads 0: OMP_NUM_THREADS, else the libraries' default
+  int top_k = 0, steps = 256, threads = 0;  // threads 0 after parse_args: $OMP_NUM_THREADS sets the count
   unsigned long long seed = 0;
 };
 
