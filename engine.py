@@ -10,6 +10,8 @@
 # Optional: forward_masked(tokens [1, T], input_pos [T], mask [1, 1, T, S]) -> [1, T, V], speculative.py's lookahead
 # contract (TorchBackend; the .pte / .pt2 backends of artifacts exported with --lookahead), which --lookahead needs.
 # A [B, 1, V] result holds the logits of each row's last valid position (fixed-graph backends such as ONNX return that).
+# Optional: logits_at = True when forward(..., logits_at=LongTensor[B]) computes only those rows' logits ([B, 1, V]);
+# prefill then asks for each prompt's last token only (TorchBackend).
 # The same prefill / decode / sampling code below then drives eager PyTorch, torch.compile, an AOT Inductor package,
 # an ExecuTorch .pte, ONNX Runtime and a Cloud AI 100 QPC.
 #
@@ -58,6 +60,7 @@ class TorchBackend:
     """model.py's Transformer, eager or torch.compile'd (decode step; optionally prefill with a dynamic length)."""
 
     prefill_chunk = None
+    logits_at = True  # forward(..., logits_at=) computes only the named rows' logits (prefill's last tokens)
 
     def __init__(self, model, max_batch_size: int, max_seq_length: int, compile=False, compile_prefill=False):
         device = next(model.parameters()).device
@@ -69,17 +72,21 @@ class TorchBackend:
         self.decode_fn = self.prefill_fn = model
         if compile:
             configure_inductor(device)
-            self.decode_fn = torch.compile(model, mode="reduce-overhead" if device.type == "cuda" else None,
-                                           fullgraph=True)
+            if device.type == "cuda":
+                self.decode_fn = torch.compile(model, mode="reduce-overhead", fullgraph=True)
+            else:  # CPU: a step's guards cost ~8% of a decode step (see input_guards_only)
+                self.decode_fn = torch.compile(model, fullgraph=True, options={"guard_filter_fn": input_guards_only})
         if compile_prefill:
-            self.prefill_fn = torch.compile(model, fullgraph=True, dynamic=True)
+            self.prefill_fn = torch.compile(model, fullgraph=True, dynamic=True,
+                                            options={"guard_filter_fn": input_guards_only})
         self.masked_fn = torch.compile(model, fullgraph=True, dynamic=True) if compile else model
         self._step_caches = []
 
-    def forward(self, tokens, input_pos, batch_index=None):
+    def forward(self, tokens, input_pos, batch_index=None, logits_at=None):
         fn = self.decode_fn if tokens.shape[1] == 1 else self.prefill_fn
+        kw = {} if logits_at is None else {"logits_at": logits_at}
         with torch.inference_mode():
-            return fn(tokens, input_pos) if batch_index is None else fn(tokens, input_pos, batch_index)
+            return fn(tokens, input_pos, **kw) if batch_index is None else fn(tokens, input_pos, batch_index, **kw)
 
     def forward_masked(self, tokens, input_pos, mask):
         """speculative.py's lookahead contract (batch 1): token k of tokens [1, T] sits at position input_pos[k] and
@@ -87,6 +94,17 @@ class TorchBackend:
         from speculative import step_caches  # lazy plugin import (speculative.py imports this file's loop)
         with torch.inference_mode(), step_caches(self.model, self._step_caches):
             return self.masked_fn(tokens, input_pos, mask=mask.to(self.model.norm.weight.dtype))
+
+
+def input_guards_only(entries) -> list[bool]:
+    """torch.compile's guard filter for decode and prefill: keep the guards on the call's inputs and on global state, and
+    the identity of the model's own tensors (its rope table: a new one for each model and each setup_caches, so a
+    draft model or a re-sized cache never runs another's graph); drop the ~7,000 on the attributes of its submodules
+    (structure, sizes, flags), which Dynamo would otherwise check on every call: 0.8 ms of a 10 ms int4 step at 1
+    thread. Safe because a TorchBackend never changes its model after compiling: the caches are made first, and
+    speculative.step_caches swaps them only around calls that pass a mask (a guarded input)."""
+    return [not e.name.startswith("self") or (e.guard_type == "ID_MATCH" and "_modules" not in e.name)
+            for e in entries]
 
 
 def configure_inductor(device: torch.device):
@@ -150,6 +168,8 @@ def prefill(backend, prompts: list[list[int]], device, chunk: Optional[int] = No
     for s in range(0, width, chunk or width):
         e = s + (chunk or width)
         ip = pos[0, s:e] if shared else pos[:, s:e]
+        if getattr(backend, "logits_at", False) and e - s > 1:  # only the rows' last prompt tokens' logits
+            extra["logits_at"] = torch.tensor([min(max(n - 1 - s, 0), e - s - 1) for n in lens], device=device)
         logits = backend.forward(tokens[:, s:e].to(device), ip.to(device), **extra)
         # rows whose last prompt token falls in this chunk take their logits from it
         for b, n in enumerate(lens):

@@ -464,9 +464,11 @@ class Transformer(nn.Module):
                                  persistent=False)
 
     def forward(self, idx: Tensor, input_pos: Tensor, batch_index: Optional[Tensor] = None,
-                mask: Optional[Tensor] = None) -> Tensor:
+                mask: Optional[Tensor] = None, logits_at: Optional[Tensor] = None) -> Tensor:
         """idx [B, T]; input_pos [T] or [B, T] (-1 = padding); batch_index [B] (or [B, 1]): cache slot of each row;
-        mask [B or 1, 1, T, S] (bool, True = may attend, or additive float): replaces the position-derived mask."""
+        mask [B or 1, 1, T, S] (bool, True = may attend, or additive float): replaces the position-derived mask.
+        Returns logits [B, T, V]; with logits_at [B] (an index along T per row), only those rows' logits, [B, 1, V]:
+        a prompt needs only its last token's, and the output projection is ~20% of a small model's prefill."""
         assert self.max_seq_length > 0, "call setup_caches() first"
         cfg = self.config
         B, T = idx.shape
@@ -511,6 +513,8 @@ class Transformer(nn.Module):
         for layer in self.layers:
             cos, sin = ropes[layer.local_rope]
             x = layer(x, cos, sin, input_pos, batch_index=batch_index, mask=masks[layer.sliding])
+        if logits_at is not None:
+            x = x.gather(1, logits_at.view(B, 1, 1).expand(B, 1, x.shape[-1]))
         logits = self.output(self.norm(x))
         if cfg.final_softcap:
             logits = torch.tanh(logits / cfg.final_softcap) * cfg.final_softcap

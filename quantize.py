@@ -194,9 +194,17 @@ def group_sums(x: Tensor, G: int) -> Tensor:
 
 # ----------------------------------------------------------------------------------------------------------- modules
 def _compiled_single_row(x: Tensor) -> bool:
-    """True inside torch.compile (not export) for one row of activations: the decode step."""
+    """True inside torch.compile (not export) for one row of activations: the decode step (and compiled prefill's
+    output projection, for the last token only)."""
     return (torch.compiler.is_compiling() and not torch.compiler.is_exporting()
             and x.numel() == x.shape[-1])
+
+
+def _static(t: Tensor) -> Tensor:
+    """Marks a plain tensor attribute's sizes static for torch.compile: in a dynamic graph (compiled prefill) they
+    would be symbols, and Inductor's C++ wrapper then miscompiles the output strides of the word kernels."""
+    torch._dynamo.mark_static(t)
+    return t
 
 
 class QuantizedWeight(nn.Module):
@@ -300,7 +308,7 @@ class QuantizedWeight(nn.Module):
             N, K = self.qdata.shape
             u = self.qdata.to(torch.int32).view(N // 16, 16, 4, K // 4)
             w = (u[:, :, 0] + 128) | ((u[:, :, 1] + 128) << 8) | ((u[:, :, 2] + 128) << 16) | (u[:, :, 3] << 24)
-            self._int8_words = w.transpose(1, 2).contiguous()
+            self._int8_words = _static(w.transpose(1, 2).contiguous())
         if self.bits == 4 and tiles and self.groupsize % 8 == 0:
             # compiled decode reads int4 weights as int32 words in tiles of 16 output channels (see fused_linear):
             # [N/16, K/G, G/8, 16], nibble j (bits 4j..4j+3) of word [t, g, i, c] holds q[16t + c, g*G + j*G/8 + i],
@@ -313,8 +321,8 @@ class QuantizedWeight(nn.Module):
             for j in range(1, 8):
                 w = w | (q[:, :, j] << (4 * j))
             tile = lambda t: t.reshape(N // 16, 16, *t.shape[1:]).movedim(1, -1).contiguous()
-            self._int4_words = (tile(w), tile(self.scales.float().unsqueeze(-1)),
-                                None if self.zeros is None else tile(self.zeros.float().unsqueeze(-1)))
+            self._int4_words = (_static(tile(w)), _static(tile(self.scales.float().unsqueeze(-1))),
+                                None if self.zeros is None else _static(tile(self.zeros.float().unsqueeze(-1))))
         if (self.bits == 4 and self.qdata.device.type == "cpu" and self.scales.dtype == torch.bfloat16
                 and hasattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu")):
             s = self.scales

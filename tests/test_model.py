@@ -54,6 +54,25 @@ def test_padding_rows_do_not_disturb_others():
         assert (got[1, :3] - hf(ids[1:, :3]).logits[0]).abs().max() <= 1e-4
 
 
+def test_logits_at_gives_the_named_rows_logits():
+    """Prefill asks only for each prompt's last token: rows of different lengths (padded), checked against
+    transformers on each prompt alone; the engine's prefill takes this path and returns the same rows."""
+    hf = tiny_hf("llama", seed=6)
+    model = hf_to_model(hf)
+    model.setup_caches(2, 32)
+    ids = torch.randint(0, 256, (2, 7), generator=torch.Generator().manual_seed(4))
+    pos = torch.stack([torch.arange(7), torch.tensor([0, 1, 2, 3, -1, -1, -1])])
+    with torch.no_grad():
+        got = model(ids, pos, logits_at=torch.tensor([6, 3]))
+        assert got.shape == (2, 1, model.config.vocab_size)
+        assert (got[0, 0] - hf(ids[:1]).logits[0, 6]).abs().max() <= 1e-4
+        assert (got[1, 0] - hf(ids[1:, :4]).logits[0, 3]).abs().max() <= 1e-4
+        from engine import prefill
+        backend = TorchBackend(model, 2, 32)
+        last = prefill(backend, [ids[0].tolist(), ids[1, :4].tolist()], torch.device("cpu"))
+        assert (last - got[:, 0]).abs().max() <= 1e-5
+
+
 def test_batch_index_writes_the_named_slot():
     hf = tiny_hf("llama", seed=4)
     model = hf_to_model(hf)

@@ -8,6 +8,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import engine
 import generate
 import gptq
 import quantize as Q
@@ -284,6 +285,24 @@ def test_compile_matches_eager(peaked):
         Q._set_module(m.layers[1], name, Q.QuantizedLinear(Q.QuantizedWeight.from_float(w, scheme), None, act))
     eager = _greedy(copy.deepcopy(m), n=12)
     assert _greedy(m, n=12, compile=True) == eager
+
+
+@pytest.mark.parametrize("output", ["int8", "int4-g32"])
+def test_compiled_prefill_matches_eager(peaked, output):
+    """--compile_prefill: one dynamic-length graph whose output projection runs for the last token only, through the
+    same word kernels as decode (int8 or int4 output projection): the prompt's last logits and the greedy tokens
+    match eager."""
+    m = copy.deepcopy(peaked)
+    Q.quantize_model(m, "int4", 32, embedding="int8", log=False)
+    Q._set_module(m, "output", Q.QuantizedLinear(Q.QuantizedWeight.from_float(peaked.output.weight,
+                                                                              SCHEMES[output][0])))
+    ref = _logits(copy.deepcopy(m), PROMPT)[0, -1]
+    eager = _greedy(copy.deepcopy(m), n=8)
+    be = generate.TorchBackend(m, 1, 64, compile=True, compile_prefill=True)
+    last = engine.prefill(be, [PROMPT], CPU)
+    torch.testing.assert_close(last[0], ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+    out, _ = generate.generate(be, [PROMPT], 8, CPU)
+    assert out[0] == eager
 
 
 # ----------------------------------------------------------------------------------------------------------- GPTQ
