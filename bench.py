@@ -7,6 +7,7 @@
 #   python bench.py --rows "compile fp32,compile int4 g32" --runs 5 --max_new_tokens 128 --json bench.json
 #   python bench.py --rows all --threads 1           # everything; 1 thread gives stable figures on a shared machine
 #   python bench.py --rows peer --threads 2 --rounds 5 --runs 1   # against llama.cpp, rows interleaved round by round
+#   python bench.py --rows prefill --prompt_tokens 128 --max_new_tokens 8 --threads 2 --rounds 3   # prefill at 128
 #
 # A row runs generate.py (any backend, any mode) or one of the C++ runners with greedy decoding, so every row of a
 # prompt produces the same tokens. Artifacts a row needs (quantized checkpoints, .pte / .pt2 / ONNX files,
@@ -142,6 +143,12 @@ ROWS = {
                         peer="llama.cpp Q8_0"),
     "compile int4 g32": gen("--compile", "--checkpoint_path", "{ck}/model_int4.g32.pth", vs="compile fp32",
                             peer="llama.cpp Q4_0"),
+    # compiled prefill too (one dynamic-length graph): the prefill target rows (--rows prefill --prompt_tokens N)
+    "compile_prefill fp32": gen("--compile", "--compile_prefill", vs="compile fp32", peer="llama.cpp F32"),
+    "compile_prefill int8": gen("--compile", "--compile_prefill", "--checkpoint_path", "{ck}/model_int8.pth",
+                                vs="compile int8", peer="llama.cpp Q8_0"),
+    "compile_prefill int4 g32": gen("--compile", "--compile_prefill", "--checkpoint_path", "{ck}/model_int4.g32.pth",
+                                    vs="compile int4 g32", peer="llama.cpp Q4_0"),
     "compile 8da4w g32": gen("--compile", "--checkpoint_path", "{ck}/model_8da4w.g32.pth", vs="compile fp32"),
     "compile bf16 int8": gen("--compile", "--dtype", "bfloat16", "--checkpoint_path", "{ck}/model_int8.pth",
                              vs="compile fp32"),
@@ -196,6 +203,8 @@ GROUPS = {  # --rows shorthands
 GROUPS["peer"] = ["llama.cpp F32", "compile fp32", "aoti fp32", "runner-aoti fp32", "runner-et fp32",
                   "llama.cpp F16", "compile bf16", "llama.cpp Q8_0", "compile int8", "llama.cpp Q4_0",
                   "compile int4 g32", "runner-et 8da4w g32"]
+GROUPS["prefill"] = ["llama.cpp F32", "compile_prefill fp32", "runner-aoti fp32", "runner-et fp32", "llama.cpp Q8_0",
+                     "compile_prefill int8", "llama.cpp Q4_0", "compile_prefill int4 g32", "runner-et 8da4w g32"]
 GROUPS["all"] = list(ROWS)
 # --rows server: server.py under 1, 4 and 8 concurrent clients (scripts/bench_server.py), next to the generate.py
 # batch-1 row of the same backend ("compile fp32") in the same run
@@ -422,6 +431,9 @@ def main():
     p.add_argument("--rounds", type=int, default=1,
                    help="run the whole row list this many times, interleaved; report medians over rounds")
     p.add_argument("--nproc", default="1", help="tensor-parallel world sizes (torchrun), e.g. 1,2,4")
+    p.add_argument("--prompt_tokens", type=int, default=None,
+                   help="the rows' default prompt becomes the first N tokens of the long prompt (prefill at a given "
+                        "length, e.g. 15 or 128; our rows and llama.cpp's alike)")
     p.add_argument("--_child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("gen_args", nargs="*", help=argparse.SUPPRESS)
     args = p.parse_args()  # --runs, --rounds, --max_new_tokens, --threads, --json: common.py's rules
@@ -436,10 +448,18 @@ def main():
     unknown = [n for n in names if n not in ROWS]
     if unknown:
         raise ValueError(f"unknown rows {unknown}; known: {', '.join(ROWS)} (groups: {', '.join(GROUPS)})")
+    if args.prompt_tokens is not None and not 1 <= args.prompt_tokens <= 480:
+        raise ValueError(f"--prompt_tokens must be between 1 and 480 (the long prompt's length), got {args.prompt_tokens}")
     if not (Path(args.checkpoint_dir) / "model.pth").is_file():
         sys.path.insert(0, str(REPO / "scripts"))
         import download
         download.prepare_default(Path(args.checkpoint_dir))
+    if args.prompt_tokens:  # a text that our tokenizer (and so llama.cpp's rows, fed our ids) reads as exactly N tokens
+        from tokenizer import load_tokenizer
+        tok = load_tokenizer(Path(args.checkpoint_dir))
+        PROMPTS["story"] = tok.decode(tok.encode(PROMPTS["long"])[:args.prompt_tokens])
+        n = len(tok.encode(PROMPTS["story"]))
+        print(f"prompt: {n} tokens ({PROMPTS['story'][:40]!r}...)", file=sys.stderr)
     bw = measure_bandwidth()
     print(f"measured read bandwidth: {bw:.1f} GB/s ({torch.get_num_threads()} threads)", file=sys.stderr)
     rounds = []

@@ -34,6 +34,14 @@ def test_bench_rows_run_and_report(tmp_path):
     import bench  # a decoding-mode row runs the float target (its draft is what it adds)
     assert bench.ROWS["compile spec int4 k5"]["weights"] == "{ck}/model.pth"
     assert "| eager lookahead code |" in table and "eager fp32 code |" in table  # the ratio's reference row
+    # --prompt_tokens: the default prompt becomes the long prompt's first N tokens (prefill at a given length)
+    r = run_cli("bench.py", "--checkpoint_dir", d, "--rows", "eager fp32", "--runs", "1", "--max_new_tokens", "4",
+                "--json", out, "--threads", "1", "--prompt_tokens", "12")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(out.read_text())["rows"][0]["prompt_tokens"] == 12
+    r = run_cli("bench.py", "--checkpoint_dir", d, "--rows", "eager fp32", "--prompt_tokens", "0")
+    assert r.returncode != 0 and r.stderr.strip().splitlines() == [
+        "error: --prompt_tokens must be between 1 and 480 (the long prompt's length), got 0"]
 
 
 def test_build_makes_missing_artifacts_in_dependency_order(tmp_path, monkeypatch):
