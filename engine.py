@@ -110,6 +110,9 @@ def input_guards_only(entries) -> list[bool]:
 def configure_inductor(device: torch.device):
     import torch._inductor.config as cfg
     cfg.fx_graph_cache = True
+    # each compiled model is a cache entry of its own (input_guards_only keeps its identity): a process that builds
+    # several backends (a draft and a target, the tests) would hit Dynamo's default of 8 entries per code object
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     if device.type == "cpu":
         for k, v in INDUCTOR_CPU.items():  # shared with aoti_export.py (common.py says why)
             setattr(cfg, k, v)
