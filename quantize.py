@@ -320,9 +320,9 @@ class QuantizedWeight(nn.Module):
             w = q[:, :, 0]
             for j in range(1, 8):
                 w = w | (q[:, :, j] << (4 * j))
-            tile = lambda t: t.reshape(N // 16, 16, *t.shape[1:]).movedim(1, -1).contiguous()
-            self._int4_words = (_static(tile(w)), _static(tile(self.scales.float().unsqueeze(-1))),
-                                None if self.zeros is None else _static(tile(self.zeros.float().unsqueeze(-1))))
+            tile = lambda t: _static(t.reshape(N // 16, 16, *t.shape[1:]).movedim(1, -1).contiguous())
+            self._int4_words = (tile(w), tile(self.scales.float().unsqueeze(-1)),
+                                None if self.zeros is None else tile(self.zeros.float().unsqueeze(-1)))
         if (self.bits == 4 and self.qdata.device.type == "cpu" and self.scales.dtype == torch.bfloat16
                 and hasattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu")):
             s = self.scales
