@@ -287,9 +287,14 @@ class QuantizedWeight(nn.Module):
         return self
 
     # bfloat16 on CPU: ATen's packed weight-only kernels (AVX512-BF16) beat everything else (measured ~14 Gparam/s int8,
-    # ~35 Gparam/s int4 vs ~1-4 for dequantize + bf16 GEMM); in float32 they are slower than the alternatives. int8 runs
-    # on qdata as stored; int4 needs _convert_weight_to_int4pack_for_cpu's blocked layout: a second copy (a plain
-    # attribute, not saved, rebuilt whenever the module moves or changes dtype).
+    # ~35 Gparam/s int4 vs ~1-4 for dequantize + bf16 GEMM). With float32 activations they run a reference loop (int4:
+    # ~1 G MAC/s), so a float32 int4 weight-only model casts its activations to bfloat16 for products of more than one
+    # row (prefill, batched decode, speculative verification): 78 / 84 G MAC/s at 15 / 128 rows on 2 threads, as fast
+    # as float32 sgemm, where dequantizing first cost as much as the product (compiled prefill 3x slower at 15 tokens).
+    # Bfloat16 activations are finer than llama.cpp's Q4_0 path (8-bit activations); one-row products (decode) keep
+    # float32 (fused_linear: as fast, measured). int8 runs on qdata as stored; int4 needs
+    # _convert_weight_to_int4pack_for_cpu's blocked layout: a second copy, 0.625 byte per weight with its bfloat16
+    # scales and zeros (a plain attribute, not saved, rebuilt whenever the module moves or changes dtype).
     _int4_cpu = None
 
     _int8_words = None
@@ -323,17 +328,26 @@ class QuantizedWeight(nn.Module):
             tile = lambda t: _static(t.reshape(N // 16, 16, *t.shape[1:]).movedim(1, -1).contiguous())
             self._int4_words = (tile(w), tile(self.scales.float().unsqueeze(-1)),
                                 None if self.zeros is None else tile(self.zeros.float().unsqueeze(-1)))
-        if (self.bits == 4 and self.qdata.device.type == "cpu" and self.scales.dtype == torch.bfloat16
-                and hasattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu")):
+        if (self.bits == 4 and tiles and hasattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu")
+                and (self.scales.dtype == torch.bfloat16 or self.weight_only)):
             s = self.scales
             z = torch.zeros_like(s) if self.zeros is None or self.xnnpack else self.zeros + 8 * s  # (q - 8) s + z'
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(self.int_values().to(torch.int32), 1)
-            self._int4_cpu = (packed, torch.stack([s.t(), z.t()], -1).contiguous())
+            sz = torch.stack([s.t(), z.t()], -1).to(torch.bfloat16).contiguous()
+            self._int4_cpu = (_static(packed), _static(sz))
+
+    @property
+    def weight_only(self) -> bool:
+        """int4 weight-only (--mode int4, int4-gptq): not 8da4w's layouts."""
+        return self.bits == 4 and not (self.symmetric or self.xnnpack)
 
     def native_linear(self, x: Tensor, offset: bool = True) -> Optional[Tensor]:
         """x @ w.T with ATen's packed CPU kernels when they apply (bfloat16 activations, CPU), else None.
         offset False: without the zero offsets of an asymmetric weight (w = (q - 8) * s)."""
-        if x.dtype != torch.bfloat16 or x.device.type != "cpu" or self.scales.dtype != torch.bfloat16:
+        if x.device.type != "cpu":
+            return None
+        if (x.dtype != torch.bfloat16 or self.scales.dtype != torch.bfloat16) and not (
+                self.weight_only and self._int4_cpu is not None and x.numel() > x.shape[-1]):
             return None
         if self.zeros is not None and offset == self.xnnpack:  # the packed copy holds the other variant
             return None
@@ -341,7 +355,8 @@ class QuantizedWeight(nn.Module):
         if self.bits == 8:
             y = torch.ops.aten._weight_int8pack_mm(x2, self.qdata, self.scales)
         elif self._int4_cpu is not None:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self._int4_cpu[0], self.groupsize, self._int4_cpu[1])
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.to(torch.bfloat16), self._int4_cpu[0], self.groupsize,
+                                                           self._int4_cpu[1]).to(x.dtype)
         else:
             return None
         return y.reshape(*x.shape[:-1], self.out_features)

@@ -197,6 +197,7 @@ def _shard_rows(m: nn.Module, rows: Tensor):
         m.bias = nn.Parameter(_take(m.bias.data, 0, rows), requires_grad=False)
     qw.out_features = m.out_features = len(rows)
     qw._rebuild_export_operands()
+    qw._rebuild_native()  # the packed and word layouts of the shard
 
 
 def _shard_cols(m: nn.Module, start: int, end: int, rank: int):
@@ -217,6 +218,7 @@ def _shard_cols(m: nn.Module, start: int, end: int, rank: int):
                 qw.zeros = qw.zeros[:, start // G:end // G].clone()
         qw.in_features = m.in_features = n
         qw._rebuild_export_operands()
+        qw._rebuild_native()
     if m.bias is not None and rank != 0:
         m.bias = None
 

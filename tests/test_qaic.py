@@ -309,7 +309,7 @@ def test_qpc_backend_without_sdk(graphs, tmp_path, compiler):
     with pytest.raises(FileNotFoundError, match="no compiled QPC"):
         QpcBackend(tmp_path / "nothing")
     # through generate.py: one line naming the SDK
-    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")  # no note on busy cores before the error
     r = subprocess.run([sys.executable, "generate.py", "--qpc", str(cache), "--tokenizer_path", str(graphs[0].parent),
                         "--prompt", "hello"], cwd=REPO, capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 1
