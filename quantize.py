@@ -260,9 +260,14 @@ class QuantizedWeight(nn.Module):
         m.scales = qt["scales"].to(dtype)
         if qt["zeros"] is not None:
             m.zeros = qt["zeros"].to(dtype)
-        m._rebuild_export_operands()
-        m._rebuild_native()
+        m.rebuild()
         return m
+
+    def rebuild(self):
+        """Re-derives every copy that is not saved (export operands, packed and word layouts) from qdata, scales and
+        zeros: after loading, moving, or changing them in place (tp.py's shards)."""
+        self._rebuild_export_operands()
+        self._rebuild_native()
 
     def _rebuild_export_operands(self):
         if self.qdata.device.type == "meta" or not (self.symmetric or self.xnnpack):
@@ -277,13 +282,11 @@ class QuantizedWeight(nn.Module):
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
-        self._rebuild_export_operands()
-        self._rebuild_native()
+        self.rebuild()
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)  # .to(device / dtype): repack for the new place
-        self._rebuild_export_operands()
-        self._rebuild_native()
+        self.rebuild()
         return self
 
     # bfloat16 on CPU: ATen's packed weight-only kernels (AVX512-BF16) beat everything else (measured ~14 Gparam/s int8,
@@ -342,12 +345,11 @@ class QuantizedWeight(nn.Module):
         return self.bits == 4 and not (self.symmetric or self.xnnpack)
 
     def native_linear(self, x: Tensor, offset: bool = True) -> Optional[Tensor]:
-        """x @ w.T with ATen's packed CPU kernels when they apply (bfloat16 activations, CPU), else None.
+        """x @ w.T with ATen's packed CPU kernels when they apply (CPU; bfloat16 activations and scales, or int4
+        weight-only with more than one row: bfloat16 inside, see above), else None.
         offset False: without the zero offsets of an asymmetric weight (w = (q - 8) * s)."""
-        if x.device.type != "cpu":
-            return None
-        if (x.dtype != torch.bfloat16 or self.scales.dtype != torch.bfloat16) and not (
-                self.weight_only and self._int4_cpu is not None and x.numel() > x.shape[-1]):
+        bf16 = x.dtype == torch.bfloat16 and self.scales.dtype == torch.bfloat16
+        if x.device.type != "cpu" or not (bf16 or (self.weight_only and x.numel() > x.shape[-1])):
             return None
         if self.zeros is not None and offset == self.xnnpack:  # the packed copy holds the other variant
             return None

@@ -196,8 +196,7 @@ def _shard_rows(m: nn.Module, rows: Tensor):
     if m.bias is not None:
         m.bias = nn.Parameter(_take(m.bias.data, 0, rows), requires_grad=False)
     qw.out_features = m.out_features = len(rows)
-    qw._rebuild_export_operands()
-    qw._rebuild_native()  # the packed and word layouts of the shard
+    qw.rebuild()  # the export operands, packed and word layouts of the shard
 
 
 def _shard_cols(m: nn.Module, start: int, end: int, rank: int):
@@ -217,8 +216,7 @@ def _shard_cols(m: nn.Module, start: int, end: int, rank: int):
             if qw.zeros is not None:
                 qw.zeros = qw.zeros[:, start // G:end // G].clone()
         qw.in_features = m.in_features = n
-        qw._rebuild_export_operands()
-        qw._rebuild_native()
+        qw.rebuild()
     if m.bias is not None and rank != 0:
         m.bias = None
 

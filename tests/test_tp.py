@@ -35,6 +35,7 @@ CASES = {
 }
 PROMPTS = [[5, 17, 33, 2, 90, 41, 7], [7, 8, 9]]   # different lengths: per-row positions with padding
 NEW_TOKENS = 16
+COMPILED = ("int8", "int4 g32")  # compiled besides the first case: the quantized shards' word kernels
 
 
 def tiny_model(seed=0, **overrides) -> Transformer:
@@ -95,7 +96,7 @@ def worker(out_path: str, cases: list, compile_mode=None):
         shard = tp.apply_tp(copy.deepcopy(ref))
         a = shard.layers[0].attention
         info = dict(n_head=a.n_head, n_kv=a.n_kv, config_kv=shard.config.n_local_heads)
-        info.update(_compare(ref, shard, compile_mode if name in (cases[0], "int8", "int4 g32") else None))
+        info.update(_compare(ref, shard, compile_mode if name == cases[0] or name in COMPILED else None))
         info["cache_shape"] = list(a.kv_cache.k_cache.shape)
         results[name] = info
     gathered = [None, None]
@@ -147,7 +148,7 @@ def test_tp_ranks_agree_and_compile_traces(tp_results):
     first = next(n for n in CASES if n in tp_results)
     # torch.compile(fullgraph=True) traces the functional all-reduce hooks (aot_eager: the graph, no C++ build); the
     # quantized shards' decode takes the word kernels, rebuilt for the shard (tp.py)
-    for name in (first, "int8", "int4 g32"):
+    for name in (first, *COMPILED):
         if name in tp_results:
             assert tp_results[name]["compiled_tokens"] == tp_results[name]["ref_tokens"], name
 
