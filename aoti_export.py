@@ -20,7 +20,14 @@ Decoding modes (runner-aoti -M, generate.py / eval.py): a package holds more tha
   * --lookahead: model "lookahead", forward(tokens [1, T], input_pos [T], mask [1, 1, T, S] float32) with dynamic T:
     speculative.py's lookahead contract (token k writes cache slot input_pos[0] + k; model.py's network through
     speculative.StepCache at the kv_cache swap point). With causal masks it is also the prompt and plain decode.
-The models of such a package share their weights: each is compiled without its constants
+  * --fast_prefill: model "prompt", forward(tokens [1, T], input_pos [T], logits_at int64[1] = T - 1) -> logits
+    [1, 1, V] with dynamic T: prompts in one call, the last position's logits only. "model"'s GEMMs are Inductor's C++
+    template, tuned at 2 tokens for decode; it runs a 128-token prompt at ~40% of oneDNN's rate per core, and the
+    output projection of every position is ~20% of a small model's prompt work. "prompt" is tuned at PROMPT_HINT
+    tokens with ATen among the candidates: its prepacked oneDNN/MKL weights are opaque tensors that cannot be
+    shared, so its constants stay inside its shared library, a second copy of the weights (about twice the package
+    and the memory). The runners and AOTIBackend send prompts of more than one token to it (kv mode).
+The models of such a package share their weights (those of "prompt": see above): each is compiled without its constants
 (aot_inductor.package_constants_in_so=False) and the package holds every distinct constant once, as a record under
 data/weights/llama_flat/ (64-byte aligned, uncompressed) listed by that folder's `index` (one line per model and
 constant: model, internal name, record, dtype, storage offset, shape, stride). A loader maps the package file, makes
@@ -50,6 +57,7 @@ from common import (INDUCTOR_CPU, ArgumentParser, atomic_path, check_device, che
 
 METADATA_VERSION = "1"
 LOOKAHEAD_HINT = 12  # tokens of a typical lookahead step's call: the length its kernels are tuned for
+PROMPT_HINT = 64  # tokens of a typical prompt: the length the "prompt" model's kernels are tuned for
 SHARED_WEIGHTS = "data/weights/llama_flat"  # a multi-model package's constants: `index` + one record per tensor
 
 
@@ -84,7 +92,7 @@ def package_metadata(model, tok, device: str, dtype: torch.dtype, checkpoint_pat
 
 def export(checkpoint_path, output_path, max_seq_length: int = 1024, dtype: Optional[str] = None, device: str = "cpu",
            tokenizer_path=None, so: bool = False, log=print, prefill_chunk: Optional[int] = None,
-           lookahead: bool = False) -> Path:
+           lookahead: bool = False, fast_prefill: bool = False) -> Path:
     """Export and write the package atomically (common.atomic_path). Returns its path."""
     from model import load_model
     from torch.export import Dim
@@ -98,8 +106,8 @@ def export(checkpoint_path, output_path, max_seq_length: int = 1024, dtype: Opti
     torch_dtype = getattr(torch, dtype) if dtype else None
     if torch_dtype is not None and not isinstance(torch_dtype, torch.dtype):
         raise ValueError(f"unknown dtype {dtype!r}")
-    if so and (prefill_chunk or lookahead):
-        raise ValueError("--so writes one model: --prefill_chunk / --lookahead need a .pt2")
+    if so and (prefill_chunk or lookahead or fast_prefill):
+        raise ValueError("--so writes one model: --prefill_chunk / --lookahead / --fast_prefill need a .pt2")
     if prefill_chunk is not None and not 2 <= prefill_chunk <= max_seq_length:
         raise ValueError(f"--prefill_chunk must be in 2..{max_seq_length} (the context), got {prefill_chunk}")
 
@@ -162,6 +170,13 @@ def export(checkpoint_path, output_path, max_seq_length: int = 1024, dtype: Opti
                 programs["lookahead"] = (torch.export.export(
                     model, ex, kw, dynamic_shapes={"idx": {1: seq}, "input_pos": {0: seq}, "mask": {2: seq}},
                     strict=False, prefer_deferred_runtime_asserts_over_guards=True), ex, kw)
+        if fast_prefill:
+            T = min(PROMPT_HINT, S)
+            ex = (torch.zeros(1, T, dtype=torch.long, device=device), torch.arange(T, device=device))
+            kw = {"logits_at": torch.tensor([T - 1], device=device)}
+            programs["prompt"] = (torch.export.export(
+                model, ex, kw, dynamic_shapes={"idx": {1: seq}, "input_pos": {0: seq}, "logits_at": None},
+                strict=False, prefer_deferred_runtime_asserts_over_guards=True), ex, kw)
     meta["models"] = ",".join(programs)
     if len(programs) > 1:
         meta["shared_weights"] = SHARED_WEIGHTS
@@ -196,10 +211,13 @@ def export(checkpoint_path, output_path, max_seq_length: int = 1024, dtype: Opti
             shared = {**configs, "aot_inductor.package": True, "aot_inductor.package_constants_in_so": False,
                       "aot_inductor.package_constants_on_disk_format": "binary_blob",
                       "max_autotune_gemm_backends": "CPP"}
+            # except "prompt": ATen's GEMMs among the candidates, its weights inside its library (see the header)
+            own = {**configs, "aot_inductor.package": True, "aot_inductor.package_constants_in_so": True}
             for name, (prog, ex, kw) in programs.items():
                 log(f"  compiling {name} ...")
                 with torch.no_grad():
-                    files[name] = torch._inductor.aot_compile(prog.module(), ex, kw, options=shared)
+                    files[name] = torch._inductor.aot_compile(prog.module(), ex, kw,
+                                                              options=own if name == "prompt" else shared)
             package_shared(tmp, files, log)
     log(f"compiled in {time.perf_counter() - t0:.1f} s -> {output_path} ({output_path.stat().st_size / 1e6:.1f} MB)")
     return output_path
@@ -227,17 +245,20 @@ def package_shared(path, files: dict, log=print) -> None:
     """Write a package of several models whose constants are stored once: each model's files from aot_compile
     (binary_blob: the constants in a separate <wrapper>_weights.blob), the blobs split into their constants, every
     distinct one (by content) a record under SHARED_WEIGHTS, and the index that maps each model's constants to them.
-    KV cache buffers are left out (the loader allocates one cache for all models)."""
+    KV cache buffers are left out (the loader allocates one cache for all models). A model compiled with its
+    constants inside its library ("prompt") has no blob and no index lines."""
     from torch.export.pt2_archive._package import PT2ArchiveWriter
     records: dict[bytes, str] = {}  # content hash -> record name
     index, stored, total = [], 0, 0
     with PT2ArchiveWriter(str(path)) as archive:
         for model, model_files in files.items():
-            blob = next(f for f in model_files if isinstance(f, str) and f.endswith("_weights.blob"))
+            blob = next((f for f in model_files if isinstance(f, str) and f.endswith("_weights.blob")), None)
             wrapper = next(f for f in model_files if isinstance(f, str) and f.endswith(".wrapper.cpp"))
             for f in model_files:
                 if isinstance(f, str) and f != blob:
                     archive.write_file(f"data/aotinductor/{model}/{os.path.basename(f)}", f)
+            if blob is None:
+                continue
             table = constant_table(wrapper)
             with open(blob, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as data:
                 if sum(c["nbytes"] for c in table) != len(data):
@@ -316,11 +337,14 @@ class AOTIBackend:
     """generate.py backend over an AOT Inductor package: forward(tokens[1, T], input_pos[T]) -> logits[1, T, V].
     mode (the runners' -M): "kv" runs "model"; "hybrid" runs prompts through "prefill" in chunks of its length
     (prefill_chunk; the last one padded) and decodes with "model"; "lookahead" runs everything through "lookahead"
-    (causal masks) and offers forward_masked() (speculative.py's contract)."""
+    (causal masks) and offers forward_masked() (speculative.py's contract). In kv mode a package's "prompt" model
+    (--fast_prefill) takes the calls that ask for one position's logits (logits_at, engine.prefill's prompts)."""
 
     max_batch_size = 1
     prefill_chunk = None
     has_masked = False
+    logits_at = False  # engine.py's flag: True when "prompt" is loaded
+    prompt_runner = None
 
     def __init__(self, path, device="cpu", mode: str = "kv"):
         path = Path(path)
@@ -345,7 +369,8 @@ class AOTIBackend:
             if need not in models:
                 raise LookupError(f"{path} has no `{need}` model, which {mode} mode needs: export it with "
                                   f"aoti_export.py {flag}")
-            names = {"kv": ["model"], "hybrid": ["prefill", "model"], "lookahead": ["lookahead"]}[mode]
+            names = {"kv": ["model"] + (["prompt"] if "prompt" in models else []), "hybrid": ["prefill", "model"],
+                     "lookahead": ["lookahead"]}[mode]
             loaded = [load_package(str(path), n) for n in names]
             self.runner = loaded[-1] if mode == "hybrid" else loaded[0]
             meta = self.runner.get_metadata()
@@ -358,6 +383,8 @@ class AOTIBackend:
             self._share_constants(path, names, loaded, meta)
         if mode == "hybrid":
             self.prefill_runner, self.prefill_chunk = loaded[0], int(meta["prefill_chunk"])
+        if "prompt" in names:
+            self.prompt_runner, self.logits_at = loaded[1], True
         self.has_masked = mode == "lookahead"
 
     def _share_constants(self, path, names, loaded, meta):
@@ -370,7 +397,8 @@ class AOTIBackend:
         weights = shared_constants(path, names) if meta.get("shared_weights") else {}
         for name, m in zip(names, loaded):
             consts = {**weights.get(name, {}), **self.cache}
-            m.loader.update_constant_buffer(consts, False, bool(weights), True)  # all of them, when shared
+            # all of them where the package stores the model's weights; else ("prompt": its own) the cache only
+            m.loader.update_constant_buffer(consts, False, bool(weights.get(name)), True)
         self.constants = weights  # the tensors stay alive as long as the models
 
     def _load_so(self, path: Path, device):
@@ -399,7 +427,7 @@ class AOTIBackend:
         self.max_seq_length = int(meta["max_seq_len"])
         self.vocab_size = int(meta["vocab_size"])
 
-    def forward(self, tokens, input_pos):
+    def forward(self, tokens, input_pos, logits_at=None):
         if tokens.shape[0] != 1:
             raise ValueError("an AOT Inductor package from aoti_export.py runs one sequence at a time (batch 1)")
         if input_pos.dim() != 1:
@@ -409,6 +437,13 @@ class AOTIBackend:
             from speculative import causal_mask
             return self.forward_masked(tokens, input_pos, causal_mask(input_pos.cpu(), self.max_seq_length))
         runner = self.runner
+        if self.prompt_runner is not None and logits_at is not None and T > 1:
+            if int(logits_at.reshape(-1)[0]) != T - 1:
+                raise ValueError("the package's prompt model gives the last position's logits only")
+            with torch.inference_mode():
+                out = self.prompt_runner(tokens.to(self.device), input_pos.to(self.device),
+                                         logits_at=logits_at.reshape(1).to(self.device))
+            return out[0] if isinstance(out, (list, tuple)) else out
         if self.mode == "hybrid" and T > 1:
             if T != self.prefill_chunk:
                 raise ValueError(f"hybrid mode takes chunks of {self.prefill_chunk} tokens or one token, got {T}")
@@ -445,6 +480,8 @@ def parse_args(argv=None):
                    help="hybrid mode: add the model \"prefill\" (a fixed length of N tokens)")
     p.add_argument("--lookahead", action="store_true",
                    help="lookahead mode: add the model \"lookahead\" (tokens, positions, attention mask)")
+    p.add_argument("--fast_prefill", action="store_true",
+                   help="add the model \"prompt\" (ATen GEMMs, last logits; a float model's weights twice)")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads the package's kernels are compiled for (default: torch's); run it with as many")
     return p.parse_args(argv)
@@ -457,7 +494,7 @@ def main(argv=None):
     so = args.so or args.output_path.suffix == ".so"  # the source docs' `--out-path X.so`
     export(args.checkpoint_path, args.output_path, args.max_seq_length, args.dtype, args.device,
            args.tokenizer_path, so, log=lambda *a: print(*a, file=sys.stderr), prefill_chunk=args.prefill_chunk,
-           lookahead=args.lookahead)
+           lookahead=args.lookahead, fast_prefill=args.fast_prefill)
 
 
 if __name__ == "__main__":

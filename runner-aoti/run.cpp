@@ -9,9 +9,13 @@
 // which constant of which model each one is; they are mapped from the package file here (copy-on-write, no copy) and
 // handed, with one KV cache allocated here (shape: metadata kv_cache_shape), to every loaded model with
 // update_constant_buffer(..., user_managed = true) under the constants' internal names (FQN, '.' -> '_').
+// In kv mode a package's "prompt" model (aoti_export.py --fast_prefill: forward(tokens, positions, logits_at [1]) ->
+// the last position's logits, GEMMs tuned for prompts, its weights inside its own library) takes every call of more
+// than one token; it gets only the shared KV cache.
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
+#include <ATen/ops/full.h>
 #include <ATen/ops/zeros.h>
 #include <c10/core/InferenceMode.h>
 #include <caffe2/serialize/inline_container.h>
@@ -170,8 +174,10 @@ class AotiModel : public llm::Model {
       if (old_tmp) setenv("TMPDIR", saved.c_str(), 1);
       else unsetenv("TMPDIR");
     };
+    const bool prompt = decoding == "kv" && models.find(",prompt,") != std::string::npos;
     try {
       if (decoding == "hybrid") prefill_ = std::make_unique<torch::inductor::AOTIModelPackageLoader>(path, "prefill");
+      if (prompt) prompt_ = std::make_unique<torch::inductor::AOTIModelPackageLoader>(path, "prompt");
       loader_ = std::make_unique<torch::inductor::AOTIModelPackageLoader>(path, decoding == "lookahead" ? "lookahead"
                                                                                                        : "model");
     } catch (const std::exception& e) {
@@ -208,11 +214,13 @@ class AotiModel : public llm::Model {
     if (shared) map_weights(path, meta["shared_weights"]);
     std::vector<std::pair<std::string, torch::inductor::AOTIModelPackageLoader*>> models{{main, loader_.get()}};
     if (prefill_) models.push_back({"prefill", prefill_.get()});
+    if (prompt_) models.push_back({"prompt", prompt_.get()});
     for (auto& [name, loader] : models) {
-      auto consts = weights_[name];
+      const bool stored = shared && weights_.count(name);  // else its weights are its own: give it the cache only
+      auto consts = stored ? weights_[name] : std::unordered_map<std::string, at::Tensor>{};
       consts.insert(cache_.begin(), cache_.end());
       try {
-        loader->update_constant_buffer(consts, false, shared, true);  // shared: every constant must be given
+        loader->update_constant_buffer(consts, false, stored, true);  // stored: every constant must be given
       } catch (const std::exception& e) {
         throw llm::Error(path + ": cannot give model " + name + " its constants: " + first_line(e.what()));
       }
@@ -299,6 +307,7 @@ class AotiModel : public llm::Model {
   ~AotiModel() override {
     loader_.reset();  // removes its unpacked files
     prefill_.reset();
+    prompt_.reset();
     weights_.clear();
     if (map_) munmap(map_, map_size_);
     if (!private_tmp_.empty()) {
@@ -316,7 +325,8 @@ class AotiModel : public llm::Model {
     int64_t* pp = p.data_ptr<int64_t>();
     for (int i = 0; i < n; i++) pp[i] = pos + i;
     if (!device_.is_cpu()) t = t.to(device_), p = p.to(device_);
-    at::Tensor logits = run(loader_.get(), {t, p});
+    at::Tensor logits = n > 1 && prompt_ ? run(prompt_.get(), {t, p, at::full({1}, n - 1, at::kLong).to(device_)})
+                                         : run(loader_.get(), {t, p});
     // logits [1, T, V]: keep the last position, as float32 on the CPU
     last_ = logits.select(0, 0).select(0, logits.size(1) - 1).to(c10::Device(c10::DeviceType::CPU), at::kFloat)
                 .contiguous();
@@ -338,7 +348,7 @@ class AotiModel : public llm::Model {
   }
 
  private:
-  std::unique_ptr<torch::inductor::AOTIModelPackageLoader> loader_, prefill_;
+  std::unique_ptr<torch::inductor::AOTIModelPackageLoader> loader_, prefill_, prompt_;
   std::unordered_map<std::string, at::Tensor> cache_;
   std::unordered_map<std::string, std::unordered_map<std::string, at::Tensor>> weights_;  // model -> name -> tensor
   char* map_ = nullptr;  // the package file, mapped (shared_weights)

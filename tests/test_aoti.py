@@ -1,5 +1,6 @@
-# aoti_export.py and runner-aoti/: a tiny random model exported once to a .pt2 (about a minute on 2 cores); its
-# greedy tokens through AOTIBackend equal eager model.py's; the C++ runner prints exactly what
+# aoti_export.py and runner-aoti/: a tiny random model exported once to a .pt2 with --fast_prefill (about a minute
+# on 2 cores; prompts of more than one token go through its "prompt" model); its greedy tokens through AOTIBackend
+# equal eager model.py's; the C++ runner prints exactly what
 # `generate.py --aoti_package ... --temperature 0` prints, for a SentencePiece and a byte-level BPE tokenizer, in
 # generate and chat mode (and for a quantize.py checkpoint when quantize.py is there); broken inputs are clear errors.
 # The runner is built once into runner-aoti/build (incremental afterwards); tests that need it skip only when
@@ -80,7 +81,7 @@ def env(tmp_path_factory):
     root = tmp_path_factory.mktemp("aoti")
     sp, bpe = make_sp_dir(root / "sp"), make_bpe_dir(root / "bpe")
     ckpt = tiny_checkpoint(bpe / "model.pth")  # beside the BPE tokenizer: its facts go into the package metadata
-    pt2 = export_pt2(ckpt, root / "tiny.pt2")
+    pt2 = export_pt2(ckpt, root / "tiny.pt2", "--fast_prefill")
     return dict(root=root, sp=sp, bpe=bpe, ckpt=ckpt, pt2=pt2,
                 bins={"sp": export_bin(sp, root / "sp.bin"), "bpe": export_bin(bpe, root / "bpe.bin")})
 
@@ -116,6 +117,29 @@ def test_backend_greedy_equals_eager(env):
     x, pos = torch.tensor([[3, 4, 5, 6]]), torch.arange(4)
     torch.testing.assert_close(b.forward(x, pos), m(x, pos), atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(b.forward(x[:, :1], pos[:1] + 4), m(x[:, :1], pos[:1] + 4), atol=1e-4, rtol=1e-4)
+
+
+def test_fast_prefill_prompt_model(env):
+    """--fast_prefill adds "prompt": the last position's logits of a prompt, from weights of its own (the package's
+    index lists only "model"'s), writing the cache that "model" then decodes from."""
+    import aoti_export
+    from aoti_export import AOTIBackend
+    from model import load_model
+    b = AOTIBackend(env["pt2"])
+    assert b.metadata["models"] == "model,prompt" and b.logits_at and b.prompt_runner is not None
+    reader = torch._C.PyTorchFileReader(str(env["pt2"]))
+    index = reader.get_record(f"{aoti_export.SHARED_WEIGHTS}/index").decode().splitlines()
+    assert index and {line.split("\t")[0] for line in index} == {"model"}
+    m = load_model(env["ckpt"])
+    m.setup_caches(1, MAX_SEQ)
+    x, pos = torch.tensor([[3, 4, 5, 6, 7, 8, 9]]), torch.arange(7)
+    got = b.forward(x, pos, logits_at=torch.tensor([6]))
+    assert got.shape == (1, 1, VOCAB)
+    torch.testing.assert_close(got, m(x, pos)[:, -1:], atol=1e-4, rtol=1e-4)
+    # "model" decodes from the cache "prompt" wrote
+    torch.testing.assert_close(b.forward(x[:, :1], pos[:1] + 7), m(x[:, :1], pos[:1] + 7), atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="last position"):
+        b.forward(x, pos, logits_at=torch.tensor([2]))
 
 
 @pytest.mark.parametrize("kind", ["bpe", "sp"])
