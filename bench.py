@@ -72,6 +72,10 @@ BUILD = {
     # AOT Inductor's CPU kernels are compiled for a thread count ({j}: the bench's)
     "{art}/fp32.s256.j{j}.pt2": [PY, "aoti_export.py", "--checkpoint_path", "{ck}/model.pth", "--output_path",
                                  "{art}/fp32.s256.j{j}.pt2", "--max_seq_length", "256", "--threads", "{j}"],
+    # + the "prompt" model (ATen GEMMs tuned for prompts, its own copy of the weights)
+    "{art}/fp32.fp.s256.j{j}.pt2": [PY, "aoti_export.py", "--checkpoint_path", "{ck}/model.pth", "--output_path",
+                                    "{art}/fp32.fp.s256.j{j}.pt2", "--max_seq_length", "256", "--threads", "{j}",
+                                    "--fast_prefill"],
     "{art}/int8.s256.j{j}.pt2": [PY, "aoti_export.py", "--checkpoint_path", "{ck}/model_int8.pth",
                                  "--output_path", "{art}/int8.s256.j{j}.pt2", "--max_seq_length", "256",
                                  "--threads", "{j}"],
@@ -160,6 +164,8 @@ ROWS = {
     "aoti int8": artifact_row("--aoti_package", "{art}/int8.s256.j{j}.pt2", "{ck}/model_int8.pth", vs="aoti fp32"),
     "runner-aoti fp32": runner("runner-aoti/build/run", "{art}/fp32.s256.j{j}.pt2", "{ck}/model.pth",
                                vs="compile fp32", peer="llama.cpp F32"),
+    "runner-aoti fp32 fast_prefill": runner("runner-aoti/build/run", "{art}/fp32.fp.s256.j{j}.pt2", "{ck}/model.pth",
+                                            vs="runner-aoti fp32", peer="llama.cpp F32"),
     "runner-aoti int8": runner("runner-aoti/build/run", "{art}/int8.s256.j{j}.pt2", "{ck}/model_int8.pth",
                                vs="runner-aoti fp32"),
     "pte fp32": artifact_row("--pte", "{art}/fp32.s256.pte", "{ck}/model.pth", vs="eager fp32"),
@@ -200,11 +206,12 @@ GROUPS = {  # --rows shorthands
                                      for p, ms in (("code", ("kv", "lookahead")), ("story", ("kv", "lookahead")),
                                                    ("long", ("kv", "hybrid"))) for m in ms],
 }
-GROUPS["peer"] = ["llama.cpp F32", "compile fp32", "aoti fp32", "runner-aoti fp32", "runner-et fp32",
-                  "llama.cpp F16", "compile bf16", "llama.cpp Q8_0", "compile int8", "llama.cpp Q4_0",
+GROUPS["peer"] = ["llama.cpp F32", "compile fp32", "aoti fp32", "runner-aoti fp32", "runner-aoti fp32 fast_prefill",
+                  "runner-et fp32", "llama.cpp F16", "compile bf16", "llama.cpp Q8_0", "compile int8", "llama.cpp Q4_0",
                   "compile int4 g32", "runner-et 8da4w g32"]
-GROUPS["prefill"] = ["llama.cpp F32", "compile_prefill fp32", "runner-aoti fp32", "runner-et fp32", "llama.cpp Q8_0",
-                     "compile_prefill int8", "llama.cpp Q4_0", "compile_prefill int4 g32", "runner-et 8da4w g32"]
+GROUPS["prefill"] = ["llama.cpp F32", "compile_prefill fp32", "runner-aoti fp32", "runner-aoti fp32 fast_prefill",
+                     "runner-et fp32", "llama.cpp Q8_0", "compile_prefill int8",
+                     "llama.cpp Q4_0", "compile_prefill int4 g32", "runner-et 8da4w g32"]
 GROUPS["all"] = list(ROWS)
 # --rows server: server.py under 1, 4 and 8 concurrent clients (scripts/bench_server.py), next to the generate.py
 # batch-1 row of the same backend ("compile fp32") in the same run
