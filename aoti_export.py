@@ -211,6 +211,9 @@ def export(checkpoint_path, output_path, max_seq_length: int = 1024, dtype: Opti
             shared = {**configs, "aot_inductor.package": True, "aot_inductor.package_constants_in_so": False,
                       "aot_inductor.package_constants_on_disk_format": "binary_blob",
                       "max_autotune_gemm_backends": "CPP"}
+            if model.quantization:  # some of their products (int4's several-row kernel) lower to an aten.mm that
+                # has no C++ template: ATen's among the choices, on plain (shareable) weights
+                shared.update({"max_autotune_gemm_backends": "CPP,ATEN", "cpp.weight_prepack": False})
             # except "prompt": ATen's GEMMs among the candidates, its weights inside its library (see the header)
             own = {**configs, "aot_inductor.package": True, "aot_inductor.package_constants_in_so": True}
             for name, (prog, ex, kw) in programs.items():
