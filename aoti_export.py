@@ -21,13 +21,11 @@ Decoding modes (runner-aoti -M, generate.py / eval.py): a package holds more tha
     speculative.py's lookahead contract (token k writes cache slot input_pos[0] + k; model.py's network through
     speculative.StepCache at the kv_cache swap point). With causal masks it is also the prompt and plain decode.
   * --fast_prefill: model "prompt", forward(tokens [1, T], input_pos [T], logits_at int64[1] = T - 1) -> logits
-    [1, 1, V] with dynamic T: prompts in one call, the last position's logits only. "model"'s GEMMs are Inductor's C++
-    template, tuned at 2 tokens for decode; it runs a 128-token prompt at ~40% of oneDNN's rate per core, and the
-    output projection of every position is ~20% of a small model's prompt work. "prompt" is tuned at PROMPT_HINT
-    tokens with ATen among the candidates: its prepacked oneDNN/MKL weights are opaque tensors that cannot be
-    shared, so its constants stay inside its shared library, a second copy of the weights (about twice the package
-    and the memory). The runners and AOTIBackend send prompts of more than one token to it (kv mode).
-The models of such a package share their weights (those of "prompt": see above): each is compiled without its constants
+    [1, 1, V], dynamic T, that kv mode uses for prompts: "model"'s GEMMs (Inductor's C++ template, tuned for decode)
+    run many rows at ~40% of oneDNN's rate; "prompt" is tuned at PROMPT_HINT tokens with ATen among the choices and
+    skips the other positions' logits. oneDNN's prepacked weights are opaque tensors that cannot be shared, so its
+    constants stay in its own library: a second copy of the weights (about twice the package and the memory).
+The models of such a package share their weights (except "prompt"): each is compiled without its constants
 (aot_inductor.package_constants_in_so=False) and the package holds every distinct constant once, as a record under
 data/weights/llama_flat/ (64-byte aligned, uncompressed) listed by that folder's `index` (one line per model and
 constant: model, internal name, record, dtype, storage offset, shape, stride). A loader maps the package file, makes
@@ -439,22 +437,19 @@ class AOTIBackend:
         if self.mode == "lookahead":
             from speculative import causal_mask
             return self.forward_masked(tokens, input_pos, causal_mask(input_pos.cpu(), self.max_seq_length))
-        runner = self.runner
+        runner, kw = self.runner, {}
         if self.prompt_runner is not None and logits_at is not None and T > 1:
             if int(logits_at.reshape(-1)[0]) != T - 1:
                 raise ValueError("the package's prompt model gives the last position's logits only")
-            with torch.inference_mode():
-                out = self.prompt_runner(tokens.to(self.device), input_pos.to(self.device),
-                                         logits_at=logits_at.reshape(1).to(self.device))
-            return out[0] if isinstance(out, (list, tuple)) else out
-        if self.mode == "hybrid" and T > 1:
+            runner, kw = self.prompt_runner, {"logits_at": logits_at.reshape(1).to(self.device)}
+        elif self.mode == "hybrid" and T > 1:
             if T != self.prefill_chunk:
                 raise ValueError(f"hybrid mode takes chunks of {self.prefill_chunk} tokens or one token, got {T}")
             # padding (-1) continues the positions (the runners do the same)
             input_pos = (input_pos[0] + torch.arange(T, device=input_pos.device)).clamp(max=self.max_seq_length - 1)
             runner = self.prefill_runner
         with torch.inference_mode():
-            out = runner(tokens.to(self.device), input_pos.to(self.device))
+            out = runner(tokens.to(self.device), input_pos.to(self.device), **kw)
         return out[0] if isinstance(out, (list, tuple)) else out
 
     def forward_masked(self, tokens, input_pos, mask):
