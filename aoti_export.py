@@ -23,9 +23,10 @@ Decoding modes (runner-aoti -M, generate.py / eval.py): a package holds more tha
   * --fast_prefill: model "prompt", forward(tokens [1, T], input_pos [T], logits_at int64[1] = T - 1) -> logits
     [1, 1, V], dynamic T, that kv mode uses for prompts: "model"'s GEMMs (Inductor's C++ template, tuned for decode)
     run many rows at ~40% of oneDNN's rate; "prompt" is tuned at PROMPT_HINT tokens with ATen among the choices and
-    skips the other positions' logits. oneDNN's prepacked weights are opaque tensors that cannot be shared, so its
-    constants stay in its own library: a second copy of the weights (about twice the package and the memory).
-The models of such a package share their weights (except "prompt"): each is compiled without its constants
+    skips the other positions' logits. oneDNN's prepacked weights are opaque tensors that cannot be shared, so a float
+    model's "prompt" keeps its constants in its own library: a second copy of the weights (about twice the package
+    and the memory). A quantized model's products are not GEMMs on its weights: its "prompt" shares them.
+The models of such a package share their weights (except a float "prompt"): each is compiled without its constants
 (aot_inductor.package_constants_in_so=False) and the package holds every distinct constant once, as a record under
 data/weights/llama_flat/ (64-byte aligned, uncompressed) listed by that folder's `index` (one line per model and
 constant: model, internal name, record, dtype, storage offset, shape, stride). A loader maps the package file, makes
@@ -209,11 +210,11 @@ def export(checkpoint_path, output_path, max_seq_length: int = 1024, dtype: Opti
             shared = {**configs, "aot_inductor.package": True, "aot_inductor.package_constants_in_so": False,
                       "aot_inductor.package_constants_on_disk_format": "binary_blob",
                       "max_autotune_gemm_backends": "CPP"}
-            if model.quantization:  # some of their products (int4's several-row kernel) lower to an aten.mm that
-                # has no C++ template: ATen's among the choices, on plain (shareable) weights
-                shared.update({"max_autotune_gemm_backends": "CPP,ATEN", "cpp.weight_prepack": False})
-            # except "prompt": ATen's GEMMs among the candidates, its weights inside its library (see the header)
+            # a float model's "prompt": ATen's GEMMs among the choices, its weights in its library (see the header)
             own = {**configs, "aot_inductor.package": True, "aot_inductor.package_constants_in_so": True}
+            if model.quantization:  # int4's several-row product lowers to an aten.mm with no C++ template: ATen's
+                # choices too, on plain (shareable) weights; "prompt" shares them (its products are not GEMMs)
+                shared = own = {**shared, "max_autotune_gemm_backends": "CPP,ATEN", "cpp.weight_prepack": False}
             for name, (prog, ex, kw) in programs.items():
                 log(f"  compiling {name} ...")
                 with torch.no_grad():

@@ -214,8 +214,15 @@ def test_quantized_checkpoint(env, runner):
     assert r.returncode == 0, r.stderr[-2000:]
     q = next(p for p in env["bpe"].glob("model_int4*.pth"))
     pt2 = export_pt2(q, env["root"] / "tiny_int4.pt2", "--fast_prefill")
+    import aoti_export
     from aoti_export import AOTIBackend
     assert "quantization" in AOTIBackend(pt2).metadata
+    # a quantized model's "prompt" shares the package's records with "model" (its products are not GEMMs)
+    index = torch._C.PyTorchFileReader(str(pt2)).get_record(f"{aoti_export.SHARED_WEIGHTS}/index").decode()
+    records: dict = {}
+    for line in index.splitlines():
+        records.setdefault(line.split("\t")[0], set()).add(line.split("\t")[2])
+    assert set(records) == {"model", "prompt"} and records["prompt"] == records["model"]
     # the package computes what the quantized eager model computes
     from generate import TorchBackend, generate
     from model import load_model
