@@ -146,7 +146,8 @@ def export(checkpoint_path, output_path, max_seq_length: int = 1024, dtype: Opti
     # (e.g. a stride guard Eq(T*Min(16, 32*T), 16*T) from the grouped-query reshape, true for every T >= 1) become
     # runtime asserts in the package instead of failing the export with "Constraints violated"
     programs = {}  # model name -> (exported program, example args, example kwargs)
-    with torch.no_grad():
+    import quantize
+    with torch.no_grad(), quantize.word_kernel_export():  # quantized products: no float32 copies (quantize.py)
         ep = torch.export.export(model, example, dynamic_shapes=({1: seq}, {0: seq}), strict=False,
                                  prefer_deferred_runtime_asserts_over_guards=True)
         programs["model"] = (ep, example, {})

@@ -33,6 +33,7 @@
 # generated kernel); with Inductor's freezing, a plain `F.linear(x, w_int8.to(x.dtype)) * s` would be constant-folded
 # back into a float32 weight. torch.export: plain dequantize + linear (int8/int4), or for 8da4w the torchao
 # quantize/dequantize_affine pattern that ExecuTorch's XNNPACK partitioner turns into its int8 x int4 GEMM.
+import contextlib
 import logging
 import sys
 import time
@@ -193,6 +194,25 @@ def group_sums(x: Tensor, G: int) -> Tensor:
 
 
 # ----------------------------------------------------------------------------------------------------------- modules
+# Export swap point (aoti_export.py): under torch.export a quantized product is dequantize + F.linear, the pattern
+# ExecuTorch's and ONNX's lowerings take. AOT Inductor's freezing would fold that dequantize into float32 copies of the
+# weights (an int8 package four times the size, decode at float32's speed), so aoti_export.py exports inside
+# word_kernel_export(): fused_linear for any number of rows. SmolLM2, runner-aoti, 2 threads, against the folded
+# package: int8 179 MB against 584, decode 88-108 against 43-68 tok/s, prefill the same (23 and 132 tokens); int4 g32
+# 152 MB, decode 65-72 against ~50, prefill 136-158 against ~250 (its several-row nibble form).
+_WORD_KERNEL_EXPORT = False
+
+
+@contextlib.contextmanager
+def word_kernel_export():
+    global _WORD_KERNEL_EXPORT
+    saved, _WORD_KERNEL_EXPORT = _WORD_KERNEL_EXPORT, True
+    try:
+        yield
+    finally:
+        _WORD_KERNEL_EXPORT = saved
+
+
 def _compiled_single_row(x: Tensor) -> bool:
     """True inside torch.compile (not export) for one row of activations: the decode step (and compiled prefill's
     output projection, for the last token only)."""
@@ -497,7 +517,8 @@ class QuantizedLinear(nn.Module):
 
     def _matmul(self, x: Tensor, offset: bool = True) -> Tensor:
         qw = self.qweight
-        if _compiled_single_row(x):  # decode under torch.compile: one generated kernel per matmul (fastest measured)
+        if _compiled_single_row(x) or (_WORD_KERNEL_EXPORT and torch.compiler.is_exporting()):
+            # decode under torch.compile (one generated kernel per matmul, fastest measured); AOT Inductor export
             return qw.fused_linear(x, offset).to(x.dtype)
         if (y := None if torch.compiler.is_exporting() else qw.native_linear(x, offset)) is not None:
             return y  # ATen's packed bfloat16 CPU kernels
