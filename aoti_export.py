@@ -211,10 +211,9 @@ def export(checkpoint_path, output_path, max_seq_length: int = 1024, dtype: Opti
             shared = {**configs, "aot_inductor.package": True, "aot_inductor.package_constants_in_so": False,
                       "aot_inductor.package_constants_on_disk_format": "binary_blob",
                       "max_autotune_gemm_backends": "CPP"}
-            # a float model's "prompt": ATen's GEMMs among the choices, its weights in its library (see the header)
             own = {**configs, "aot_inductor.package": True, "aot_inductor.package_constants_in_so": True}
-            if model.quantization:  # int4's several-row product lowers to an aten.mm with no C++ template: ATen's
-                # choices too, on plain (shareable) weights; "prompt" shares them (its products are not GEMMs)
+            if model.quantization:  # ATen's choices too (an aten.mm without a C++ template fails otherwise), on
+                # plain (shareable) weights; "prompt" shares them (quantized products are not GEMMs)
                 shared = own = {**shared, "max_autotune_gemm_backends": "CPP,ATEN", "cpp.weight_prepack": False}
             for name, (prog, ex, kw) in programs.items():
                 log(f"  compiling {name} ...")
