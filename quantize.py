@@ -32,7 +32,8 @@
 # torch.compile, one token (decode): one reduction reading the integer weights directly (nibbles unpacked inside the
 # generated kernel); with Inductor's freezing, a plain `F.linear(x, w_int8.to(x.dtype)) * s` would be constant-folded
 # back into a float32 weight. torch.export: plain dequantize + linear (int8/int4), or for 8da4w the torchao
-# quantize/dequantize_affine pattern that ExecuTorch's XNNPACK partitioner turns into its int8 x int4 GEMM.
+# quantize/dequantize_affine pattern that ExecuTorch's XNNPACK partitioner turns into its int8 x int4 GEMM; for AOT
+# Inductor (word_kernel_export) the int8/int4 word kernels.
 import contextlib
 import logging
 import sys
