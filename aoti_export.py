@@ -212,9 +212,8 @@ def export(checkpoint_path, output_path, max_seq_length: int = 1024, dtype: Opti
                       "aot_inductor.package_constants_on_disk_format": "binary_blob",
                       "max_autotune_gemm_backends": "CPP"}
             own = {**configs, "aot_inductor.package": True, "aot_inductor.package_constants_in_so": True}
-            if model.quantization:  # ATen's choices too (an aten.mm without a C++ template fails otherwise), on
-                # plain (shareable) weights; "prompt" shares them (quantized products are not GEMMs)
-                shared = own = {**shared, "max_autotune_gemm_backends": "CPP,ATEN", "cpp.weight_prepack": False}
+            if model.quantization:  # its products are quantize.py's word kernels, not GEMMs: "prompt" shares them
+                own = shared
             for name, (prog, ex, kw) in programs.items():
                 log(f"  compiling {name} ...")
                 with torch.no_grad():

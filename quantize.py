@@ -198,9 +198,8 @@ def group_sums(x: Tensor, G: int) -> Tensor:
 # Export swap point (aoti_export.py): under torch.export a quantized product is dequantize + F.linear, the pattern
 # ExecuTorch's and ONNX's lowerings take. AOT Inductor's freezing would fold that dequantize into float32 copies of the
 # weights (an int8 package four times the size, decode at float32's speed), so aoti_export.py exports inside
-# word_kernel_export(): fused_linear for any number of rows. SmolLM2, runner-aoti, 2 threads, against the folded
-# package: int8 179 MB against 584, decode 88-108 against 43-68 tok/s, prefill the same (23 and 132 tokens); int4 g32
-# 152 MB, decode 65-72 against ~50, prefill 136-158 against ~250 (its several-row nibble form).
+# word_kernel_export(): fused_linear for any number of rows (bench.py, SmolLM2 int8: 171 MB and runner-aoti decode
+# 0.86x llama.cpp Q8_0, where the folded package was 584 MB and 0.38x; int4 takes the several-row nibble form).
 _WORD_KERNEL_EXPORT = False
 
 

@@ -15,7 +15,6 @@
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
-#include <ATen/ops/full.h>
 #include <ATen/ops/zeros.h>
 #include <c10/core/InferenceMode.h>
 #include <caffe2/serialize/inline_container.h>
@@ -325,8 +324,8 @@ class AotiModel : public llm::Model {
     int64_t* pp = p.data_ptr<int64_t>();
     for (int i = 0; i < n; i++) pp[i] = pos + i;
     if (!device_.is_cpu()) t = t.to(device_), p = p.to(device_);
-    at::Tensor logits = n > 1 && prompt_ ? run(prompt_.get(), {t, p, at::full({1}, n - 1, at::kLong).to(device_)})
-                                         : run(loader_.get(), {t, p});
+    const int64_t at = n - 1;  // "prompt"'s logits_at
+    at::Tensor logits = n > 1 && prompt_ ? run(prompt_.get(), {t, p, tensor(&at, {1})}) : run(loader_.get(), {t, p});
     // logits [1, T, V]: keep the last position, as float32 on the CPU
     last_ = logits.select(0, 0).select(0, logits.size(1) - 1).to(c10::Device(c10::DeviceType::CPU), at::kFloat)
                 .contiguous();

@@ -63,6 +63,15 @@ def build_runner(src=RUNNER_DIR, binary=RUNNER, what="runner-aoti"):
     return binary
 
 
+def package_index(pt2: Path):
+    """A package's shared-weights index (aoti_export.package_shared): its reader and the index's lines, each split
+    into model, internal name, record, dtype, storage offset, shape, stride."""
+    import aoti_export
+    reader = torch._C.PyTorchFileReader(str(pt2))
+    index = reader.get_record(f"{aoti_export.SHARED_WEIGHTS}/index").decode()
+    return reader, [line.split("\t") for line in index.splitlines()]
+
+
 def export_pt2(ckpt: Path, out: Path, *extra):
     r = run([sys.executable, REPO / "aoti_export.py", "--checkpoint_path", ckpt, "--output_path", out,
              "--max_seq_length", MAX_SEQ, *extra])
@@ -123,14 +132,12 @@ def test_backend_greedy_equals_eager(env):
 def test_fast_prefill_prompt_model(env):
     """--fast_prefill adds "prompt": the last position's logits of a prompt, from weights of its own (the package's
     index lists only "model"'s), writing the cache that "model" then decodes from."""
-    import aoti_export
     from aoti_export import AOTIBackend
     from model import load_model
     b = AOTIBackend(env["pt2"])
     assert b.metadata["models"] == "model,prompt" and b.logits_at and b.prompt_runner is not None
-    reader = torch._C.PyTorchFileReader(str(env["pt2"]))
-    index = reader.get_record(f"{aoti_export.SHARED_WEIGHTS}/index").decode().splitlines()
-    assert index and {line.split("\t")[0] for line in index} == {"model"}
+    _, index = package_index(env["pt2"])
+    assert index and {row[0] for row in index} == {"model"}
     m = load_model(env["ckpt"])
     m.setup_caches(1, MAX_SEQ)
     x, pos = torch.tensor([[3, 4, 5, 6, 7, 8, 9]]), torch.arange(7)
@@ -214,15 +221,14 @@ def test_quantized_checkpoint(env, runner):
     assert r.returncode == 0, r.stderr[-2000:]
     q = next(p for p in env["bpe"].glob("model_int4*.pth"))
     pt2 = export_pt2(q, env["root"] / "tiny_int4.pt2", "--fast_prefill")
-    import aoti_export
     from aoti_export import AOTIBackend
     assert "quantization" in AOTIBackend(pt2).metadata
     # a quantized model's "prompt" shares the package's records with "model" (its products are not GEMMs): what it
     # adds (layouts its hint folds differently) is a small part of what "model" reads
-    reader = torch._C.PyTorchFileReader(str(pt2))
+    reader, index = package_index(pt2)
     records: dict = {}
-    for line in reader.get_record(f"{aoti_export.SHARED_WEIGHTS}/index").decode().splitlines():
-        records.setdefault(line.split("\t")[0], set()).add(line.split("\t")[2])
+    for row in index:
+        records.setdefault(row[0], set()).add(row[2])
     assert set(records) == {"model", "prompt"}
     size = lambda recs: sum(reader.get_record_size(r) for r in recs)  # noqa: E731
     assert size(records["prompt"] - records["model"]) < 0.25 * size(records["model"])
@@ -242,7 +248,6 @@ def test_quantized_checkpoint(env, runner):
 def test_quantized_package_keeps_integer_weights(env):
     """An int8 package holds its integer weights, not float32 copies: under export the products are quantize.py's
     word kernels (word_kernel_export), where Inductor's freezing would fold dequantize(w) into new float32 constants."""
-    import aoti_export
     from aoti_export import AOTIBackend
     from generate import TorchBackend, generate
     from model import load_model
@@ -250,11 +255,8 @@ def test_quantized_package_keeps_integer_weights(env):
              env["root"] / "model_int8.pth"])
     assert r.returncode == 0, r.stderr[-2000:]
     pt2 = export_pt2(env["root"] / "model_int8.pth", env["root"] / "tiny_int8.pt2", "--fast_prefill")
-    reader = torch._C.PyTorchFileReader(str(pt2))
-    stored = {}
-    for line in reader.get_record(f"{aoti_export.SHARED_WEIGHTS}/index").decode().splitlines():
-        _, _, record, dtype = line.split("\t")[:4]
-        stored[record] = (dtype, reader.get_record_size(record))
+    reader, index = package_index(pt2)
+    stored = {row[2]: (row[3], reader.get_record_size(row[2])) for row in index}
     float32 = sum(n for dtype, n in stored.values() if dtype == "float32")
     linears = sum(m.weight.numel() * 4 for m in load_model(env["ckpt"]).modules() if isinstance(m, torch.nn.Linear))
     assert float32 < linears / 4, (float32, linears)  # scales, norms and the rope table only

@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conftest import assert_clean_error  # noqa: E402
-from test_aoti import ENV, build_runner, run, tiny_checkpoint  # noqa: E402
+from test_aoti import ENV, build_runner, package_index, run, tiny_checkpoint  # noqa: E402
 from test_tokenizer_bin import export_bin, make_bpe_dir  # noqa: E402
 
 MAX_SEQ, CHUNK = 96, 8
@@ -107,12 +107,9 @@ def test_pt2_holds_the_weights_once(arts):
     """The three models of the modes .pt2 hold no constants of their own: the package stores each distinct constant
     once and its index gives every model the same records (the prepacked weights of the dynamic-length, fixed-length
     and masked programs are the same bytes); their bytes are the checkpoint's weights, not three times them."""
-    import aoti_export
-    reader = torch._C.PyTorchFileReader(str(arts["pt2"]))
-    index = reader.get_record(f"{aoti_export.SHARED_WEIGHTS}/index").decode().splitlines()
+    reader, index = package_index(arts["pt2"])
     records: dict = {}
-    for line in index:
-        model, name, record = line.split("\t")[:3]
+    for model, _, record, *_ in index:
         records.setdefault(model, []).append(record)
     assert set(records) == {"model", "prefill", "lookahead"}
     assert sorted(records["model"]) == sorted(records["prefill"]) == sorted(records["lookahead"])
