@@ -56,32 +56,31 @@ CB_PROMPTS = [  # continuous batching: more prompts than slots
 
 # Artifacts: path -> command that builds it ({ck} the checkpoint directory, {art} ART)
 Q = ["quantize.py", "--checkpoint_path", "{ck}/model.pth", "--mode"]
+S256, J = ("--max_seq_length", "256"), ("--threads", "{j}")
+
+
+def export(script, name, checkpoint, *extra) -> dict:
+    """{art}/name: the stage script's export of {ck}/checkpoint."""
+    return {f"{{art}}/{name}": [PY, script, "--checkpoint_path", f"{{ck}}/{checkpoint}", "--output_path",
+                                f"{{art}}/{name}", *extra]}
+
+
 BUILD = {
     "{ck}/model_int8.pth": [PY, *Q, "int8"],
     "{ck}/model_int4.g32.pth": [PY, *Q, "int4", "--groupsize", "32"],
     "{ck}/model_8da4w.g32.pth": [PY, *Q, "8da4w", "--groupsize", "32"],
     # exported with a 256-token context (the prompt + 128 tokens fit; generate.py sizes its cache the same way): a
     # static cache is read whole at every step, at 1024 tokens 47 MB per step for this model (the ctx1024 rows)
-    "{art}/fp32.s256.pte": [PY, "et_export.py", "--checkpoint_path", "{ck}/model.pth", "--output_path",
-                            "{art}/fp32.s256.pte", "--max_seq_length", "256"],
-    "{art}/8da4w.g32.s256.pte": [PY, "et_export.py", "--checkpoint_path", "{ck}/model_8da4w.g32.pth",
-                                 "--output_path", "{art}/8da4w.g32.s256.pte", "--max_seq_length", "256"],
-    "{art}/fp32.pte": [PY, "et_export.py", "--checkpoint_path", "{ck}/model.pth", "--output_path", "{art}/fp32.pte"],
-    "{art}/8da4w.g32.pte": [PY, "et_export.py", "--checkpoint_path", "{ck}/model_8da4w.g32.pth",
-                            "--output_path", "{art}/8da4w.g32.pte"],
-    # AOT Inductor's CPU kernels are compiled for a thread count ({j}: the bench's)
-    "{art}/fp32.s256.j{j}.pt2": [PY, "aoti_export.py", "--checkpoint_path", "{ck}/model.pth", "--output_path",
-                                 "{art}/fp32.s256.j{j}.pt2", "--max_seq_length", "256", "--threads", "{j}"],
-    # + the "prompt" model (ATen GEMMs tuned for prompts, its own copy of the weights)
-    "{art}/fp32.fp.s256.j{j}.pt2": [PY, "aoti_export.py", "--checkpoint_path", "{ck}/model.pth", "--output_path",
-                                    "{art}/fp32.fp.s256.j{j}.pt2", "--max_seq_length", "256", "--threads", "{j}",
-                                    "--fast_prefill"],
-    "{art}/int8.s256.j{j}.pt2": [PY, "aoti_export.py", "--checkpoint_path", "{ck}/model_int8.pth",
-                                 "--output_path", "{art}/int8.s256.j{j}.pt2", "--max_seq_length", "256",
-                                 "--threads", "{j}"],
-    "{art}/int4.g32.s256.j{j}.pt2": [PY, "aoti_export.py", "--checkpoint_path", "{ck}/model_int4.g32.pth",
-                                     "--output_path", "{art}/int4.g32.s256.j{j}.pt2", "--max_seq_length", "256",
-                                     "--threads", "{j}"],
+    **export("et_export.py", "fp32.s256.pte", "model.pth", *S256),
+    **export("et_export.py", "8da4w.g32.s256.pte", "model_8da4w.g32.pth", *S256),
+    **export("et_export.py", "fp32.pte", "model.pth"),
+    **export("et_export.py", "8da4w.g32.pte", "model_8da4w.g32.pth"),
+    # AOT Inductor's CPU kernels are compiled for a thread count ({j}: the bench's); fp.: + the "prompt" model (ATen
+    # GEMMs tuned for prompts, its own copy of the weights)
+    **export("aoti_export.py", "fp32.s256.j{j}.pt2", "model.pth", *S256, *J),
+    **export("aoti_export.py", "fp32.fp.s256.j{j}.pt2", "model.pth", *S256, *J, "--fast_prefill"),
+    **export("aoti_export.py", "int8.s256.j{j}.pt2", "model_int8.pth", *S256, *J),
+    **export("aoti_export.py", "int4.g32.s256.j{j}.pt2", "model_int4.g32.pth", *S256, *J),
     "{art}/onnx/model.onnx": [PY, "export_onnx.py", "--checkpoint_path", "{ck}/model.pth", "--output_dir",
                               "{art}/onnx"],
     "{art}/tokenizer.bin": [PY, "scripts/export_tokenizer_bin.py", "{ck}", "-o", "{art}/tokenizer.bin"],
@@ -92,11 +91,8 @@ BUILD = {
                               "cmake -S runner-aoti -B runner-aoti/build && cmake --build runner-aoti/build -j2"],
     # the runners' decoding modes (-M kv|hybrid|lookahead): one program with every method / model, a 1024-token
     # context (the 512-token prompt + 128 tokens), prefill chunks of 128
-    "{art}/fp32.modes.pte": [PY, "et_export.py", "--checkpoint_path", "{ck}/model.pth", "--output_path",
-                             "{art}/fp32.modes.pte", "--prefill_chunk", "128", "--lookahead"],
-    "{art}/fp32.modes.j{j}.pt2": [PY, "aoti_export.py", "--checkpoint_path", "{ck}/model.pth", "--output_path",
-                                  "{art}/fp32.modes.j{j}.pt2", "--prefill_chunk", "128", "--lookahead",
-                                  "--threads", "{j}"],
+    **export("et_export.py", "fp32.modes.pte", "model.pth", "--prefill_chunk", "128", "--lookahead"),
+    **export("aoti_export.py", "fp32.modes.j{j}.pt2", "model.pth", "--prefill_chunk", "128", "--lookahead", *J),
 }
 
 
