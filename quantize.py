@@ -33,7 +33,7 @@
 # generated kernel); with Inductor's freezing, a plain `F.linear(x, w_int8.to(x.dtype)) * s` would be constant-folded
 # back into a float32 weight. torch.export: plain dequantize + linear (int8/int4), or for 8da4w the torchao
 # quantize/dequantize_affine pattern that ExecuTorch's XNNPACK partitioner turns into its int8 x int4 GEMM; for AOT
-# Inductor (word_kernel_export) the int8/int4 word kernels.
+# Inductor (word_kernel_export) the int8/int4 word kernels for any number of rows (8da4w: fake-quantized x into them).
 import contextlib
 import logging
 import sys
@@ -196,10 +196,11 @@ def group_sums(x: Tensor, G: int) -> Tensor:
 
 # ----------------------------------------------------------------------------------------------------------- modules
 # Export swap point (aoti_export.py): under torch.export a quantized product is dequantize + F.linear, the pattern
-# ExecuTorch's and ONNX's lowerings take. AOT Inductor's freezing would fold that dequantize into float32 copies of the
-# weights (an int8 package four times the size, decode at float32's speed), so aoti_export.py exports inside
-# word_kernel_export(): fused_linear for any number of rows (bench.py, SmolLM2 int8: 171 MB and runner-aoti decode
-# 0.86x llama.cpp Q8_0, where the folded package was 584 MB and 0.38x; int4 takes the several-row nibble form).
+# ExecuTorch's and ONNX's lowerings take (8da4w: torchao's affine ops). AOT Inductor's freezing would fold that
+# dequantize into float32 copies of the weights (an int8 package four times the size, decode at float32's speed), so
+# aoti_export.py exports inside word_kernel_export(): fused_linear's word kernels for any number of rows, 8da4w's
+# activations fake-quantized into them (bench.py, SmolLM2 int8: 171 MB and runner-aoti decode 0.86x llama.cpp Q8_0,
+# where the folded package was 584 MB and 0.38x).
 _WORD_KERNEL_EXPORT = False
 
 
@@ -330,25 +331,25 @@ class QuantizedWeight(nn.Module):
         tiles = self.qdata.device.type == "cpu" and self.out_features % 16 == 0  # the word layouts' 16-channel tiles
         if self.bits == 8 and tiles and self.in_features % 4 == 0:
             # compiled decode reads int8 weights as int32 words in tiles of 16 output channels (see fused_linear):
-            # [N/16, K/4, 16], byte j of word [t, i, c] holds q[16t + c, j*K/4 + i], plus 128 in bytes 0-2 (read
+            # [N/16, 1, K/4, 16] (the 1: the rows of x), byte j of word [t, 0, i, c] holds q[16t + c, j*K/4 + i], plus 128 in bytes 0-2 (read
             # as unsigned), as is in byte 3 (an arithmetic shift by 24 reads it signed). A plain attribute (not
             # saved), rebuilt whenever the module moves.
             N, K = self.qdata.shape
             u = self.qdata.to(torch.int32).view(N // 16, 16, 4, K // 4)
             w = (u[:, :, 0] + 128) | ((u[:, :, 1] + 128) << 8) | ((u[:, :, 2] + 128) << 16) | (u[:, :, 3] << 24)
-            self._int8_words = _static(w.transpose(1, 2).contiguous())
+            self._int8_words = _static(w.transpose(1, 2).contiguous().unsqueeze(1))
         if self.bits == 4 and tiles and self.groupsize % 8 == 0:
             # compiled decode reads int4 weights as int32 words in tiles of 16 output channels (see fused_linear):
-            # [N/16, K/G, G/8, 16], nibble j (bits 4j..4j+3) of word [t, g, i, c] holds q[16t + c, g*G + j*G/8 + i],
-            # so each word's 8 nibbles lie in one group and one tile's words are contiguous; scales and zeros tiled
-            # alike ([N/16, K/G, 1, 16]). Plain attributes (not saved), rebuilt whenever the module moves: as many
+            # [N/16, 1, K/G, G/8, 16] (the 1: the rows of x), nibble j (bits 4j..4j+3) of word [t, 0, g, i, c] holds
+            # q[16t + c, g*G + j*G/8 + i], so each word's 8 nibbles lie in one group and one tile's words are
+            # contiguous; scales and zeros tiled alike ([N/16, 1, K/G, 1, 16]). Plain attributes (not saved), rebuilt whenever the module moves: as many
             # bytes as qdata, plus one float32 per group for each of scales and zeros.
             N, K, G = self.out_features, self.in_features, self.groupsize
             q = unpack_int4(self.qdata, G).to(torch.int32).view(N, K // G, 8, G // 8)
             w = q[:, :, 0]
             for j in range(1, 8):
                 w = w | (q[:, :, j] << (4 * j))
-            tile = lambda t: _static(t.reshape(N // 16, 16, *t.shape[1:]).movedim(1, -1).contiguous())
+            tile = lambda t: _static(t.reshape(N // 16, 16, *t.shape[1:]).movedim(1, -1).contiguous().unsqueeze(1))
             self._int4_words = (tile(w), tile(self.scales.float().unsqueeze(-1)),
                                 None if self.zeros is None else tile(self.zeros.float().unsqueeze(-1)))
         if (self.bits == 4 and tiles and hasattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu")
@@ -417,6 +418,13 @@ class QuantizedWeight(nn.Module):
     def rows(self, idx: Tensor, dtype=None) -> Tensor:
         """Dequantized rows idx (any shape) -> [*idx.shape, K]: an embedding lookup."""
         dtype = dtype or self.scales.dtype
+        if self._int8_words is not None and _WORD_KERNEL_EXPORT and torch.compiler.is_exporting():
+            # from the words the output projection reads: a package stores a tied table once (qdata is not in it).
+            # Tensor indices only (idx * 0, not 0): Inductor's freezing folds a select of a constant used elsewhere
+            # and then fails to compile (see fused_linear)
+            w = self._int8_words[idx // 16, idx * 0, :, idx % 16]                  # [..., K/4] int32
+            q = torch.stack([((w >> (8 * j)) & 255) - 128 for j in range(3)] + [w >> 24], -2).flatten(-2)
+            return q.to(dtype) * self.scales[idx].to(dtype).unsqueeze(-1)
         q = F.embedding(idx, self.qdata)
         if self.bits == 8:
             return q.to(dtype) * self.scales[idx].to(dtype).unsqueeze(-1)
@@ -443,32 +451,42 @@ class QuantizedWeight(nn.Module):
             # (measured 1.26x on the 49152x576 output projection, 1 thread; ~40% fewer vector ops than (b & 255) -
             # 128 per byte). Two shifts would sign-extend every byte, but freezing folds `w << n` into new weight
             # copies. float32 throughout: in bfloat16 the offset's rounding would swamp the result.
-            K4 = self.in_features // 4
-            x32 = x.float()
-            xq = x32.reshape(*x.shape[:-1], 1, 4, K4, 1)
-            t = (xq[..., 0, :, :] * (w & 255) + xq[..., 1, :, :] * ((w >> 8) & 255)
-                 + xq[..., 2, :, :] * ((w >> 16) & 255) + xq[..., 3, :, :] * (w >> 24))
-            off = 128 * x32[..., :3 * K4].sum(-1, keepdim=True)
-            return (t.sum(-2).reshape(*x.shape[:-1], self.out_features) - off) * self.scales
+            # x in a buffer of its own, as for int4 below (a package's 8da4w output projection otherwise wrote the
+            # [M, N/16, K/4, 16] products to memory: 28 MB per token)
+            K, K4 = self.in_features, self.in_features // 4
+            x32 = x.reshape(-1, K).float()
+            if _FORCE_STRIDE is not None:
+                x32 = _FORCE_STRIDE(x32, (K, 1))
+            xq = x32.view(-1, 4, K4, 1)
+            t = (xq[:, 0] * (w & 255) + xq[:, 1] * ((w >> 8) & 255)   # [N/16, M, K/4, 16]: tiles outermost, the
+                 + xq[:, 2] * ((w >> 16) & 255) + xq[:, 3] * (w >> 24))  # loop Inductor runs in parallel
+            off = 128 * x32[:, :3 * K4].sum(-1, keepdim=True)
+            y = (t.sum(-2).transpose(0, 1).reshape(-1, self.out_features) - off) * self.scales
+            return y.reshape(*x.shape[:-1], self.out_features)
         N, K, G = self.out_features, self.in_features, self.groupsize
-        if self._int4_words is not None and x.numel() == K:
+        if self._int4_words is not None and (x.numel() == K or _WORD_KERNEL_EXPORT):
             # Vectorized along the 16 output channels of a tile (an outer reduction over the tile's K/8 word rows,
             # tiles in parallel): each tile's words are one contiguous stream, full-width loads of the words and of
             # the tiled scales / zeros, x broadcast from scalars. Reading nibbles per byte instead, Inductor loads 8
             # uint8 lanes of a 32-lane AVX2 vector through a stack buffer (~5x slower); with the words laid out
-            # [K/8, N], each tile walks memory with a stride of N words.
+            # [K/8, N], each tile walks memory with a stride of N words. Any number of rows M (a package's dynamic
+            # length, word_kernel_export); torch.compile takes it for one row.
             # Two reductions of 4 nibbles each (one fused loop): 8 terms in one expression exceed Inductor's limits on
             # inlined reads, and it would write the products to memory first.
             w, st, zt = self._int4_words
-            x32 = x.reshape(K).float()  # float32 throughout (scales too): bfloat16 loads of 8 lanes are partial
+            x32 = x.reshape(-1, K).float()  # float32 throughout (scales too): bfloat16 loads of 8 lanes are partial
             if _FORCE_STRIDE is not None:  # x in a buffer of its own: else its producer (an RMSNorm) is recomputed
-                x32 = _FORCE_STRIDE(x32, (1,))  # in the kernel for every vector of outputs (no gain at native ISA)
-            xj = x32.view(K // G, 8, G // 8, 1).transpose(0, 1)              # [8, K/G, G/8, 1]: x of nibble j
-            y = sum((sum(xj[j] * ((w >> (4 * j)) & 15) for j in range(h, h + 4)) * st).sum((1, 2)) for h in (0, 4))
-            xs = group_sums(x32, G).unsqueeze(-1)                            # [K/G, 1]
+                x32 = _FORCE_STRIDE(x32, (K, 1))  # in the kernel for every vector of outputs (no gain at native ISA)
+            xj = x32.view(-1, K // G, 8, G // 8, 1).movedim(2, 0)            # [8, M, K/G, G/8, 1]: x of nibble j
+            # [N/16, M, 16]: tiles outermost, the loop Inductor runs in parallel (rows outermost, a package's decode
+            # step ran on one thread)
+            y = sum((sum(xj[j] * ((w >> (4 * j)) & 15) for j in range(h, h + 4)) * st).sum((2, 3)) for h in (0, 4))
+            xs = group_sums(x32, G).view(-1, K // G, 1, 1)                   # [M, K/G, 1, 1]
             if zt is None or not offset:  # w = (q - 8) s; -8 on x's side (on the scales it would be folded anew)
                 xs, zt = -8 * xs, st
-            return (y + (xs * zt[:, :, 0]).sum(1)).reshape(*x.shape[:-1], N)        # + zero term
+            # + zero term (no slice of zt: Inductor's freezing folds a slice of a constant used elsewhere, as st is,
+            # and then fails to compile the package with "references nonexistent attribute _tensor_constant1")
+            return (y + (xs * zt).sum((2, 3))).transpose(0, 1).reshape(*x.shape[:-1], N)
         xg = x.reshape(*x.shape[:-1], 1, K // G, 2, G // 2)        # [..., 1, K/G, 2, G/2]
         p = self.qdata.view(N, K // G, G // 2)                    # [N, K/G, G/2]
         x_hi, x_lo = xg[..., 0, :], xg[..., 1, :]
@@ -499,7 +517,7 @@ class QuantizedLinear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         qw = self.qweight
         if self.act == "int8":
-            if torch.compiler.is_exporting() and (qw.symmetric or qw.xnnpack):
+            if torch.compiler.is_exporting() and not _WORD_KERNEL_EXPORT and (qw.symmetric or qw.xnnpack):
                 return self._forward_dynamic_act_export(x)
             zt = None
             if qw.xnnpack and qw.zeros is not None:  # asymmetric 8da4w: the zero term takes the float activations

@@ -212,8 +212,6 @@ def test_so_library(env, runner):
 
 
 def test_quantized_checkpoint(env, runner):
-    if not (REPO / "quantize.py").exists():
-        pytest.skip("quantize.py is not in the repository yet")
     # int4 weight-only in a package of two models: its several-row products lower to an aten.mm that Inductor's C++
     # GEMM template does not take (the models whose weights the package shares once once failed to compile)
     r = run([sys.executable, REPO / "quantize.py", "--checkpoint_path", env["ckpt"], "--mode", "int4", "--groupsize",
@@ -245,24 +243,29 @@ def test_quantized_checkpoint(env, runner):
         assert r.returncode == 0 and r.stdout == expect, r.stderr
 
 
-def test_quantized_package_keeps_integer_weights(env):
-    """An int8 package holds its integer weights, not float32 copies: under export the products are quantize.py's
-    word kernels (word_kernel_export), where Inductor's freezing would fold dequantize(w) into new float32 constants."""
+@pytest.mark.parametrize("mode", ["int8", "8da4w"])
+def test_quantized_package_keeps_integer_weights(env, mode):
+    """An int8 / 8da4w package holds its integer weights, not float32 copies: under export the products are
+    quantize.py's word kernels (word_kernel_export), where Inductor's freezing would fold dequantize(w) into new
+    float32 constants. 8da4w's one-row output projection in "prompt" also once failed to compile (a folded slice)."""
     from aoti_export import AOTIBackend
     from generate import TorchBackend, generate
     from model import load_model
-    r = run([sys.executable, REPO / "quantize.py", "--checkpoint_path", env["ckpt"], "--mode", "int8", "--output",
-             env["root"] / "model_int8.pth"])
+    q = env["root"] / f"model_{mode}.pth"
+    r = run([sys.executable, REPO / "quantize.py", "--checkpoint_path", env["ckpt"], "--mode", mode, "--groupsize",
+             "32", "--output", q])
     assert r.returncode == 0, r.stderr[-2000:]
-    pt2 = export_pt2(env["root"] / "model_int8.pth", env["root"] / "tiny_int8.pt2", "--fast_prefill")
+    pt2 = export_pt2(q, env["root"] / f"tiny_{mode}.pt2", "--fast_prefill")
     reader, index = package_index(pt2)
     stored = {row[2]: (row[3], reader.get_record_size(row[2])) for row in index}
     float32 = sum(n for dtype, n in stored.values() if dtype == "float32")
     linears = sum(m.weight.numel() * 4 for m in load_model(env["ckpt"]).modules() if isinstance(m, torch.nn.Linear))
-    assert float32 < linears / 4, (float32, linears)  # scales, norms and the rope table only
+    assert float32 < linears / 4, (float32, linears)  # scales, zero terms, norms and the rope table only
+    # the int8 embedding table is read from its word layout, the one a tied output projection reads: no int8 copy
+    assert not [r for r, (dtype, _) in stored.items() if dtype == "int8"]
     cpu = torch.device("cpu")
     for p in ([1, 5, 9, 300, 17], [7]):
-        want, _ = generate(TorchBackend(load_model(env["root"] / "model_int8.pth"), 1, MAX_SEQ), [p], 30, cpu)
+        want, _ = generate(TorchBackend(load_model(q), 1, MAX_SEQ), [p], 30, cpu)
         got, _ = generate(AOTIBackend(pt2), [p], 30, cpu)
         assert got == want
 

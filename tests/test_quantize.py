@@ -56,6 +56,9 @@ def test_linear_matches_its_dequantized_weights(name, bias):
     # the compile-path formulation (one reduction over the integer weights), run eagerly on one row
     fused = qw.fused_linear(ref_x[:1, :1], offset=not split) + (zt[:1, :1] if split else 0)
     torch.testing.assert_close(fused + (lin.bias if bias else 0), ref[:1, :1], rtol=1e-4, atol=1e-4)
+    with Q.word_kernel_export():  # an AOT Inductor package's dynamic length: the same kernels for any number of rows
+        many = qw.fused_linear(ref_x, offset=not split) + zt
+    torch.testing.assert_close(many + (lin.bias if bias else 0), ref, rtol=1e-4, atol=1e-4)
     # round to nearest: every stored value is the grid point nearest to the float weight, given the stored scales
     qw = lin.qweight
     if qw.bits == 8:
