@@ -1,3 +1,5 @@
+# Just over 500 lines: a third of it is the ROWS / BUILD tables (one entry per row and per artifact), kept beside the
+# code that builds and runs them so a row and what it needs read together.
 # Benchmarks: decode / prefill tok/s, TTFT, achieved GB/s and % of the memory-bandwidth ceiling measured on this
 # machine, peak RSS and file size, for every backend, precision and decoding mode. Each row runs in its own process
 # (clean peak memory, no state shared between rows); each figure is the median of several runs. Prints a markdown
