@@ -214,6 +214,11 @@ def word_kernel_export():
         _WORD_KERNEL_EXPORT = saved
 
 
+def _exporting_word_kernels() -> bool:
+    """True while torch.export traces inside word_kernel_export() (aoti_export.py)."""
+    return _WORD_KERNEL_EXPORT and torch.compiler.is_exporting()
+
+
 def _compiled_single_row(x: Tensor) -> bool:
     """True inside torch.compile (not export) for one row of activations: the decode step (and compiled prefill's
     output projection, for the last token only)."""
@@ -331,9 +336,9 @@ class QuantizedWeight(nn.Module):
         tiles = self.qdata.device.type == "cpu" and self.out_features % 16 == 0  # the word layouts' 16-channel tiles
         if self.bits == 8 and tiles and self.in_features % 4 == 0:
             # compiled decode reads int8 weights as int32 words in tiles of 16 output channels (see fused_linear):
-            # [N/16, 1, K/4, 16] (the 1: the rows of x), byte j of word [t, 0, i, c] holds q[16t + c, j*K/4 + i], plus 128 in bytes 0-2 (read
-            # as unsigned), as is in byte 3 (an arithmetic shift by 24 reads it signed). A plain attribute (not
-            # saved), rebuilt whenever the module moves.
+            # [N/16, 1, K/4, 16] (the 1: the rows of x), byte j of word [t, 0, i, c] holds q[16t + c, j*K/4 + i],
+            # plus 128 in bytes 0-2 (read as unsigned), as is in byte 3 (an arithmetic shift by 24 reads it signed).
+            # A plain attribute (not saved), rebuilt whenever the module moves.
             N, K = self.qdata.shape
             u = self.qdata.to(torch.int32).view(N // 16, 16, 4, K // 4)
             w = (u[:, :, 0] + 128) | ((u[:, :, 1] + 128) << 8) | ((u[:, :, 2] + 128) << 16) | (u[:, :, 3] << 24)
@@ -342,8 +347,9 @@ class QuantizedWeight(nn.Module):
             # compiled decode reads int4 weights as int32 words in tiles of 16 output channels (see fused_linear):
             # [N/16, 1, K/G, G/8, 16] (the 1: the rows of x), nibble j (bits 4j..4j+3) of word [t, 0, g, i, c] holds
             # q[16t + c, g*G + j*G/8 + i], so each word's 8 nibbles lie in one group and one tile's words are
-            # contiguous; scales and zeros tiled alike ([N/16, 1, K/G, 1, 16]). Plain attributes (not saved), rebuilt whenever the module moves: as many
-            # bytes as qdata, plus one float32 per group for each of scales and zeros.
+            # contiguous; scales and zeros tiled alike ([N/16, 1, K/G, 1, 16]). Plain attributes (not saved), rebuilt
+            # whenever the module moves: as many bytes as qdata, plus one float32 per group for each of scales and
+            # zeros.
             N, K, G = self.out_features, self.in_features, self.groupsize
             q = unpack_int4(self.qdata, G).to(torch.int32).view(N, K // G, 8, G // 8)
             w = q[:, :, 0]
@@ -418,7 +424,7 @@ class QuantizedWeight(nn.Module):
     def rows(self, idx: Tensor, dtype=None) -> Tensor:
         """Dequantized rows idx (any shape) -> [*idx.shape, K]: an embedding lookup."""
         dtype = dtype or self.scales.dtype
-        if self._int8_words is not None and _WORD_KERNEL_EXPORT and torch.compiler.is_exporting():
+        if self._int8_words is not None and _exporting_word_kernels():
             # from the words the output projection reads: a package stores a tied table once (qdata is not in it).
             # Tensor indices only (idx * 0, not 0): Inductor's freezing folds a select of a constant used elsewhere
             # and then fails to compile (see fused_linear)
@@ -517,7 +523,7 @@ class QuantizedLinear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         qw = self.qweight
         if self.act == "int8":
-            if torch.compiler.is_exporting() and not _WORD_KERNEL_EXPORT and (qw.symmetric or qw.xnnpack):
+            if torch.compiler.is_exporting() and not _exporting_word_kernels() and (qw.symmetric or qw.xnnpack):
                 return self._forward_dynamic_act_export(x)
             zt = None
             if qw.xnnpack and qw.zeros is not None:  # asymmetric 8da4w: the zero term takes the float activations
@@ -535,7 +541,7 @@ class QuantizedLinear(nn.Module):
 
     def _matmul(self, x: Tensor, offset: bool = True) -> Tensor:
         qw = self.qweight
-        if _compiled_single_row(x) or (_WORD_KERNEL_EXPORT and torch.compiler.is_exporting()):
+        if _compiled_single_row(x) or _exporting_word_kernels():
             # decode under torch.compile (one generated kernel per matmul, fastest measured); AOT Inductor export
             return qw.fused_linear(x, offset).to(x.dtype)
         if (y := None if torch.compiler.is_exporting() else qw.native_linear(x, offset)) is not None:

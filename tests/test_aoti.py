@@ -212,8 +212,9 @@ def test_so_library(env, runner):
 
 
 def test_quantized_checkpoint(env, runner):
-    # int4 weight-only in a package of two models: its several-row products lower to an aten.mm that Inductor's C++
-    # GEMM template does not take (the models whose weights the package shares once once failed to compile)
+    # int4 weight-only in a package of two models (the models whose weights the package shares once once failed to
+    # compile an int4 checkpoint: its several-row products lowered to an aten.mm that Inductor's C++ GEMM template
+    # does not take; they are quantize.py's word kernels now)
     r = run([sys.executable, REPO / "quantize.py", "--checkpoint_path", env["ckpt"], "--mode", "int4", "--groupsize",
              "32"])
     assert r.returncode == 0, r.stderr[-2000:]
