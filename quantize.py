@@ -442,9 +442,11 @@ class QuantizedWeight(nn.Module):
         z = None if self.zeros is None else self.zeros[idx].to(dtype)
         return _int4_values(q, self.scales[idx].to(dtype), z).flatten(-2)
 
-    def fused_linear(self, x: Tensor, offset: bool = True) -> Tensor:
+    def fused_linear(self, x: Tensor, offset: bool = True, sums: Optional[Tensor] = None) -> Tensor:
         """x [..., K] @ w.T as one reduction over the integer weights (for torch.compile: a single generated kernel
-        that reads each weight byte once; mixed-dtype products keep the weights out of Inductor's constant folding)."""
+        that reads each weight byte once; mixed-dtype products keep the weights out of Inductor's constant folding).
+        sums [..., K/G] (asymmetric 8da4w, int4 words only): x is the fake-quantized copy of float activations whose
+        group sums these are; returns x @ ((q - 8) s).T + sums @ (z + 8 s).T, the eager module's two products."""
         if self.bits == 8:
             w = self._int8_words
             if w is None:
@@ -488,6 +490,9 @@ class QuantizedWeight(nn.Module):
             # step ran on one thread)
             y = sum((sum(xj[j] * ((w >> (4 * j)) & 15) for j in range(h, h + 4)) * st).sum((2, 3)) for h in (0, 4))
             xs = group_sums(x32, G).view(-1, K // G, 1, 1)                   # [M, K/G, 1, 1]
+            if sums is not None:  # 8da4w: + 8 s (sums - xs) + z sums, in the same kernel (a separate product of the
+                xf = sums.reshape(-1, K // G, 1, 1).float()  # sums split a package's layer into 9 kernels, not 1)
+                return (y + (8 * (xf - xs) * st + xf * zt).sum((2, 3))).transpose(0, 1).reshape(*x.shape[:-1], N)
             if zt is None or not offset:  # w = (q - 8) s; -8 on x's side (on the scales it would be folded anew)
                 xs, zt = -8 * xs, st
             # + zero term (no slice of zt: Inductor's freezing folds a slice of a constant used elsewhere, as st is,
@@ -525,25 +530,28 @@ class QuantizedLinear(nn.Module):
         if self.act == "int8":
             if torch.compiler.is_exporting() and not _exporting_word_kernels() and (qw.symmetric or qw.xnnpack):
                 return self._forward_dynamic_act_export(x)
-            zt = None
+            zt = sums = None
             if qw.xnnpack and qw.zeros is not None:  # asymmetric 8da4w: the zero term takes the float activations
-                zt = F.linear(group_sums(x, qw.groupsize), qw.zero_term.to(x.dtype))
+                if qw._int4_words is not None and (_compiled_single_row(x) or _exporting_word_kernels()):
+                    sums = group_sums(x, qw.groupsize)  # the word kernel adds it (see fused_linear)
+                else:
+                    zt = F.linear(group_sums(x, qw.groupsize), qw.zero_term.to(x.dtype))
             compiled = torch.compiler.is_compiling() and not torch.compiler.is_exporting()
             if self.act_quant is not None:  # tp.py's row-parallel shards: the range of the whole row
                 x = self.act_quant(x)
             else:
                 x = _FAKE_QUANT_OP(x) if compiled else fake_quant_per_token_int8(x)
-            y = self._matmul(x, offset=zt is None)
+            y = self._matmul(x, offset=zt is None, sums=sums)
             y = y if zt is None else y + zt
         else:
             y = self._matmul(x)
         return y + self.bias if self.bias is not None else y
 
-    def _matmul(self, x: Tensor, offset: bool = True) -> Tensor:
+    def _matmul(self, x: Tensor, offset: bool = True, sums: Optional[Tensor] = None) -> Tensor:
         qw = self.qweight
         if _compiled_single_row(x) or _exporting_word_kernels():
             # decode under torch.compile (one generated kernel per matmul, fastest measured); AOT Inductor export
-            return qw.fused_linear(x, offset).to(x.dtype)
+            return qw.fused_linear(x, offset, sums).to(x.dtype)
         if (y := None if torch.compiler.is_exporting() else qw.native_linear(x, offset)) is not None:
             return y  # ATen's packed bfloat16 CPU kernels
         if torch.compiler.is_compiling():  # compiled prefill / batched decode, export: one dequantize, one GEMM

@@ -58,6 +58,9 @@ def test_linear_matches_its_dequantized_weights(name, bias):
     torch.testing.assert_close(fused + (lin.bias if bias else 0), ref[:1, :1], rtol=1e-4, atol=1e-4)
     with Q.word_kernel_export():  # an AOT Inductor package's dynamic length: the same kernels for any number of rows
         many = qw.fused_linear(ref_x, offset=not split) + zt
+        if split:  # 8da4w's form there (and in compiled decode): the float activations' group sums in the same kernel
+            one = qw.fused_linear(ref_x, sums=x.unflatten(-1, (-1, qw.groupsize)).sum(-1))
+            torch.testing.assert_close(one + (lin.bias if bias else 0), ref, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(many + (lin.bias if bias else 0), ref, rtol=1e-4, atol=1e-4)
     # round to nearest: every stored value is the grid point nearest to the float weight, given the stored scales
     qw = lin.qweight
