@@ -199,8 +199,8 @@ def group_sums(x: Tensor, G: int) -> Tensor:
 # ExecuTorch's and ONNX's lowerings take (8da4w: torchao's affine ops). AOT Inductor's freezing would fold that
 # dequantize into float32 copies of the weights (an int8 package four times the size, decode at float32's speed), so
 # aoti_export.py exports inside word_kernel_export(): fused_linear's word kernels for any number of rows, 8da4w's
-# activations fake-quantized into them (bench.py, SmolLM2 int8: a 144 MB package decoding at 1.22x llama.cpp Q8_0,
-# int4 g32: 118 MB, 1.01x Q4_0; the folded int8 package was 584 MB and 0.38x).
+# activations fake-quantized into them (bench.py, SmolLM2 int8: a 144 MB package decoding at 1.35x llama.cpp Q8_0,
+# int4 g32: 118 MB, 1.05x Q4_0; the folded int8 package was 584 MB and 0.38x).
 _WORD_KERNEL_EXPORT = False
 
 
