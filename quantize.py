@@ -492,12 +492,14 @@ class QuantizedWeight(nn.Module):
             xs = group_sums(x32, G).view(-1, K // G, 1, 1)                   # [M, K/G, 1, 1]
             if sums is not None:  # 8da4w: + 8 s (sums - xs) + z sums, in the same kernel (a separate product of the
                 xf = sums.reshape(-1, K // G, 1, 1).float()  # sums split a package's layer into 9 kernels, not 1)
-                return (y + (8 * (xf - xs) * st + xf * zt).sum((2, 3))).transpose(0, 1).reshape(*x.shape[:-1], N)
-            if zt is None or not offset:  # w = (q - 8) s; -8 on x's side (on the scales it would be folded anew)
-                xs, zt = -8 * xs, st
+                term = 8 * (xf - xs) * st + xf * zt
+            else:
+                if zt is None or not offset:  # w = (q - 8) s; -8 on x's side (on the scales it would be folded anew)
+                    xs, zt = -8 * xs, st
+                term = xs * zt
             # + zero term (no slice of zt: Inductor's freezing folds a slice of a constant used elsewhere, as st is,
             # and then fails to compile the package with "references nonexistent attribute _tensor_constant1")
-            return (y + (xs * zt).sum((2, 3))).transpose(0, 1).reshape(*x.shape[:-1], N)
+            return (y + term.sum((2, 3))).transpose(0, 1).reshape(*x.shape[:-1], N)
         xg = x.reshape(*x.shape[:-1], 1, K // G, 2, G // 2)        # [..., 1, K/G, 2, G/2]
         p = self.qdata.view(N, K // G, G // 2)                    # [N, K/G, G/2]
         x_hi, x_lo = xg[..., 0, :], xg[..., 1, :]
@@ -532,7 +534,7 @@ class QuantizedLinear(nn.Module):
                 return self._forward_dynamic_act_export(x)
             zt = sums = None
             if qw.xnnpack and qw.zeros is not None:  # asymmetric 8da4w: the zero term takes the float activations
-                if qw._int4_words is not None and (_compiled_single_row(x) or _exporting_word_kernels()):
+                if qw._int4_words is not None and self._word_kernels(x):
                     sums = group_sums(x, qw.groupsize)  # the word kernel adds it (see fused_linear)
                 else:
                     zt = F.linear(group_sums(x, qw.groupsize), qw.zero_term.to(x.dtype))
@@ -547,10 +549,14 @@ class QuantizedLinear(nn.Module):
             y = self._matmul(x)
         return y + self.bias if self.bias is not None else y
 
+    @staticmethod
+    def _word_kernels(x: Tensor) -> bool:
+        """Decode under torch.compile (one generated kernel per matmul, fastest measured); AOT Inductor export."""
+        return _compiled_single_row(x) or _exporting_word_kernels()
+
     def _matmul(self, x: Tensor, offset: bool = True, sums: Optional[Tensor] = None) -> Tensor:
         qw = self.qweight
-        if _compiled_single_row(x) or _exporting_word_kernels():
-            # decode under torch.compile (one generated kernel per matmul, fastest measured); AOT Inductor export
+        if self._word_kernels(x):
             return qw.fused_linear(x, offset, sums).to(x.dtype)
         if (y := None if torch.compiler.is_exporting() else qw.native_linear(x, offset)) is not None:
             return y  # ATen's packed bfloat16 CPU kernels
