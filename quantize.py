@@ -28,7 +28,8 @@
 # group of G, byte j holds element j (high nibble) and j + G/2 (low). Scales and zeros are in the model's float dtype.
 # The file stores its recipe; model.load_model() calls apply_recipe() on a meta-device model, then assigns the weights.
 #
-# Kernels. Eager: dequantize (a block of rows at a time), then F.linear; bfloat16 on CPU: ATen's packed kernels.
+# Kernels. Eager: dequantize (a block of rows at a time), then F.linear; on CPU, ATen's packed kernels for bfloat16 and
+# for weight-only int8 / int4 products of more than one row, eager and compiled alike (see native_linear).
 # torch.compile, one token (decode): one reduction reading the integer weights directly (nibbles unpacked inside the
 # generated kernel); with Inductor's freezing, a plain `F.linear(x, w_int8.to(x.dtype)) * s` would be constant-folded
 # back into a float32 weight. torch.export: plain dequantize + linear (int8/int4), or for 8da4w the torchao
@@ -317,11 +318,14 @@ class QuantizedWeight(nn.Module):
 
     # bfloat16 on CPU: ATen's packed weight-only kernels (AVX512-BF16) beat everything else (measured ~14 Gparam/s int8,
     # ~35 Gparam/s int4 vs ~1-4 for dequantize + bf16 GEMM). With float32 activations they run a reference loop (int4:
-    # ~1 G MAC/s), so a float32 int4 weight-only model casts its activations to bfloat16 for products of more than one
-    # row (prefill, batched decode, speculative verification): 78 / 84 G MAC/s at 15 / 128 rows on 2 threads, as fast
-    # as float32 sgemm, where dequantizing first cost as much as the product (compiled prefill 3x slower at 15 tokens).
-    # Bfloat16 activations are finer than llama.cpp's Q4_0 path (8-bit activations); one-row products (decode) keep
-    # float32 (fused_linear: as fast, measured). int8 runs on qdata as stored; int4 needs
+    # ~1 G MAC/s; int8 ~2 G), so a float32 weight-only model casts its activations to bfloat16 for products of more
+    # than one row (prefill, batched decode, speculative verification), output back to float32 (int8: scaled after,
+    # unit scales inside). 2 threads, 33 / 128 rows of 576x1536: int4 380 / 1454 us, int8 472 / 1561 us, float32
+    # sgemm 460 / 1359 us. Dequantizing first cost as much as the product (compiled int4 prefill 3x slower at 15
+    # tokens; eager int8 prefill of 33 tokens 159 -> 90 ms with the packed kernel); compiled, int8's dequantize is
+    # constant-folded into a float32 copy of the weights (compile_prefill held 4 bytes per int8 weight more).
+    # Bfloat16 activations are finer than llama.cpp's Q4_0 / Q8_0 paths (8-bit activations); one-row products (decode)
+    # keep float32 (fused_linear: as fast, measured). int8 runs on qdata as stored; int4 needs
     # _convert_weight_to_int4pack_for_cpu's blocked layout: a second copy, 0.625 byte per weight with its bfloat16
     # scales and zeros (a plain attribute, not saved, rebuilt whenever the module moves or changes dtype).
     _int4_cpu = None
@@ -371,18 +375,24 @@ class QuantizedWeight(nn.Module):
         """int4 weight-only (--mode int4, int4-gptq): not 8da4w's layouts."""
         return self.bits == 4 and not (self.symmetric or self.xnnpack)
 
-    def native_linear(self, x: Tensor, offset: bool = True) -> Optional[Tensor]:
-        """x @ w.T with ATen's packed CPU kernels when they apply (CPU; bfloat16 activations and scales, or int4
+    def native_linear(self, x: Tensor, offset: bool = True, float_rows: bool = True) -> Optional[Tensor]:
+        """x @ w.T with ATen's packed CPU kernels when they apply (CPU; bfloat16 activations and scales, or int8 / int4
         weight-only with more than one row: bfloat16 inside, see above), else None.
-        offset False: without the zero offsets of an asymmetric weight (w = (q - 8) * s)."""
+        offset False: without the zero offsets of an asymmetric weight (w = (q - 8) * s).
+        float_rows False: x must not be rounded to bfloat16 (8da4w's fake-quantized activations)."""
         bf16 = x.dtype == torch.bfloat16 and self.scales.dtype == torch.bfloat16
-        if x.device.type != "cpu" or not (bf16 or (self.weight_only and x.numel() > x.shape[-1])):
+        rows = float_rows and x.numel() > x.shape[-1] and (self.bits == 8 or self.weight_only)
+        if x.device.type != "cpu" or not (bf16 or rows):
             return None
         if self.zeros is not None and offset == self.xnnpack:  # the packed copy holds the other variant
             return None
         x2 = x.reshape(-1, self.in_features)
-        if self.bits == 8:
+        if self.bits == 8 and bf16:
             y = torch.ops.aten._weight_int8pack_mm(x2, self.qdata, self.scales)
+        elif self.bits == 8:  # unit scales inside (a bfloat16 scale would round each channel), the float ones after
+            unit = torch.ones(self.out_features, dtype=torch.bfloat16, device=x.device)
+            y = (torch.ops.aten._weight_int8pack_mm(x2.to(torch.bfloat16), self.qdata, unit).to(x.dtype)
+                 * self.scales.to(x.dtype))
         elif self._int4_cpu is not None:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.to(torch.bfloat16), self._int4_cpu[0], self.groupsize,
                                                            self._int4_cpu[1]).to(x.dtype)
@@ -558,7 +568,7 @@ class QuantizedLinear(nn.Module):
         qw = self.qweight
         if self._word_kernels(x):
             return qw.fused_linear(x, offset, sums).to(x.dtype)
-        if (y := None if torch.compiler.is_exporting() else qw.native_linear(x, offset)) is not None:
+        if (y := None if torch.compiler.is_exporting() else qw.native_linear(x, offset, self.act is None)) is not None:
             return y  # ATen's packed bfloat16 CPU kernels
         if torch.compiler.is_compiling():  # compiled prefill / batched decode, export: one dequantize, one GEMM
             return F.linear(x, qw.dequantize(x.dtype, offset=offset))

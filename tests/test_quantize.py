@@ -44,11 +44,15 @@ def test_linear_matches_its_dequantized_weights(name, bias):
     split = qw.xnnpack and qw.zeros is not None  # 8da4w: int8 x (q - 8) s, plus float x's group sums x (z + 8 s)
     zt = F.linear(x.unflatten(-1, (-1, qw.groupsize)).sum(-1), qw.zeros + 8 * qw.scales) if split else 0
     ref = F.linear(ref_x, qw.dequantize(offset=not split), lin.bias) + zt
+    bf = lambda t: t.to(torch.bfloat16).float()  # float32 products and sums, output in bfloat16 (one flip allowed)
     if qw.weight_only:  # more than one row: ATen's packed kernel, bfloat16 activations, scales and offsets (z + 8 s),
-        bf = lambda t: t.to(torch.bfloat16).float()  # float32 products and sums, output in bfloat16 (one flip allowed)
         G, N = qw.groupsize, qw.out_features
         w16 = ((qw.int_values().view(N, -1, G) - 8) * bf(qw.scales)[..., None] + bf(qw.zeros + 8 * qw.scales)[..., None])
         want = bf(F.linear(bf(x), w16.view(N, -1))) + (lin.bias if bias else 0)
+        torch.testing.assert_close(lin(x), want, rtol=2 ** -8, atol=1e-6)
+        torch.testing.assert_close(lin(x[:1, :1]), ref[:1, :1], rtol=1e-5, atol=1e-5)  # one row: float32
+    elif qw.bits == 8 and not lin.act:  # int8 weight-only, more than one row: the same, float32 scales after
+        want = bf(F.linear(bf(x), qw.qdata.float())) * qw.scales + (lin.bias if bias else 0)
         torch.testing.assert_close(lin(x), want, rtol=2 ** -8, atol=1e-6)
         torch.testing.assert_close(lin(x[:1, :1]), ref[:1, :1], rtol=1e-5, atol=1e-5)  # one row: float32
     else:
@@ -85,12 +89,10 @@ def test_bfloat16_native_kernels_match_dequantized_weights(name):
     ref = F.linear(x.float(), lin.qweight.dequantize(torch.float32))
     torch.testing.assert_close(y.float(), ref, rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(lin(x).float(), ref, rtol=2e-2, atol=2e-2)
-    qw = lin.to(torch.float32).qweight
-    if qw.bits == 8:
-        assert qw.native_linear(x.float()) is None  # float32 takes the portable path
-    else:  # float32 int4 weight-only: bfloat16 activations for more than one row, the portable path for one
-        torch.testing.assert_close(qw.native_linear(x.float()), ref, rtol=2e-2, atol=2e-2)
-        assert qw.native_linear(x[:1].float()) is None
+    qw = lin.to(torch.float32).qweight  # float32 weight-only: bfloat16 activations for more than one row, the portable
+    torch.testing.assert_close(qw.native_linear(x.float()), ref, rtol=2e-2, atol=2e-2)  # path for one
+    assert qw.native_linear(x[:1].float()) is None
+    assert qw.native_linear(x.float(), float_rows=False) is None  # 8da4w's fake-quantized activations stay float32
 
 
 def test_bfloat16_native_kernel_of_asymmetric_8da4w():
