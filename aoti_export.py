@@ -170,13 +170,16 @@ def export(checkpoint_path, output_path, max_seq_length: int = 1024, dtype: Opti
                 programs["lookahead"] = (torch.export.export(
                     model, ex, kw, dynamic_shapes={"idx": {1: seq}, "input_pos": {0: seq}, "mask": {2: seq}},
                     strict=False, prefer_deferred_runtime_asserts_over_guards=True), ex, kw)
-        if fast_prefill:
-            T = min(PROMPT_HINT, S)
+        if fast_prefill:  # prompts of 2 tokens or more (the runners run a 1-token prompt through "model"); the
+            T = min(PROMPT_HINT, S)  # weight-only products of many rows are ATen's packed kernels (quantize.py)
             ex = (torch.zeros(1, T, dtype=torch.long, device=device), torch.arange(T, device=device))
             kw = {"logits_at": torch.tensor([T - 1], device=device)}
-            programs["prompt"] = (torch.export.export(
-                model, ex, kw, dynamic_shapes={"idx": {1: seq}, "input_pos": {0: seq}, "logits_at": None},
-                strict=False, prefer_deferred_runtime_asserts_over_guards=True), ex, kw)
+            prompt_seq = Dim("prompt_seq", min=2, max=S)
+            with quantize.word_kernel_export(many_rows="native"):
+                programs["prompt"] = (torch.export.export(
+                    model, ex, kw, dynamic_shapes={"idx": {1: prompt_seq}, "input_pos": {0: prompt_seq},
+                                                   "logits_at": None},
+                    strict=False, prefer_deferred_runtime_asserts_over_guards=True), ex, kw)
     meta["models"] = ",".join(programs)
     if len(programs) > 1:
         meta["shared_weights"] = SHARED_WEIGHTS
@@ -212,8 +215,10 @@ def export(checkpoint_path, output_path, max_seq_length: int = 1024, dtype: Opti
                       "aot_inductor.package_constants_on_disk_format": "binary_blob",
                       "max_autotune_gemm_backends": "CPP"}
             own = {**configs, "aot_inductor.package": True, "aot_inductor.package_constants_in_so": True}
-            if model.quantization:  # its products are quantize.py's word kernels, not GEMMs: "prompt" shares them
-                own = shared
+            if model.quantization:  # quantize.py's kernels, not float GEMMs on its weights: "prompt" shares them,
+                # with ATen's packed int8 / int4 kernels among its choices (no oneDNN prepacking of a float linear's
+                # weights, e.g. an --embedding none output projection: opaque tensors package_shared cannot store)
+                own = {**shared, "max_autotune_gemm_backends": "CPP,ATEN", "cpp.weight_prepack": False}
             for name, (prog, ex, kw) in programs.items():
                 log(f"  compiling {name} ...")
                 with torch.no_grad():

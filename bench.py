@@ -83,6 +83,8 @@ BUILD = {
     **export("aoti_export.py", "fp32.fp.s256.j{j}.pt2", "model.pth", *S256, *J, "--fast_prefill"),
     **export("aoti_export.py", "int8.s256.j{j}.pt2", "model_int8.pth", *S256, *J),
     **export("aoti_export.py", "int4.g32.s256.j{j}.pt2", "model_int4.g32.pth", *S256, *J),
+    **export("aoti_export.py", "int8.fp.s256.j{j}.pt2", "model_int8.pth", *S256, *J, "--fast_prefill"),
+    **export("aoti_export.py", "int4.g32.fp.s256.j{j}.pt2", "model_int4.g32.pth", *S256, *J, "--fast_prefill"),
     **export("aoti_export.py", "8da4w.g32.s256.j{j}.pt2", "model_8da4w.g32.pth", *S256, *J),
     "{art}/onnx/model.onnx": [PY, "export_onnx.py", "--checkpoint_path", "{ck}/model.pth", "--output_dir",
                               "{art}/onnx"],
@@ -172,6 +174,11 @@ ROWS = {
                                vs="runner-aoti fp32", peer="llama.cpp Q8_0"),
     "runner-aoti int4 g32": runner("runner-aoti/build/run", "{art}/int4.g32.s256.j{j}.pt2", "{ck}/model_int4.g32.pth",
                                    vs="runner-aoti fp32", peer="llama.cpp Q4_0"),
+    "runner-aoti int8 fast_prefill": runner("runner-aoti/build/run", "{art}/int8.fp.s256.j{j}.pt2",
+                                            "{ck}/model_int8.pth", vs="runner-aoti int8", peer="llama.cpp Q8_0"),
+    "runner-aoti int4 g32 fast_prefill": runner("runner-aoti/build/run", "{art}/int4.g32.fp.s256.j{j}.pt2",
+                                                "{ck}/model_int4.g32.pth", vs="runner-aoti int4 g32",
+                                                peer="llama.cpp Q4_0"),
     "runner-aoti 8da4w g32": runner("runner-aoti/build/run", "{art}/8da4w.g32.s256.j{j}.pt2",
                                     "{ck}/model_8da4w.g32.pth", vs="runner-aoti fp32", peer="llama.cpp Q4_0"),
     "pte fp32": artifact_row("--pte", "{art}/fp32.s256.pte", "{ck}/model.pth", vs="eager fp32"),
@@ -216,8 +223,9 @@ GROUPS["peer"] = ["llama.cpp F32", "compile fp32", "aoti fp32", "runner-aoti fp3
                   "runner-et fp32", "llama.cpp F16", "compile bf16", "llama.cpp Q8_0", "compile int8", "llama.cpp Q4_0",
                   "compile int4 g32", "runner-et 8da4w g32"]
 GROUPS["prefill"] = ["llama.cpp F32", "compile_prefill fp32", "runner-aoti fp32", "runner-aoti fp32 fast_prefill",
-                     "runner-et fp32", "llama.cpp Q8_0", "compile_prefill int8",
-                     "llama.cpp Q4_0", "compile_prefill int4 g32", "runner-et 8da4w g32"]
+                     "runner-et fp32", "llama.cpp Q8_0", "compile_prefill int8", "runner-aoti int8 fast_prefill",
+                     "llama.cpp Q4_0", "compile_prefill int4 g32", "runner-aoti int4 g32 fast_prefill",
+                     "runner-et 8da4w g32"]
 GROUPS["all"] = list(ROWS)
 # --rows server: server.py under 1, 4 and 8 concurrent clients (scripts/bench_server.py), next to the generate.py
 # batch-1 row of the same backend ("compile fp32") in the same run

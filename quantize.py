@@ -201,14 +201,17 @@ def group_sums(x: Tensor, G: int) -> Tensor:
 # dequantize into float32 copies of the weights (an int8 package four times the size, decode at float32's speed), so
 # aoti_export.py exports inside word_kernel_export(): fused_linear's word kernels for any number of rows, 8da4w's
 # activations fake-quantized into them (bench.py, SmolLM2 int8: a 144 MB package decoding at 1.35x llama.cpp Q8_0,
-# int4 g32: 118 MB, 1.05x Q4_0; the folded int8 package was 584 MB and 0.38x).
-_WORD_KERNEL_EXPORT = False
+# int4 g32: 118 MB, 1.05x Q4_0; the folded int8 package was 584 MB and 0.38x). Its "prompt" model (--fast_prefill,
+# more than one row by its contract) exports inside word_kernel_export("native"): the weight-only products of many rows
+# take native_linear's packed kernels, as eager and compiled prefill do (the word kernels redo each row's arithmetic:
+# a package prefilled at a third of llama.cpp's rate); one row (its output projection) stays on the words.
+_WORD_KERNEL_EXPORT = None  # None, "words" or "native": word_kernel_export's many_rows
 
 
 @contextlib.contextmanager
-def word_kernel_export():
+def word_kernel_export(many_rows: str = "words"):
     global _WORD_KERNEL_EXPORT
-    saved, _WORD_KERNEL_EXPORT = _WORD_KERNEL_EXPORT, True
+    saved, _WORD_KERNEL_EXPORT = _WORD_KERNEL_EXPORT, many_rows
     try:
         yield
     finally:
@@ -217,7 +220,12 @@ def word_kernel_export():
 
 def _exporting_word_kernels() -> bool:
     """True while torch.export traces inside word_kernel_export() (aoti_export.py)."""
-    return _WORD_KERNEL_EXPORT and torch.compiler.is_exporting()
+    return _WORD_KERNEL_EXPORT is not None and torch.compiler.is_exporting()
+
+
+def _exporting_native_rows() -> bool:
+    """True while torch.export traces inside word_kernel_export("native") (a package's "prompt" model)."""
+    return _WORD_KERNEL_EXPORT == "native" and torch.compiler.is_exporting()
 
 
 def _compiled_single_row(x: Tensor) -> bool:
@@ -332,11 +340,16 @@ class QuantizedWeight(nn.Module):
 
     _int8_words = None
     _int4_words = None
+    _int8_unit = None
 
     def _rebuild_native(self):
         self._int4_cpu = None
         self._int8_words = None
         self._int4_words = None
+        # int8's unit bfloat16 scales for float32 activations (see native_linear; a plain attribute, not an op in a
+        # package's graph)
+        self._int8_unit = (_static(torch.ones(self.out_features, dtype=torch.bfloat16, device=self.qdata.device))
+                           if self.bits == 8 else None)
         tiles = self.qdata.device.type == "cpu" and self.out_features % 16 == 0  # the word layouts' 16-channel tiles
         if self.bits == 8 and tiles and self.in_features % 4 == 0:
             # compiled decode reads int8 weights as int32 words in tiles of 16 output channels (see fused_linear):
@@ -390,8 +403,7 @@ class QuantizedWeight(nn.Module):
         if self.bits == 8 and bf16:
             y = torch.ops.aten._weight_int8pack_mm(x2, self.qdata, self.scales)
         elif self.bits == 8:  # unit scales inside (a bfloat16 scale would round each channel), the float ones after
-            unit = torch.ones(self.out_features, dtype=torch.bfloat16, device=x.device)
-            y = (torch.ops.aten._weight_int8pack_mm(x2.to(torch.bfloat16), self.qdata, unit).to(x.dtype)
+            y = (torch.ops.aten._weight_int8pack_mm(x2.to(torch.bfloat16), self.qdata, self._int8_unit).to(x.dtype)
                  * self.scales.to(x.dtype))
         elif self._int4_cpu is not None:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.to(torch.bfloat16), self._int4_cpu[0], self.groupsize,
@@ -482,7 +494,7 @@ class QuantizedWeight(nn.Module):
             y = (t.sum(-2).transpose(0, 1).reshape(-1, self.out_features) - off) * self.scales
             return y.reshape(*x.shape[:-1], self.out_features)
         N, K, G = self.out_features, self.in_features, self.groupsize
-        if self._int4_words is not None and (x.numel() == K or _WORD_KERNEL_EXPORT):
+        if self._int4_words is not None and (x.numel() == K or _WORD_KERNEL_EXPORT is not None):
             # Vectorized along the 16 output channels of a tile (an outer reduction over the tile's K/8 word rows,
             # tiles in parallel): each tile's words are one contiguous stream, full-width loads of the words and of
             # the tiled scales / zeros, x broadcast from scalars. Reading nibbles per byte instead, Inductor loads 8
@@ -566,10 +578,13 @@ class QuantizedLinear(nn.Module):
 
     def _matmul(self, x: Tensor, offset: bool = True, sums: Optional[Tensor] = None) -> Tensor:
         qw = self.qweight
+        # ATen's packed CPU kernels (bfloat16, or weight-only products of many rows), eager and compiled (not the decode
+        # step's one row), and in a package's prompt model (word_kernel_export("native"))
+        native = _exporting_native_rows() or not (torch.compiler.is_exporting() or _compiled_single_row(x))
+        if native and (y := qw.native_linear(x, offset, self.act is None)) is not None:
+            return y
         if self._word_kernels(x):
             return qw.fused_linear(x, offset, sums).to(x.dtype)
-        if (y := None if torch.compiler.is_exporting() else qw.native_linear(x, offset, self.act is None)) is not None:
-            return y  # ATen's packed bfloat16 CPU kernels
         if torch.compiler.is_compiling():  # compiled prefill / batched decode, export: one dequantize, one GEMM
             return F.linear(x, qw.dequantize(x.dtype, offset=offset))
         return qw.chunked_linear(x, offset=offset)

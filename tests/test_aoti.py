@@ -12,6 +12,7 @@ import re
 import shutil
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -222,18 +223,23 @@ def test_quantized_checkpoint(env, runner):
     pt2 = export_pt2(q, env["root"] / "tiny_int4.pt2", "--fast_prefill")
     from aoti_export import AOTIBackend
     assert "quantization" in AOTIBackend(pt2).metadata
-    # a quantized model's "prompt" shares the package's records with "model" (its products are not GEMMs): what it
-    # adds (layouts its hint folds differently) is a small part of what "model" reads
+    # a quantized model's "prompt" shares the package's records with "model" (its products are not float GEMMs);
+    # what it adds is ATen's blocked int4 layout of each linear, packed weights and bfloat16 scales / offsets, for
+    # the many-row products (quantize.py), as eager prefill runs them
+    from generate import TorchBackend, generate
+    from model import load_model
+    from quantize import QuantizedLinear
     reader, index = package_index(pt2)
-    records: dict = {}
+    records, dtypes = {}, {row[2]: row[3] for row in index}
     for row in index:
         records.setdefault(row[0], set()).add(row[2])
     assert set(records) == {"model", "prompt"}
-    size = lambda recs: sum(reader.get_record_size(r) for r in recs)  # noqa: E731
-    assert size(records["prompt"] - records["model"]) < 0.25 * size(records["model"])
+    added = records["prompt"] - records["model"]
+    # (the layers' linears: the output projection computes one row, on the words; plus the group size, a scalar)
+    int4 = [m for m in load_model(q).layers.modules() if isinstance(m, QuantizedLinear) and m.qweight.bits == 4]
+    kinds = Counter(dtypes[r] for r in added)
+    assert kinds["uint8"] == kinds["bfloat16"] == len(int4) and kinds.total() <= 2 * len(int4) + 1, kinds
     # the package computes what the quantized eager model computes
-    from generate import TorchBackend, generate
-    from model import load_model
     cpu = torch.device("cpu")
     want, _ = generate(TorchBackend(load_model(q), 1, MAX_SEQ), [[1, 5, 9]], 30, cpu)
     got, _ = generate(AOTIBackend(pt2), [[1, 5, 9]], 30, cpu)
@@ -244,11 +250,14 @@ def test_quantized_checkpoint(env, runner):
         assert r.returncode == 0 and r.stdout == expect, r.stderr
 
 
-@pytest.mark.parametrize("mode", ["int8", "8da4w"])
+@pytest.mark.parametrize("mode", ["int8", "int4", "8da4w"])
 def test_quantized_package_keeps_integer_weights(env, mode):
-    """An int8 / 8da4w package holds its integer weights, not float32 copies: under export the products are
+    """An int8 / int4 / 8da4w package holds its integer weights, not float32 copies: under export the products are
     quantize.py's word kernels (word_kernel_export), where Inductor's freezing would fold dequantize(w) into new
-    float32 constants. 8da4w's one-row output projection in "prompt" also once failed to compile (a folded slice)."""
+    float32 constants. Its "prompt" model (--fast_prefill) runs the weight-only products of many rows as eager does,
+    through ATen's packed kernels on their own integer copies (int8: qdata; int4: the blocked layout), its one-row
+    output projection through the words (8da4w's once failed to compile there: a folded slice)."""
+    import quantize
     from aoti_export import AOTIBackend
     from generate import TorchBackend, generate
     from model import load_model
@@ -262,8 +271,12 @@ def test_quantized_package_keeps_integer_weights(env, mode):
     float32 = sum(n for dtype, n in stored.values() if dtype == "float32")
     linears = sum(m.weight.numel() * 4 for m in load_model(env["ckpt"]).modules() if isinstance(m, torch.nn.Linear))
     assert float32 < linears / 4, (float32, linears)  # scales, zero terms, norms and the rope table only
-    # the int8 embedding table is read from its word layout, the one a tied output projection reads: no int8 copy
-    assert not [r for r, (dtype, _) in stored.items() if dtype == "int8"]
+    # the int8 embedding table is read from its word layout, the one a tied output projection reads: no int8 copy of
+    # it; int8's linears are stored twice (words for "model", qdata for "prompt's" packed kernel), 8da4w's once
+    int8 = sum(n for dtype, n in stored.values() if dtype == "int8")
+    qlinears = [m.qweight for m in load_model(q).modules() if isinstance(m, quantize.QuantizedLinear)]
+    assert int8 == (sum(w.qdata.numel() for w in qlinears if w.bits == 8 and w.out_features != VOCAB) if mode == "int8"
+                    else 0), int8
     cpu = torch.device("cpu")
     for p in ([1, 5, 9, 300, 17], [7]):
         want, _ = generate(TorchBackend(load_model(q), 1, MAX_SEQ), [p], 30, cpu)
