@@ -25,7 +25,8 @@ Decoding modes (runner-aoti -M, generate.py / eval.py): a package holds more tha
     run many rows at ~40% of oneDNN's rate; "prompt" is tuned at PROMPT_HINT tokens with ATen among the choices and
     skips the other positions' logits. oneDNN's prepacked weights are opaque tensors that cannot be shared, so a float
     model's "prompt" keeps its constants in its own library: a second copy of the weights (about twice the package
-    and the memory). A quantized model's products are not GEMMs on its weights: its "prompt" shares them.
+    and the memory). A quantized model's "prompt" shares the records of "model" and adds the layouts of ATen's
+    int8 / int4 kernels for its many-row products (quantize.word_kernel_export("native")).
 The models of such a package share their weights (except a float "prompt"): each is compiled without its constants
 (aot_inductor.package_constants_in_so=False) and the package holds every distinct constant once, as a record under
 data/weights/llama_flat/ (64-byte aligned, uncompressed) listed by that folder's `index` (one line per model and
@@ -174,11 +175,10 @@ def export(checkpoint_path, output_path, max_seq_length: int = 1024, dtype: Opti
             T = min(PROMPT_HINT, S)  # weight-only products of many rows are ATen's packed kernels (quantize.py)
             ex = (torch.zeros(1, T, dtype=torch.long, device=device), torch.arange(T, device=device))
             kw = {"logits_at": torch.tensor([T - 1], device=device)}
-            prompt_seq = Dim("prompt_seq", min=2, max=S)
-            with quantize.word_kernel_export(many_rows="native"):
-                programs["prompt"] = (torch.export.export(
-                    model, ex, kw, dynamic_shapes={"idx": {1: prompt_seq}, "input_pos": {0: prompt_seq},
-                                                   "logits_at": None},
+            prompt_seq, native = Dim("prompt_seq", min=2, max=S), quantize.word_kernel_export(many_rows="native")
+            with native:
+                programs["prompt"] = (torch.export.export(model, ex, kw, dynamic_shapes={
+                    "idx": {1: prompt_seq}, "input_pos": {0: prompt_seq}, "logits_at": None},
                     strict=False, prefer_deferred_runtime_asserts_over_guards=True), ex, kw)
     meta["models"] = ",".join(programs)
     if len(programs) > 1:
@@ -215,9 +215,7 @@ def export(checkpoint_path, output_path, max_seq_length: int = 1024, dtype: Opti
                       "aot_inductor.package_constants_on_disk_format": "binary_blob",
                       "max_autotune_gemm_backends": "CPP"}
             own = {**configs, "aot_inductor.package": True, "aot_inductor.package_constants_in_so": True}
-            if model.quantization:  # quantize.py's kernels, not float GEMMs on its weights: "prompt" shares them,
-                # with ATen's packed int8 / int4 kernels among its choices (no oneDNN prepacking of a float linear's
-                # weights, e.g. an --embedding none output projection: opaque tensors package_shared cannot store)
+            if model.quantization:  # no float GEMMs on its weights: ATen's int8 / int4 kernels allowed, no prepacking
                 own = {**shared, "max_autotune_gemm_backends": "CPP,ATEN", "cpp.weight_prepack": False}
             for name, (prog, ex, kw) in programs.items():
                 log(f"  compiling {name} ...")
