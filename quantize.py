@@ -200,11 +200,12 @@ def group_sums(x: Tensor, G: int) -> Tensor:
 # ExecuTorch's and ONNX's lowerings take (8da4w: torchao's affine ops). AOT Inductor's freezing would fold that
 # dequantize into float32 copies of the weights (an int8 package four times the size, decode at float32's speed), so
 # aoti_export.py exports inside word_kernel_export(): fused_linear's word kernels for any number of rows, 8da4w's
-# activations fake-quantized into them (bench.py, SmolLM2 int8: a 144 MB package decoding at 1.35x llama.cpp Q8_0,
-# int4 g32: 118 MB, 1.05x Q4_0; the folded int8 package was 584 MB and 0.38x). Its "prompt" model (--fast_prefill,
-# more than one row by its contract) exports inside word_kernel_export("native"): the weight-only products of many rows
-# take native_linear's packed kernels, as eager and compiled prefill do (the word kernels redo each row's arithmetic:
-# a package prefilled at a third of llama.cpp's rate); one row (its output projection) stays on the words.
+# activations fake-quantized into them (bench.py, SmolLM2 int8: a 144 MB package decoding at 1.44x llama.cpp Q8_0,
+# int4 g32: 118 MB, 1.13x Q4_0, README's 5-round run; the folded int8 package was 584 MB and 0.38x). Its "prompt"
+# model (--fast_prefill, more than one row by its contract) exports inside word_kernel_export("native"): the weight-only
+# products of many rows take native_linear's packed kernels, as eager and compiled prefill do (the word kernels redo
+# each row's arithmetic: a package prefilled at a third of llama.cpp's rate); one row (the output projection) stays on
+# the words.
 _WORD_KERNEL_EXPORT = None  # None, "words" or "native": word_kernel_export's many_rows
 
 
