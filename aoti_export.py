@@ -175,8 +175,8 @@ def export(checkpoint_path, output_path, max_seq_length: int = 1024, dtype: Opti
             T = min(PROMPT_HINT, S)  # weight-only products of many rows are ATen's packed kernels (quantize.py)
             ex = (torch.zeros(1, T, dtype=torch.long, device=device), torch.arange(T, device=device))
             kw = {"logits_at": torch.tensor([T - 1], device=device)}
-            prompt_seq, native = Dim("prompt_seq", min=2, max=S), quantize.word_kernel_export(many_rows="native")
-            with native:
+            prompt_seq = Dim("prompt_seq", min=2, max=S)
+            with quantize.word_kernel_export(many_rows="native"):
                 programs["prompt"] = (torch.export.export(model, ex, kw, dynamic_shapes={
                     "idx": {1: prompt_seq}, "input_pos": {0: prompt_seq}, "logits_at": None},
                     strict=False, prefer_deferred_runtime_asserts_over_guards=True), ex, kw)

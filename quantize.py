@@ -331,8 +331,8 @@ class QuantizedWeight(nn.Module):
     # than one row (prefill, batched decode, speculative verification), output back to float32 (int8: scaled after,
     # unit scales inside). 2 threads, 33 / 128 rows of 576x1536: int4 380 / 1454 us, int8 472 / 1561 us, float32
     # sgemm 460 / 1359 us. Dequantizing first cost as much as the product (compiled int4 prefill 3x slower at 15
-    # tokens; eager int8 prefill of 33 tokens 159 -> 90 ms with the packed kernel); compiled, int8's dequantize is
-    # constant-folded into a float32 copy of the weights (compile_prefill held 4 bytes per int8 weight more).
+    # tokens); compiled, int8's dequantize is constant-folded into a float32 copy of the weights (compile_prefill held
+    # 4 bytes per int8 weight more).
     # Bfloat16 activations are finer than llama.cpp's Q4_0 / Q8_0 paths (8-bit activations); one-row products (decode)
     # keep float32 (fused_linear: as fast, measured). int8 runs on qdata as stored; int4 needs
     # _convert_weight_to_int4pack_for_cpu's blocked layout: a second copy, 0.625 byte per weight with its bfloat16

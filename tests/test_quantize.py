@@ -45,18 +45,18 @@ def test_linear_matches_its_dequantized_weights(name, bias):
     zt = F.linear(x.unflatten(-1, (-1, qw.groupsize)).sum(-1), qw.zeros + 8 * qw.scales) if split else 0
     ref = F.linear(ref_x, qw.dequantize(offset=not split), lin.bias) + zt
     bf = lambda t: t.to(torch.bfloat16).float()  # float32 products and sums, output in bfloat16 (one flip allowed)
-    if qw.weight_only:  # more than one row: ATen's packed kernel, bfloat16 activations, scales and offsets (z + 8 s),
+    want = None  # weight-only, more than one row: ATen's packed kernel, bfloat16 activations
+    if qw.weight_only:  # int4: scales and offsets (z + 8 s) in bfloat16
         G, N = qw.groupsize, qw.out_features
         w16 = ((qw.int_values().view(N, -1, G) - 8) * bf(qw.scales)[..., None] + bf(qw.zeros + 8 * qw.scales)[..., None])
         want = bf(F.linear(bf(x), w16.view(N, -1))) + (lin.bias if bias else 0)
-        torch.testing.assert_close(lin(x), want, rtol=2 ** -8, atol=1e-6)
-        torch.testing.assert_close(lin(x[:1, :1]), ref[:1, :1], rtol=1e-5, atol=1e-5)  # one row: float32
-    elif qw.bits == 8 and not lin.act:  # int8 weight-only, more than one row: the same, float32 scales after
+    elif qw.bits == 8 and not lin.act:  # int8: float32 scales after
         want = bf(F.linear(bf(x), qw.qdata.float())) * qw.scales + (lin.bias if bias else 0)
+    if want is None:
+        torch.testing.assert_close(lin(x), ref, rtol=1e-5, atol=1e-5)
+    else:
         torch.testing.assert_close(lin(x), want, rtol=2 ** -8, atol=1e-6)
         torch.testing.assert_close(lin(x[:1, :1]), ref[:1, :1], rtol=1e-5, atol=1e-5)  # one row: float32
-    else:
-        torch.testing.assert_close(lin(x), ref, rtol=1e-5, atol=1e-5)
     # the compile-path formulation (one reduction over the integer weights), run eagerly on one row
     fused = qw.fused_linear(ref_x[:1, :1], offset=not split) + (zt[:1, :1] if split else 0)
     torch.testing.assert_close(fused + (lin.bias if bias else 0), ref[:1, :1], rtol=1e-4, atol=1e-4)
