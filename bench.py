@@ -71,10 +71,12 @@ BUILD = {
     "{ck}/model_int8.pth": [PY, *Q, "int8"],
     "{ck}/model_int4.g32.pth": [PY, *Q, "int4", "--groupsize", "32"],
     "{ck}/model_8da4w.g32.pth": [PY, *Q, "8da4w", "--groupsize", "32"],
+    "{ck}/model_8da8w.pth": [PY, *Q, "8da8w"],
     # exported with a 256-token context (the prompt + 128 tokens fit; generate.py sizes its cache the same way): a
     # static cache is read whole at every step, at 1024 tokens 47 MB per step for this model (the ctx1024 rows)
     **export("et_export.py", "fp32.s256.pte", "model.pth", *S256),
     **export("et_export.py", "8da4w.g32.s256.pte", "model_8da4w.g32.pth", *S256),
+    **export("et_export.py", "8da8w.s256.pte", "model_8da8w.pth", *S256),
     **export("et_export.py", "fp32.pte", "model.pth"),
     **export("et_export.py", "8da4w.g32.pte", "model_8da4w.g32.pth"),
     # AOT Inductor's CPU kernels are compiled for a thread count ({j}: the bench's); fp.: + the "prompt" model (ATen
@@ -86,6 +88,7 @@ BUILD = {
     **export("aoti_export.py", "int8.fp.s256.j{j}.pt2", "model_int8.pth", *S256, *J, "--fast_prefill"),
     **export("aoti_export.py", "int4.g32.fp.s256.j{j}.pt2", "model_int4.g32.pth", *S256, *J, "--fast_prefill"),
     **export("aoti_export.py", "8da4w.g32.s256.j{j}.pt2", "model_8da4w.g32.pth", *S256, *J),
+    **export("aoti_export.py", "8da8w.fp.s256.j{j}.pt2", "model_8da8w.pth", *S256, *J, "--fast_prefill"),
     "{art}/onnx/model.onnx": [PY, "export_onnx.py", "--checkpoint_path", "{ck}/model.pth", "--output_dir",
                               "{art}/onnx"],
     "{art}/tokenizer.bin": [PY, "scripts/export_tokenizer_bin.py", "{ck}", "-o", "{art}/tokenizer.bin"],
@@ -157,6 +160,11 @@ ROWS = {
                                 vs="compile int8", peer="llama.cpp Q8_0"),
     "compile_prefill int4 g32": gen("--compile", "--compile_prefill", "--checkpoint_path", "{ck}/model_int4.g32.pth",
                                     vs="compile int4 g32", peer="llama.cpp Q4_0"),
+    # 8da8w: int8 weights x int8 per-token activations, the arithmetic of llama.cpp's Q8_0 (prompts: torch._int_mm)
+    "compile 8da8w": gen("--compile", "--checkpoint_path", "{ck}/model_8da8w.pth", vs="compile int8",
+                         peer="llama.cpp Q8_0"),
+    "compile_prefill 8da8w": gen("--compile", "--compile_prefill", "--checkpoint_path", "{ck}/model_8da8w.pth",
+                                 vs="compile 8da8w", peer="llama.cpp Q8_0"),
     "compile 8da4w g32": gen("--compile", "--checkpoint_path", "{ck}/model_8da4w.g32.pth", vs="compile fp32"),
     "compile bf16 int8": gen("--compile", "--dtype", "bfloat16", "--checkpoint_path", "{ck}/model_int8.pth",
                              vs="compile fp32"),
@@ -179,6 +187,9 @@ ROWS = {
     "runner-aoti int4 g32 fast_prefill": runner("runner-aoti/build/run", "{art}/int4.g32.fp.s256.j{j}.pt2",
                                                 "{ck}/model_int4.g32.pth", vs="runner-aoti int4 g32",
                                                 peer="llama.cpp Q4_0"),
+    "runner-aoti 8da8w fast_prefill": runner("runner-aoti/build/run", "{art}/8da8w.fp.s256.j{j}.pt2",
+                                             "{ck}/model_8da8w.pth", vs="runner-aoti int8 fast_prefill",
+                                             peer="llama.cpp Q8_0"),
     "runner-aoti 8da4w g32": runner("runner-aoti/build/run", "{art}/8da4w.g32.s256.j{j}.pt2",
                                     "{ck}/model_8da4w.g32.pth", vs="runner-aoti fp32", peer="llama.cpp Q4_0"),
     "pte fp32": artifact_row("--pte", "{art}/fp32.s256.pte", "{ck}/model.pth", vs="eager fp32"),
@@ -187,6 +198,8 @@ ROWS = {
                              peer="llama.cpp F32"),
     "runner-et 8da4w g32": runner("runner-et/build/run", "{art}/8da4w.g32.s256.pte", "{ck}/model_8da4w.g32.pth",
                                   vs="runner-et fp32", peer="llama.cpp Q4_0"),
+    "runner-et 8da8w": runner("runner-et/build/run", "{art}/8da8w.s256.pte", "{ck}/model_8da8w.pth",
+                              vs="runner-et fp32", peer="llama.cpp Q8_0"),
     "runner-et fp32 ctx1024": runner("runner-et/build/run", "{art}/fp32.pte", "{ck}/model.pth", vs="runner-et fp32"),
     "runner-et 8da4w g32 ctx1024": runner("runner-et/build/run", "{art}/8da4w.g32.pte", "{ck}/model_8da4w.g32.pth",
                                           vs="runner-et fp32 ctx1024"),
@@ -224,6 +237,7 @@ GROUPS["peer"] = ["llama.cpp F32", "compile fp32", "aoti fp32", "runner-aoti fp3
                   "compile int4 g32", "runner-et 8da4w g32"]
 GROUPS["prefill"] = ["llama.cpp F32", "compile_prefill fp32", "runner-aoti fp32", "runner-aoti fp32 fast_prefill",
                      "runner-et fp32", "llama.cpp Q8_0", "compile_prefill int8", "runner-aoti int8 fast_prefill",
+                     "compile_prefill 8da8w", "runner-aoti 8da8w fast_prefill", "runner-et 8da8w",
                      "llama.cpp Q4_0", "compile_prefill int4 g32", "runner-aoti int4 g32 fast_prefill",
                      "runner-et 8da4w g32"]
 GROUPS["all"] = list(ROWS)

@@ -15,6 +15,9 @@
 #              (zero point 8 only) on the int8 activations xq plus a small float GEMM of the float activations' group
 #              sums (K/G inputs). Symmetric weights (z = 0, ExecuTorch's own 8da4w; still loaded) measured +21%
 #              perplexity on SmolLM2-135M, whose weights come from an asymmetric 4-bit GGUF; these +1.7%.
+#   8da8w      int8 weights as int8's x int8 dynamic per-token asymmetric activations (as 8da4w's): the int8 x int8
+#              product llama.cpp's Q8_0 runs. Prompts (more than one row) go through one integer GEMM (torch._int_mm,
+#              VNNI) in eager, compiled and package prefill: ~4x the packed weight-only kernel at 128 rows.
 #   int4-gptq  int4 storage and kernels, weights chosen by GPTQ on calibration text (8da4w with --calibration_file too)
 #
 # Embeddings (--embedding int8 | int4 | none, default int8, one scale per row): a tied output projection (SmolLM2,
@@ -49,7 +52,8 @@ from torch import Tensor
 
 from common import GROUPSIZES, ArgumentParser, check_device, checkpoint_file, cli, default_checkpoint
 
-MODES = ("int8", "int4", "8da4w", "int4-gptq")
+MODES = ("int8", "int4", "8da4w", "8da8w", "int4-gptq")
+EIGHT_BIT = ("int8", "8da8w")  # modes without a group size
 EMBEDDINGS = ("int8", "int4", "none")
 FORMAT_VERSION = 1
 
@@ -163,10 +167,11 @@ def quantize_tensor(w: Tensor, scheme: dict) -> dict:
     return {"q": q, "scales": s, "zeros": z}
 
 
-def fake_quant_per_token_int8(x: Tensor, row_range: Optional[Callable] = None) -> Tensor:
-    """Dynamic asymmetric int8 quantization of each row of x (last dim), then dequantization: the same arithmetic as
-    torchao's choose_qparams_affine / quantize_affine / dequantize_affine (ASYMMETRIC, int8, zero kept exact).
-    row_range(lo, hi) -> (lo, hi): the range of the whole row when x is a slice of it (tp.py's row-parallel shards)."""
+def quant_per_token_int8(x: Tensor, row_range: Optional[Callable] = None) -> tuple:
+    """Dynamic asymmetric int8 quantization of each row of x (last dim): (q, zp, scale), q and zp integer-valued floats
+    in [-128, 127], x ~ (q - zp) * scale. The same arithmetic as torchao's choose_qparams_affine / quantize_affine
+    (ASYMMETRIC, int8, zero kept exact). row_range(lo, hi) -> (lo, hi): the range of the whole row when x is a slice
+    of it (tp.py's row-parallel shards)."""
     lo = torch.clamp(x.amin(-1, keepdim=True), max=0)
     hi = torch.clamp(x.amax(-1, keepdim=True), min=0)
     if row_range is not None:
@@ -174,6 +179,12 @@ def fake_quant_per_token_int8(x: Tensor, row_range: Optional[Callable] = None) -
     scale = torch.clamp((hi - lo) / 255.0, min=torch.finfo(x.dtype).smallest_normal)
     zp = torch.clamp(-128 - torch.round(lo / scale), -128, 127)
     q = torch.clamp(torch.round(x * (1.0 / scale)) + zp, -128, 127)
+    return q, zp, scale
+
+
+def fake_quant_per_token_int8(x: Tensor, row_range: Optional[Callable] = None) -> Tensor:
+    """quant_per_token_int8, then dequantization (torchao's dequantize_affine): what the int8 activations stand for."""
+    q, zp, scale = quant_per_token_int8(x, row_range)
     return (q - zp) * scale
 
 
@@ -342,15 +353,17 @@ class QuantizedWeight(nn.Module):
     _int8_words = None
     _int4_words = None
     _int8_unit = None
+    _int8_sums = None
 
     def _rebuild_native(self):
         self._int4_cpu = None
         self._int8_words = None
         self._int4_words = None
-        # int8's unit bfloat16 scales for float32 activations (see native_linear; a plain attribute, not an op in a
-        # package's graph)
+        # int8's unit bfloat16 scales for float32 activations (see native_linear) and its per-channel sums of q (see
+        # int8_act_linear): plain attributes, not ops in a package's graph
         self._int8_unit = (_static(torch.ones(self.out_features, dtype=torch.bfloat16, device=self.qdata.device))
                            if self.bits == 8 else None)
+        self._int8_sums = _static(self.qdata.sum(1, dtype=torch.int32)) if self.bits == 8 else None
         tiles = self.qdata.device.type == "cpu" and self.out_features % 16 == 0  # the word layouts' 16-channel tiles
         if self.bits == 8 and tiles and self.in_features % 4 == 0:
             # compiled decode reads int8 weights as int32 words in tiles of 16 output channels (see fused_linear):
@@ -412,6 +425,17 @@ class QuantizedWeight(nn.Module):
         else:
             return None
         return y.reshape(*x.shape[:-1], self.out_features)
+
+    def int8_act_linear(self, x: Tensor) -> Tensor:
+        """x @ w.T for int8 weights with dynamic per-token int8 activations (quant_per_token_int8) as one integer GEMM,
+        torch._int_mm (oneDNN's VNNI kernel on x86; 8da8w's prompts): (q - zp) @ qdata.T = q @ qdata.T - zp * sum_k
+        qdata, exact in int32, then times both scales in float32. Equals the fake-quantized product up to float
+        rounding (which sums the same integers in float32)."""
+        x2 = x.reshape(-1, self.in_features)
+        q, zp, scale = quant_per_token_int8(x2.float())
+        acc = torch._int_mm(q.to(torch.int8), self.qdata.t()) - zp.to(torch.int32) * self._int8_sums
+        y = acc.float() * scale * self.scales.float()
+        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
     def int_values(self) -> Tensor:
         """Integer values [N, K] (int8: [-127, 127]; int4: [0, 15]) as int16."""
@@ -555,6 +579,9 @@ class QuantizedLinear(nn.Module):
         if self.act == "int8":
             if torch.compiler.is_exporting() and not _exporting_word_kernels() and (qw.symmetric or qw.xnnpack):
                 return self._forward_dynamic_act_export(x)
+            if qw.bits == 8 and self._int_rows(x):
+                y = qw.int8_act_linear(x)
+                return y + self.bias if self.bias is not None else y
             zt = sums = None
             if qw.xnnpack and qw.zeros is not None:  # asymmetric 8da4w: the zero term takes the float activations
                 if qw._int4_words is not None and self._word_kernels(x):
@@ -571,6 +598,12 @@ class QuantizedLinear(nn.Module):
         else:
             y = self._matmul(x)
         return y + self.bias if self.bias is not None else y
+
+    def _int_rows(self, x: Tensor) -> bool:
+        """int8 x int8 products of more than one row on CPU (8da8w's prompts, 8da4w's tied int8 table): eager,
+        compiled, and a package's prompt model; not tp.py's row-parallel shards (their range is the whole row's)."""
+        return (x.device.type == "cpu" and x.numel() > x.shape[-1] and self.act_quant is None
+                and (_exporting_native_rows() or not torch.compiler.is_exporting()))
 
     @staticmethod
     def _word_kernels(x: Tensor) -> bool:
@@ -662,7 +695,7 @@ def check_args(mode: str, groupsize: Optional[int], embedding: Optional[str] = N
     """The checks of quantize_model's arguments that need no model (the CLI runs them before loading anything)."""
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
-    if mode != "int8" and groupsize not in GROUPSIZES:
+    if mode not in EIGHT_BIT and groupsize not in GROUPSIZES:
         raise ValueError(f"--groupsize must be one of {', '.join(map(str, GROUPSIZES))} for {mode}, got {groupsize}")
     if embedding is not None and embedding not in EMBEDDINGS:
         raise ValueError(f"--embedding must be one of {', '.join(EMBEDDINGS)}, got {embedding!r}")
@@ -674,16 +707,16 @@ def check_args(mode: str, groupsize: Optional[int], embedding: Optional[str] = N
 def make_recipe(model: nn.Module, mode: str, groupsize: Optional[int] = 32, embedding: Optional[str] = None,
                 log: bool = True) -> dict:
     """Decide what gets quantized how, for arguments that passed check_args (no weights touched)."""
-    four_bit = mode != "int8"
+    four_bit = mode not in EIGHT_BIT
     G = groupsize if four_bit else None
-    linear = _scheme(8) if mode == "int8" else _scheme(4, G, xnnpack=(mode == "8da4w"))
-    act = "int8" if mode == "8da4w" else None
+    linear = _scheme(4, G, xnnpack=(mode == "8da4w")) if four_bit else _scheme(8)
+    act = "int8" if mode in ("8da4w", "8da8w") else None
     embedding = embedding or "int8"  # see the header: the table is also the output projection of tied models
     notes, skip = [], []
     emb = getattr(model, "tok_embeddings", None)
     emb_scheme = None
     if embedding != "none" and isinstance(emb, nn.Embedding):
-        emb_scheme = _scheme(8) if embedding == "int8" else _scheme(4, groupsize or 32, symmetric=(mode == "8da4w"))
+        emb_scheme = _scheme(8) if embedding == "int8" else _scheme(4, groupsize or 32, symmetric=act is not None)
         if emb_scheme["bits"] == 4 and emb.embedding_dim % emb_scheme["groupsize"]:
             _note(notes, f"embedding dim {emb.embedding_dim} is not a multiple of {emb_scheme['groupsize']}: "
                          f"embedding quantized to int8 instead", log)
@@ -739,7 +772,7 @@ def quantize_model(model: nn.Module, mode: str, groupsize: int = 32, calibration
                    log: bool = True) -> dict:
     """Quantize a float model in place; returns the recipe to store with checkpoint_state(model, quantization=...).
 
-    mode: int8 | int4 | 8da4w | int4-gptq (needs calibration_ids: token ids, 1-D or [n, seq_len]).
+    mode: int8 | int4 | 8da4w | 8da8w | int4-gptq (needs calibration_ids: token ids, 1-D or [n, seq_len]).
     embedding: None (the mode's default), "int8", "int4" or "none"."""
     check_args(mode, groupsize, embedding, calibration_ids is not None)
     if any(isinstance(m, (QuantizedLinear, QuantizedEmbedding)) for m in model.modules()):
@@ -771,7 +804,7 @@ def quantize_model(model: nn.Module, mode: str, groupsize: int = 32, calibration
 # ----------------------------------------------------------------------------------------------------------- CLI
 def output_path(checkpoint: Path, mode: str, groupsize: Optional[int]) -> Path:
     """model.pth -> model_int8.pth, model_int4.g32.pth, model_8da4w.g32.pth, model_int4-gptq.g128.pth"""
-    suffix = f".g{groupsize}" if mode != "int8" else ""
+    suffix = f".g{groupsize}" if mode not in EIGHT_BIT else ""
     return checkpoint.with_name(f"{checkpoint.stem}_{mode}{suffix}.pth")
 
 

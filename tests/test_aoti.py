@@ -250,13 +250,13 @@ def test_quantized_checkpoint(env, runner):
         assert r.returncode == 0 and r.stdout == expect, r.stderr
 
 
-@pytest.mark.parametrize("mode", ["int8", "int4", "8da4w"])
+@pytest.mark.parametrize("mode", ["int8", "int4", "8da4w", "8da8w"])
 def test_quantized_package_keeps_integer_weights(env, mode):
-    """An int8 / int4 / 8da4w package holds its integer weights, not float32 copies: under export the products are
+    """An int8 / int4 / 8da4w / 8da8w package holds its integer weights, not float32 copies: under export the products are
     quantize.py's word kernels (word_kernel_export), where Inductor's freezing would fold dequantize(w) into new
     float32 constants. Its "prompt" model (--fast_prefill) runs the weight-only products of many rows as eager does,
-    through ATen's packed kernels on their own integer copies (int8: qdata; int4: the blocked layout), its one-row
-    output projection through the words (8da4w's once failed to compile there: a folded slice)."""
+    through ATen's packed kernels on their own integer copies (int8: qdata; int4: the blocked layout; 8da8w's int8 x int8
+    products: torch._int_mm on qdata), its one-row output projection through the words (8da4w's once failed to compile there: a folded slice)."""
     import quantize
     from aoti_export import AOTIBackend
     from generate import TorchBackend, generate
@@ -272,11 +272,11 @@ def test_quantized_package_keeps_integer_weights(env, mode):
     linears = sum(m.weight.numel() * 4 for m in load_model(env["ckpt"]).modules() if isinstance(m, torch.nn.Linear))
     assert float32 < linears / 4, (float32, linears)  # scales, zero terms, norms and the rope table only
     # the int8 embedding table is read from its word layout, the one a tied output projection reads: no int8 copy of
-    # it; int8's linears are stored twice (words for "model", qdata for "prompt's" packed kernel), 8da4w's once
+    # it; int8's and 8da8w's linears are stored twice (words for "model", qdata for "prompt's" kernel), 8da4w's once
     int8 = sum(n for dtype, n in stored.values() if dtype == "int8")
     qlinears = [m.qweight for m in load_model(q).modules() if isinstance(m, quantize.QuantizedLinear)]
-    assert int8 == (sum(w.qdata.numel() for w in qlinears if w.bits == 8 and w.out_features != VOCAB) if mode == "int8"
-                    else 0), int8
+    assert int8 == (sum(w.qdata.numel() for w in qlinears if w.bits == 8 and w.out_features != VOCAB)
+                    if mode in quantize.EIGHT_BIT else 0), int8
     cpu = torch.device("cpu")
     for p in ([1, 5, 9, 300, 17], [7]):
         want, _ = generate(TorchBackend(load_model(q), 1, MAX_SEQ), [p], 30, cpu)

@@ -22,6 +22,7 @@ SCHEMES = {  # name: (scheme, activation quantization)
     "int4-g64": (Q._scheme(4, 64), None),
     "8da4w-g32": (Q._scheme(4, 32, xnnpack=True), "int8"),            # what --mode 8da4w makes
     "8da4w-sym-g32": (Q._scheme(4, 32, symmetric=True), "int8"),     # ExecuTorch's own 8da4w (older checkpoints)
+    "8da8w": (Q._scheme(8), "int8"),                                  # what --mode 8da8w makes
 }
 
 
@@ -108,16 +109,33 @@ def test_bfloat16_native_kernel_of_asymmetric_8da4w():
     assert qw.native_linear(x) is None  # with offsets: the portable path
 
 
-@pytest.mark.parametrize("name", ["8da4w-g32", "8da4w-sym-g32"])
-def test_8da4w_export_arithmetic_matches_eager(name):
+def test_8da8w_rows_are_one_integer_product():
+    """8da8w, more than one row: torch._int_mm on the int8 activations and weights, whose int32 sums are exact (checked
+    against int64 sums of the same integers); one row takes the fake-quantized float product (decode)."""
+    w, lin = _linear("8da8w", K=256, bias=True)
+    qw = lin.qweight
+    x = torch.randn(2, 7, 256) * torch.linspace(0.1, 4, 256)
+    q, zp, scale = Q.quant_per_token_int8(x)
+    acc = (q - zp).long() @ qw.qdata.long().T                      # [2, 7, 96] exact
+    want = (acc.double() * scale.double() * qw.scales.double() + lin.bias.double()).float()
+    y = lin(x)
+    torch.testing.assert_close(y, want, rtol=1e-6, atol=1e-6)
+    assert torch.equal(y, qw.int8_act_linear(x) + lin.bias)
+    ref = F.linear(Q.fake_quant_per_token_int8(x), qw.dequantize(), lin.bias)
+    torch.testing.assert_close(lin(x[:1, :1]), ref[:1, :1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["8da4w-g32", "8da4w-sym-g32", "8da8w"])
+def test_dynamic_act_export_arithmetic_matches_eager(name):
     """The op pattern the exporters emit (torchao quantize/dequantize_affine, qb4w weights with zero point 8, plus the
-    group-sum GEMM for asymmetric weights) computes what the eager module computes; scales are bfloat16 values."""
+    group-sum GEMM for asymmetric weights; 8da8w: per-channel int8 weights, qc8w) computes what the eager module
+    computes (8da8w: for several rows its integer GEMM); 4-bit scales are bfloat16 values."""
     w, lin = _linear(name, bias=True)
     x = torch.randn(2, 5, 128)
     torch.testing.assert_close(lin._forward_dynamic_act_export(x), lin(x), rtol=1e-5, atol=1e-5)
     s = lin.qweight.scales
-    assert torch.equal(s, s.to(torch.bfloat16).to(s.dtype))
-    assert (lin.qweight.zeros is None) == (name == "8da4w-sym-g32")
+    assert torch.equal(s, s.to(torch.bfloat16).to(s.dtype)) == (name != "8da8w")
+    assert (lin.qweight.zeros is None) == (name != "8da4w-g32")
 
 
 def test_int4_pack_roundtrip_and_layout():
@@ -220,11 +238,11 @@ def peaked_greedy(peaked):
     return _greedy(copy.deepcopy(peaked))
 
 
-@pytest.mark.parametrize("mode", ["int8", "int4", "8da4w"])
+@pytest.mark.parametrize("mode", ["int8", "int4", "8da4w", "8da8w"])
 def test_greedy_agrees_with_float(peaked, peaked_greedy, random_tied, mode):
     """Criterion: on the peaked model (logit gaps > 3), all 32 greedy tokens equal the float model's and the logit
     error stays below half the smallest gap. On a plain random tied model (gaps ~0), the relative logit error is
-    bounded: int8 < 3%, int4 g32 < 25% (no token-level claim there: its argmax flips are coin tosses)."""
+    bounded: int8 / 8da8w < 3%, 4-bit g32 < 25% (no token-level claim there: its argmax flips are coin tosses)."""
     ref = peaked_greedy
     m = copy.deepcopy(peaked)
     Q.quantize_model(m, mode, 32, log=False)
@@ -236,10 +254,10 @@ def test_greedy_agrees_with_float(peaked, peaked_greedy, random_tied, mode):
     r = copy.deepcopy(random_tied)
     Q.quantize_model(r, mode, 32, log=False)
     lf, lq = _logits(copy.deepcopy(random_tied), seq), _logits(r, seq)
-    assert ((lq - lf).norm() / lf.norm()).item() < (0.03 if mode == "int8" else 0.25)
+    assert ((lq - lf).norm() / lf.norm()).item() < (0.03 if mode in Q.EIGHT_BIT else 0.25)
 
 
-@pytest.mark.parametrize("mode", ["int8", "int4", "8da4w", "int4-gptq"])
+@pytest.mark.parametrize("mode", ["int8", "int4", "8da4w", "8da8w", "int4-gptq"])
 def test_save_load_roundtrip(tmp_path, random_tied, mode):
     m = copy.deepcopy(random_tied)
     calib = torch.randint(0, 256, (2, 32)) if mode == "int4-gptq" else None
@@ -257,7 +275,7 @@ def test_save_load_roundtrip(tmp_path, random_tied, mode):
     loaded = load_model(path)
     assert loaded.output.qweight is loaded.tok_embeddings.qweight
     torch.testing.assert_close(_logits(loaded, ids), before, rtol=0, atol=0)
-    assert Q._file_bytes(loaded) < Q._file_bytes(random_tied) * (0.3 if mode == "int8" else 0.22)
+    assert Q._file_bytes(loaded) < Q._file_bytes(random_tied) * (0.3 if mode in Q.EIGHT_BIT else 0.22)
 
 
 def test_embedding_choices_and_tied_output(random_tied, peaked):
@@ -324,6 +342,21 @@ def test_compiled_prefill_matches_eager(peaked, output):
     torch.testing.assert_close(last[0], ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
     out, _ = generate.generate(be, [PROMPT], 8, CPU)
     assert out[0] == eager
+
+
+def test_compiled_8da8w_prefill_matches_eager(peaked):
+    """8da8w under --compile --compile_prefill: the prompt's integer GEMMs (torch._int_mm) compiled, decode through the
+    int8 word kernels on fake-quantized activations; the prompt's last logits and the greedy tokens match eager."""
+    m = copy.deepcopy(peaked)
+    Q.quantize_model(m, "8da8w", log=False)
+    prompt = PROMPT * 3
+    ref = engine.prefill(generate.TorchBackend(copy.deepcopy(m), 1, 64), [prompt], CPU)[0]
+    eager, _ = generate.generate(generate.TorchBackend(copy.deepcopy(m), 1, 64), [prompt], 8, CPU)
+    be = generate.TorchBackend(m, 1, 64, compile=True, compile_prefill=True)
+    last = engine.prefill(be, [prompt], CPU)
+    torch.testing.assert_close(last[0], ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+    out, _ = generate.generate(be, [prompt], 8, CPU)
+    assert out == eager
 
 
 # ----------------------------------------------------------------------------------------------------------- GPTQ
