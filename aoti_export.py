@@ -26,7 +26,7 @@ Decoding modes (runner-aoti -M, generate.py / eval.py): a package holds more tha
     skips the other positions' logits. oneDNN's prepacked weights are opaque tensors that cannot be shared, so a float
     model's "prompt" keeps its constants in its own library: a second copy of the weights (about twice the package
     and the memory). A quantized model's "prompt" shares the records of "model" and adds the layouts of ATen's
-    int8 / int4 kernels for its many-row products (quantize.word_kernel_export("native")).
+    int8 / int4 kernels for its many-row products (quantize.word_kernel_export("native"); 8da8w: torch._int_mm).
 The models of such a package share their weights (except a float "prompt"): each is compiled without its constants
 (aot_inductor.package_constants_in_so=False) and the package holds every distinct constant once, as a record under
 data/weights/llama_flat/ (64-byte aligned, uncompressed) listed by that folder's `index` (one line per model and

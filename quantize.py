@@ -188,10 +188,12 @@ def fake_quant_per_token_int8(x: Tensor, row_range: Optional[Callable] = None) -
     return (q - zp) * scale
 
 
-# fake_quant_per_token_int8 as an opaque custom op, for torch.compile: Inductor otherwise inlines the quantization
-# arithmetic into the matmul kernel that consumes it, recomputing it for every weight element (measured ~50x slower
-# per 8da4w layer); as an op its output is computed once. Registered once per process (quantize.py may be imported
-# both as __main__ and as a module).
+# fake_quant_per_token_int8 as an opaque custom op, for torch.compile's products of many rows: Inductor otherwise
+# inlines the quantization arithmetic into the matmul kernel that consumes it, recomputing it for every weight element
+# (measured ~50x slower per 8da4w layer); as an op its output is computed once. Not for the word kernels (compiled
+# decode), which put x in a buffer of their own (_FORCE_STRIDE): there the op's Python call per product took ~43% of a
+# compiled 8da4w / 8da8w SmolLM2 decode step (generate.py, 2 threads: ~85 -> ~150 tok/s without it). Registered once
+# per process (quantize.py may be imported both as __main__ and as a module).
 if not hasattr(torch.ops.llama_flat, "fake_quant_per_token_int8"):
     _LIB = torch.library.Library("llama_flat", "FRAGMENT")
     _LIB.define("fake_quant_per_token_int8(Tensor x) -> Tensor")
@@ -592,7 +594,7 @@ class QuantizedLinear(nn.Module):
             if self.act_quant is not None:  # tp.py's row-parallel shards: the range of the whole row
                 x = self.act_quant(x)
             else:
-                x = _FAKE_QUANT_OP(x) if compiled else fake_quant_per_token_int8(x)
+                x = _FAKE_QUANT_OP(x) if compiled and not self._word_kernels(x) else fake_quant_per_token_int8(x)
             y = self._matmul(x, offset=zt is None, sums=sums)
             y = y if zt is None else y + zt
         else:

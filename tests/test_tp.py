@@ -1,5 +1,5 @@
-# tp.py: tensor parallelism on 2 CPU processes (Gloo) against the single-process model, for float, int8, int4 and
-# 8da4w, GQA / MHA / q-k-v bias / q-k norm; bad world sizes; and torchrun + generate.py end to end.
+# tp.py: tensor parallelism on 2 CPU processes (Gloo) against the single-process model, for float, int8, int4,
+# 8da4w and 8da8w, GQA / MHA / q-k-v bias / q-k norm; bad world sizes; and torchrun + generate.py end to end.
 #
 # The distributed part runs this file as a script under `python -m torch.distributed.run --standalone
 # --nproc_per_node=2` (a free port picked by torchrun): each rank builds the same seeded tiny models, shards a copy with
@@ -32,6 +32,7 @@ CASES = {
     "int8": ({}, "int8"),
     "int4 g32": (dict(intermediate_size=128), "int4"),
     "8da4w g32": (dict(intermediate_size=128), "8da4w"),
+    "8da8w": ({}, "8da8w"),  # column-parallel shards: the integer GEMM of whole rows; row-parallel: fake-quantized
 }
 PROMPTS = [[5, 17, 33, 2, 90, 41, 7], [7, 8, 9]]   # different lengths: per-row positions with padding
 NEW_TOKENS = 16
