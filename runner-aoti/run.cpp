@@ -193,6 +193,11 @@ class AotiModel : public llm::Model {
     info_.lookahead = decoding == "lookahead";
     dtype_ = meta.count("dtype") && meta["dtype"] == "bfloat16" ? at::kBFloat16
              : meta.count("dtype") && meta["dtype"] == "float16" ? at::kHalf : at::kFloat;
+    if (decoding == "kv") {  // warm up, as llama.cpp's CLI does: a call of each model pages in its weights and sets
+      const int64_t w[2] = {0, 0};  // up its kernels before the first prompt is timed (cache positions 0-1 are
+      forward(w, 1, 0);             // written again before they are read)
+      if (prompt_) forward(w, 2, 0);
+    }
   }
 
   // The loaded models' constants: one KV cache (tensors of ours) and, in a package that stores them once
