@@ -17,7 +17,7 @@
 #              perplexity on SmolLM2-135M, whose weights come from an asymmetric 4-bit GGUF; these +1.7%.
 #   8da8w      int8 weights as int8's x int8 dynamic per-token asymmetric activations (as 8da4w's): the int8 x int8
 #              product llama.cpp's Q8_0 runs. Prompts (more than one row) go through one integer GEMM (torch._int_mm,
-#              VNNI) in eager, compiled and package prefill: ~4x the packed weight-only kernel at 128 rows.
+#              VNNI) in eager, compiled and package prefill (README's prefill table: 2.3-2.7x llama.cpp Q8_0).
 #   int4-gptq  int4 storage and kernels, weights chosen by GPTQ on calibration text (8da4w with --calibration_file too)
 #
 # Embeddings (--embedding int8 | int4 | none, default int8, one scale per row): a tied output projection (SmolLM2,
@@ -191,8 +191,8 @@ def fake_quant_per_token_int8(x: Tensor, row_range: Optional[Callable] = None) -
 # fake_quant_per_token_int8 as an opaque custom op, for torch.compile's products of many rows: Inductor otherwise
 # inlines the quantization arithmetic into the matmul kernel that consumes it, recomputing it for every weight element
 # (measured ~50x slower per 8da4w layer); as an op its output is computed once. Not for the word kernels (compiled
-# decode), which put x in a buffer of their own (_FORCE_STRIDE): there the op's Python call per product took ~43% of a
-# compiled 8da4w / 8da8w SmolLM2 decode step (generate.py, 2 threads: ~85 -> ~150 tok/s without it). Registered once
+# decode), which put x in a buffer of their own (_FORCE_STRIDE): there the op's Python call per product held
+# compiled 8da8w SmolLM2 decode at 0.65x llama.cpp Q8_0 (bench.py; 1.08x without it, README). Registered once
 # per process (quantize.py may be imported both as __main__ and as a module).
 if not hasattr(torch.ops.llama_flat, "fake_quant_per_token_int8"):
     _LIB = torch.library.Library("llama_flat", "FRAGMENT")
@@ -601,11 +601,16 @@ class QuantizedLinear(nn.Module):
             y = self._matmul(x)
         return y + self.bias if self.bias is not None else y
 
+    @staticmethod
+    def _native(x: Tensor) -> bool:
+        """ATen's CPU kernels (native_linear, int8_act_linear) may run: eager and compiled (not the decode step's one
+        row), and in a package's prompt model (word_kernel_export("native"))."""
+        return _exporting_native_rows() or not (torch.compiler.is_exporting() or _compiled_single_row(x))
+
     def _int_rows(self, x: Tensor) -> bool:
-        """int8 x int8 products of more than one row on CPU (8da8w's prompts, 8da4w's tied int8 table): eager,
-        compiled, and a package's prompt model; not tp.py's row-parallel shards (their range is the whole row's)."""
-        return (x.device.type == "cpu" and x.numel() > x.shape[-1] and self.act_quant is None
-                and (_exporting_native_rows() or not torch.compiler.is_exporting()))
+        """int8 x int8 products of more than one row on CPU (8da8w's prompts, 8da4w's tied int8 table); not tp.py's
+        row-parallel shards (their range is the whole row's)."""
+        return x.device.type == "cpu" and x.numel() > x.shape[-1] and self.act_quant is None and self._native(x)
 
     @staticmethod
     def _word_kernels(x: Tensor) -> bool:
@@ -614,10 +619,8 @@ class QuantizedLinear(nn.Module):
 
     def _matmul(self, x: Tensor, offset: bool = True, sums: Optional[Tensor] = None) -> Tensor:
         qw = self.qweight
-        # ATen's packed CPU kernels (bfloat16, or weight-only products of many rows), eager and compiled (not the decode
-        # step's one row), and in a package's prompt model (word_kernel_export("native"))
-        native = _exporting_native_rows() or not (torch.compiler.is_exporting() or _compiled_single_row(x))
-        if native and (y := qw.native_linear(x, offset, self.act is None)) is not None:
+        # ATen's packed CPU kernels: bfloat16, or weight-only products of many rows
+        if self._native(x) and (y := qw.native_linear(x, offset, self.act is None)) is not None:
             return y
         if self._word_kernels(x):
             return qw.fused_linear(x, offset, sums).to(x.dtype)

@@ -252,11 +252,12 @@ def test_quantized_checkpoint(env, runner):
 
 @pytest.mark.parametrize("mode", ["int8", "int4", "8da4w", "8da8w"])
 def test_quantized_package_keeps_integer_weights(env, mode):
-    """An int8 / int4 / 8da4w / 8da8w package holds its integer weights, not float32 copies: under export the products are
-    quantize.py's word kernels (word_kernel_export), where Inductor's freezing would fold dequantize(w) into new
+    """An int8 / int4 / 8da4w / 8da8w package holds its integer weights, not float32 copies: under export the products
+    are quantize.py's word kernels (word_kernel_export), where Inductor's freezing would fold dequantize(w) into new
     float32 constants. Its "prompt" model (--fast_prefill) runs the weight-only products of many rows as eager does,
-    through ATen's packed kernels on their own integer copies (int8: qdata; int4: the blocked layout; 8da8w's int8 x int8
-    products: torch._int_mm on qdata), its one-row output projection through the words (8da4w's once failed to compile there: a folded slice)."""
+    through ATen's packed kernels on their own integer copies (int8: qdata; int4: the blocked layout; 8da8w's int8 x
+    int8 products: torch._int_mm on qdata), its one-row output projection through the words (8da4w's once failed to
+    compile there: a folded slice)."""
     import quantize
     from aoti_export import AOTIBackend
     from generate import TorchBackend, generate
