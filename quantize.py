@@ -202,6 +202,14 @@ if not hasattr(torch.ops.llama_flat, "fake_quant_per_token_int8"):
 _FAKE_QUANT_OP = torch.ops.llama_flat.fake_quant_per_token_int8
 
 
+# The word kernels (fused_linear) read byte / nibble j of a word in place, `w & mask_j` (its value times 256^j / 16^j),
+# not shifted down first: x's part for it comes pre-scaled by 256^-j / 16^-j, a power of two, so every product is the
+# same float32 as with shifts (values below 2^24 convert exactly; the outputs are bit-identical) for one integer op
+# less per byte / nibble. The top byte / nibble is shifted down (its mask would reach the sign bit).
+_BYTE_SCALES = torch.tensor([1.0, 2.0 ** -8, 2.0 ** -16, 1.0]).view(4, 1, 1)
+_NIBBLE_SCALES = torch.tensor([16.0 ** -j for j in range(7)] + [1.0]).view(8, 1, 1)
+
+
 def group_sums(x: Tensor, G: int) -> Tensor:
     """x [..., K] -> the sums of each group of G columns [..., K/G]. In a .pte this is a portable kernel between two
     XNNPACK calls; the delegated form (a mean over a 4-D view) measured slower: it adds dim-order copies."""
@@ -503,8 +511,8 @@ class QuantizedWeight(nn.Module):
             # Full-width int32 loads, vectorized along the 16 output channels of a tile (an outer reduction over the
             # tile's contiguous K/4 word rows: no horizontal sums); at AVX2 a partial int8 load goes through a stack
             # buffer (store-forwarding stall per 8 weights, ~8x slower than AVX-512's masked load). x is split into 4
-            # contiguous quarters, one per byte. Per word: 3 shifts, 3 ands, 4 conversions, 4 multiply-adds; the
-            # +128 of bytes 0-2 comes off once per row (128 * sum of x's first three quarters), not per weight
+            # contiguous quarters, one per byte. Per word: 3 ands (bytes 0-2 in place, see _BYTE_SCALES), 1 shift,
+            # 4 conversions, 4 multiply-adds; the +128 of bytes 0-2 comes off once per row (128 * sum of x's first three quarters), not per weight
             # (measured 1.26x on the 49152x576 output projection, 1 thread; ~40% fewer vector ops than (b & 255) -
             # 128 per byte). Two shifts would sign-extend every byte, but freezing folds `w << n` into new weight
             # copies. float32 throughout: in bfloat16 the offset's rounding would swamp the result.
@@ -512,12 +520,12 @@ class QuantizedWeight(nn.Module):
             # [M, N/16, K/4, 16] products to memory: 28 MB per token)
             K, K4 = self.in_features, self.in_features // 4
             x32 = x.reshape(-1, K).float()
-            if _FORCE_STRIDE is not None:
-                x32 = _FORCE_STRIDE(x32, (K, 1))
-            xq = x32.view(-1, 4, K4, 1)
-            t = (xq[:, 0] * (w & 255) + xq[:, 1] * ((w >> 8) & 255)   # [N/16, M, K/4, 16]: tiles outermost, the
-                 + xq[:, 2] * ((w >> 16) & 255) + xq[:, 3] * (w >> 24))  # loop Inductor runs in parallel
             off = 128 * x32[:, :3 * K4].sum(-1, keepdim=True)
+            xq = x32.view(-1, 4, K4, 1) * _BYTE_SCALES.to(x32.device)  # see _BYTE_SCALES: masks, no shifts
+            if _FORCE_STRIDE is not None:
+                xq = _FORCE_STRIDE(xq, (K, K4, 1, 1))
+            t = (xq[:, 0] * (w & 255) + xq[:, 1] * (w & 0xFF00)        # [N/16, M, K/4, 16]: tiles outermost, the
+                 + xq[:, 2] * (w & 0xFF0000) + xq[:, 3] * (w >> 24))   # loop Inductor runs in parallel
             y = (t.sum(-2).transpose(0, 1).reshape(-1, self.out_features) - off) * self.scales
             return y.reshape(*x.shape[:-1], self.out_features)
         N, K, G = self.out_features, self.in_features, self.groupsize
@@ -534,10 +542,14 @@ class QuantizedWeight(nn.Module):
             x32 = x.reshape(-1, K).float()  # float32 throughout (scales too): bfloat16 loads of 8 lanes are partial
             if _FORCE_STRIDE is not None:  # x in a buffer of its own: else its producer (an RMSNorm) is recomputed
                 x32 = _FORCE_STRIDE(x32, (K, 1))  # in the kernel for every vector of outputs (no gain at native ISA)
-            xj = x32.view(-1, K // G, 8, G // 8, 1).movedim(2, 0)            # [8, M, K/G, G/8, 1]: x of nibble j
+            xn = x32.view(-1, K // G, 8, G // 8, 1) * _NIBBLE_SCALES.to(x32.device)  # masks, no shifts: see there
+            if _FORCE_STRIDE is not None:
+                xn = _FORCE_STRIDE(xn, (K, G, G // 8, 1, 1))
+            xj = xn.movedim(2, 0)                                             # [8, M, K/G, G/8, 1]: x of nibble j
+            nib = [w & (15 << (4 * j)) for j in range(7)] + [(w >> 28) & 15]  # q_j * 16^j (the top one: q_7)
             # [N/16, M, 16]: tiles outermost, the loop Inductor runs in parallel (rows outermost, a package's decode
             # step ran on one thread)
-            y = sum((sum(xj[j] * ((w >> (4 * j)) & 15) for j in range(h, h + 4)) * st).sum((2, 3)) for h in (0, 4))
+            y = sum((sum(xj[j] * nib[j] for j in range(h, h + 4)) * st).sum((2, 3)) for h in (0, 4))
             xs = group_sums(x32, G).view(-1, K // G, 1, 1)                   # [M, K/G, 1, 1]
             if sums is not None:  # 8da4w: + 8 s (sums - xs) + z sums, in the same kernel (a separate product of the
                 xf = sums.reshape(-1, K // G, 1, 1).float()  # sums split a package's layer into 9 kernels, not 1)
