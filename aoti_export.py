@@ -1,6 +1,7 @@
 #!/usr/bin/env python
 """Export model.py's Transformer to an AOT Inductor package (.pt2) that runs without Python (runner-aoti/) or from
-generate.py (--aoti_package), with the KV cache inside the package.
+generate.py (--aoti_package), with the KV cache inside the package. Just over 500 lines: the exporter, the
+shared-weights package writer and AOTIBackend (the package's Python runtime) share the package contract below.
 
     python aoti_export.py --checkpoint_path checkpoints/SmolLM2-135M-Instruct/model.pth --output_path smollm2.pt2
     python generate.py --aoti_package smollm2.pt2 --prompt "Once upon a time"
