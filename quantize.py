@@ -512,10 +512,11 @@ class QuantizedWeight(nn.Module):
             # tile's contiguous K/4 word rows: no horizontal sums); at AVX2 a partial int8 load goes through a stack
             # buffer (store-forwarding stall per 8 weights, ~8x slower than AVX-512's masked load). x is split into 4
             # contiguous quarters, one per byte. Per word: 3 ands (bytes 0-2 in place, see _BYTE_SCALES), 1 shift,
-            # 4 conversions, 4 multiply-adds; the +128 of bytes 0-2 comes off once per row (128 * sum of x's first three quarters), not per weight
-            # (measured 1.26x on the 49152x576 output projection, 1 thread; ~40% fewer vector ops than (b & 255) -
-            # 128 per byte). Two shifts would sign-extend every byte, but freezing folds `w << n` into new weight
-            # copies. float32 throughout: in bfloat16 the offset's rounding would swamp the result.
+            # 4 conversions, 4 multiply-adds; the +128 of bytes 0-2 comes off once per row (128 * sum of x's first
+            # three quarters), not per weight (measured 1.26x on the 49152x576 output projection, 1 thread; ~40%
+            # fewer vector ops than (b & 255) - 128 per byte). Two shifts would sign-extend every byte, but freezing
+            # folds `w << n` into new weight copies. float32 throughout: in bfloat16 the offset's rounding would swamp
+            # the result.
             # x in a buffer of its own, as for int4 below (a package's 8da4w output projection otherwise wrote the
             # [M, N/16, K/4, 16] products to memory: 28 MB per token)
             K, K4 = self.in_features, self.in_features // 4
@@ -540,10 +541,10 @@ class QuantizedWeight(nn.Module):
             # inlined reads, and it would write the products to memory first.
             w, st, zt = self._int4_words
             x32 = x.reshape(-1, K).float()  # float32 throughout (scales too): bfloat16 loads of 8 lanes are partial
-            if _FORCE_STRIDE is not None:  # x in a buffer of its own: else its producer (an RMSNorm) is recomputed
-                x32 = _FORCE_STRIDE(x32, (K, 1))  # in the kernel for every vector of outputs (no gain at native ISA)
+            if _FORCE_STRIDE is not None:  # x in buffers of its own: else its producer (an RMSNorm) is recomputed in
+                x32 = _FORCE_STRIDE(x32, (K, 1))  # the kernels that read it (the group sums below, the scaled copy)
             xn = x32.view(-1, K // G, 8, G // 8, 1) * _NIBBLE_SCALES.to(x32.device)  # masks, no shifts: see there
-            if _FORCE_STRIDE is not None:
+            if _FORCE_STRIDE is not None:  # the main loop reads the scaled copy once per vector of outputs
                 xn = _FORCE_STRIDE(xn, (K, G, G // 8, 1, 1))
             xj = xn.movedim(2, 0)                                             # [8, M, K/G, G/8, 1]: x of nibble j
             nib = [w & (15 << (4 * j)) for j in range(7)] + [(w >> 28) & 15]  # q_j * 16^j (the top one: q_7)
