@@ -467,10 +467,14 @@ class QuantizedWeight(nn.Module):
     def chunked_linear(self, x: Tensor, rows: int = 512, offset: bool = True) -> Tensor:
         """Eager x @ w.T that dequantizes `rows` output channels at a time: the float temporaries stay in cache
         (dequantizing a whole matrix first costs a round trip through memory of 4 bytes per weight)."""
-        N = self.out_features
+        N, K, G = self.out_features, self.in_features, self.groupsize
         if self.bits == 8:  # per-channel scales apply to the output: one pass less over the weights
             def part(i, j):
                 return F.linear(x, self.qdata[i:j].to(x.dtype)) * self.scales[i:j].to(x.dtype)
+        elif getattr(self, "qdata_int8", None) is not None and (self.zeros is None or not offset):
+            def part(i, j):  # (q - 8) s in one pass over the unpacked copy (8da4w's prompts: 1.6x the unpacking path)
+                w = self.qdata_int8[i:j].view(j - i, K // G, G) * self.scales[i:j, :, None].to(x.dtype)
+                return F.linear(x, w.view(j - i, K))
         else:
             def part(i, j):
                 return F.linear(x, self.dequantize(x.dtype, i, j, offset))
