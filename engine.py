@@ -113,6 +113,7 @@ def configure_inductor(device: torch.device):
     # each compiled model is a cache entry of its own (input_guards_only keeps its identity): a process that builds
     # several backends (a draft and a target, the tests) would hit Dynamo's default of 8 entries per code object
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    torch._dynamo.config.capture_scalar_outputs = True  # model.py's number of filled cache slots (an unbacked size)
     if device.type == "cpu":
         for k, v in INDUCTOR_CPU.items():  # shared with aoti_export.py (common.py says why)
             setattr(cfg, k, v)
