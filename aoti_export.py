@@ -113,6 +113,7 @@ def export(checkpoint_path, output_path, max_seq_length: int = 1024, dtype: Opti
         raise ValueError(f"--prefill_chunk must be in 2..{max_seq_length} (the context), got {prefill_chunk}")
 
     model = load_model(checkpoint_path, device=device, dtype=torch_dtype)
+    model.export_attend_filled = True  # CPU: the layers read the filled cache slots only (model._attend_filled)
     with torch.device(device):
         model.setup_caches(1, max_seq_length)
     S = model.max_seq_length

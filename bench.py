@@ -72,8 +72,9 @@ BUILD = {
     "{ck}/model_int4.g32.pth": [PY, *Q, "int4", "--groupsize", "32"],
     "{ck}/model_8da4w.g32.pth": [PY, *Q, "8da4w", "--groupsize", "32"],
     "{ck}/model_8da8w.pth": [PY, *Q, "8da8w"],
-    # exported with a 256-token context (the prompt + 128 tokens fit; generate.py sizes its cache the same way): a
-    # static cache is read whole at every step, at 1024 tokens 47 MB per step for this model (the ctx1024 rows)
+    # exported with a 256-token context (the prompt + 128 tokens fit; generate.py sizes its cache the same way). A
+    # .pte reads its static cache whole at every step, at 1024 tokens 47 MB per step for this model (the ctx1024
+    # rows); torch.compile and AOT Inductor packages read the filled slots only (model.py's _attend_filled)
     **export("et_export.py", "fp32.s256.pte", "model.pth", *S256),
     **export("et_export.py", "8da4w.g32.s256.pte", "model_8da4w.g32.pth", *S256),
     **export("et_export.py", "8da8w.s256.pte", "model_8da8w.pth", *S256),
@@ -85,6 +86,7 @@ BUILD = {
     **export("aoti_export.py", "fp32.fp.s256.j{j}.pt2", "model.pth", *S256, *J, "--fast_prefill"),
     **export("aoti_export.py", "int8.s256.j{j}.pt2", "model_int8.pth", *S256, *J),
     **export("aoti_export.py", "int4.g32.s256.j{j}.pt2", "model_int4.g32.pth", *S256, *J),
+    **export("aoti_export.py", "int4.g32.j{j}.pt2", "model_int4.g32.pth", *J),  # aoti_export.py's default context
     **export("aoti_export.py", "int8.fp.s256.j{j}.pt2", "model_int8.pth", *S256, *J, "--fast_prefill"),
     **export("aoti_export.py", "int4.g32.fp.s256.j{j}.pt2", "model_int4.g32.pth", *S256, *J, "--fast_prefill"),
     **export("aoti_export.py", "8da4w.g32.s256.j{j}.pt2", "model_8da4w.g32.pth", *S256, *J),
@@ -155,6 +157,10 @@ ROWS = {
     "compile int4 g32": gen("--compile", "--checkpoint_path", "{ck}/model_int4.g32.pth", vs="compile fp32",
                             peer="llama.cpp Q4_0"),
     # compiled prefill too (one dynamic-length graph): the prefill target rows (--rows prefill --prompt_tokens N)
+    # the server's and chat's 2048-token context: the layers attend over the filled cache slots only (model.py)
+    "compile fp32 ctx2048": gen("--compile", "--max_seq_length", "2048", vs="compile fp32", peer="llama.cpp F32"),
+    "compile int4 g32 ctx2048": gen("--compile", "--max_seq_length", "2048", "--checkpoint_path",
+                                    "{ck}/model_int4.g32.pth", vs="compile int4 g32", peer="llama.cpp Q4_0"),
     "compile_prefill fp32": gen("--compile", "--compile_prefill", vs="compile fp32", peer="llama.cpp F32"),
     "compile_prefill int8": gen("--compile", "--compile_prefill", "--checkpoint_path", "{ck}/model_int8.pth",
                                 vs="compile int8", peer="llama.cpp Q8_0"),
@@ -183,6 +189,8 @@ ROWS = {
                                vs="runner-aoti fp32", peer="llama.cpp Q8_0"),
     "runner-aoti int4 g32": runner("runner-aoti/build/run", "{art}/int4.g32.s256.j{j}.pt2", "{ck}/model_int4.g32.pth",
                                    vs="runner-aoti fp32", peer="llama.cpp Q4_0"),
+    "runner-aoti int4 g32 ctx1024": runner("runner-aoti/build/run", "{art}/int4.g32.j{j}.pt2",
+                                           "{ck}/model_int4.g32.pth", vs="runner-aoti int4 g32", peer="llama.cpp Q4_0"),
     "runner-aoti int8 fast_prefill": runner("runner-aoti/build/run", "{art}/int8.fp.s256.j{j}.pt2",
                                             "{ck}/model_int8.pth", vs="runner-aoti int8", peer="llama.cpp Q8_0"),
     "runner-aoti int4 g32 fast_prefill": runner("runner-aoti/build/run", "{art}/int4.g32.fp.s256.j{j}.pt2",

@@ -56,6 +56,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from common import atomic_path, checkpoint_file
 from model_configs import hf_config_fields, transformer_configs  # noqa: F401  (re-exported: model.transformer_configs)
@@ -351,7 +352,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rope(q, cos, sin), self.rope(k, cos, sin)
         k, v = self.kv_cache.update(input_pos, k.transpose(1, 2), v.transpose(1, 2), batch_index)  # [B, n_kv, S, D]
-        if not torch.compiler.is_exporting():  # the slots the mask covers (Transformer._attend_filled)
+        # the slots the mask covers (Transformer._attend_filled); export_onnx.py's trace has fixed shapes
+        if not torch.jit.is_tracing() and not statically_known_true(mask.shape[-1] == k.shape[2]):
             k, v = k[:, :, :mask.shape[-1]], v[:, :, :mask.shape[-1]]
         if self.softcap:
             scale = self.scale if self.scale is not None else self.head_dim ** -0.5
@@ -479,16 +481,21 @@ class Transformer(nn.Module):
             self.register_buffer("rope_local", precompute_rope(self.config, seq_len, dtype, local=True).to(device),
                                  persistent=False)
 
-    @staticmethod
-    def _attend_filled(idx: Tensor) -> bool:
+    export_attend_filled = False  # under torch.export: aoti_export.py sets it (AOT Inductor takes the dynamic size)
+
+    def _attend_filled(self, idx: Tensor) -> bool:
         """Whether the layers attend over the cache slots up to the newest position only (the derived mask's length;
         Attention cuts the keys to it) rather than all max_seq_length slots, most of them still empty while decoding:
         reading the static cache whole cost SmolLM2 half its compiled decode speed at 2048 slots (the server's and
         chat's context), 13.5 against 6.6 ms per step at position ~90, 2 threads. On CPU, eager and torch.compile
         (the length is a data-dependent size there: Dynamo must capture scalar outputs, engine.configure_inductor);
-        not under torch.export (every exporter's graph has fixed shapes) nor on GPUs (CUDA graphs need them too)."""
-        return (idx.device.type == "cpu" and not torch.compiler.is_exporting()
-                and (not torch.compiler.is_compiling() or torch._dynamo.config.capture_scalar_outputs))
+        under torch.export only where the exporter says so (export_attend_filled: AOT Inductor; ExecuTorch, ONNX and
+        Cloud AI 100 need fixed shapes); not on GPUs (CUDA graphs need fixed shapes too)."""
+        if idx.device.type != "cpu":
+            return False
+        if torch.compiler.is_exporting() or torch.jit.is_tracing():  # (export_onnx.py traces)
+            return self.export_attend_filled and not torch.jit.is_tracing()
+        return not torch.compiler.is_compiling() or torch._dynamo.config.capture_scalar_outputs
 
     def forward(self, idx: Tensor, input_pos: Tensor, batch_index: Optional[Tensor] = None,
                 mask: Optional[Tensor] = None, logits_at: Optional[Tensor] = None) -> Tensor:
@@ -517,10 +524,10 @@ class Transformer(nn.Module):
             x = x + self.pos_embeddings(pos)
         q_pos = pos.view(rows, 1, T, 1)
         masks = {}
-        if mask is None and self._attend_filled(idx):  # slots 0..newest position only (see _attend_filled)
-            last = pos.max().item()
-            torch._check(last >= 0)
-            torch._check(last < self.max_seq_length)
+        if mask is None and S > 1 and self._attend_filled(idx):  # slots 0..newest position only (_attend_filled)
+            last = pos.max().clamp(min=1).item()  # at least 2 slots (the mask hides the second at position 0): a
+            torch._check(last >= 1)               # compiled graph cannot tell a size of 1 (broadcast) from others
+            torch._check(last < S)
             S = last + 1
         if mask is None:  # a query at position p sees cache slots 0..p (sliding: p-W+1..p)
             slot = torch.arange(S, device=idx.device).view(1, 1, 1, S)
