@@ -138,3 +138,24 @@ def test_mask_argument_over_a_swapped_longer_cache():
     got = model(torch.tensor([[7]]), torch.tensor([12]), mask=additive)  # one more token, additive float mask
     ref = hf(torch.cat([ids, torch.tensor([[7]])], 1)).logits[:, -1]
     assert (got[:, 0] - ref).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compile"])
+def test_cpu_attends_over_the_filled_cache_slots_only(compiled, one_thread):
+    """On CPU the layers read cache slots 0..newest position (Transformer._attend_filled), not the whole static cache:
+    NaN in the slots past it must not reach the logits (read and masked, 0 * NaN would), eager and torch.compile, and
+    the logits still match transformers'."""
+    hf = tiny_hf("llama", seed=5)
+    model = hf_to_model(hf)
+    backend = TorchBackend(model, max_batch_size=1, max_seq_length=64, compile=compiled)
+    ids = torch.randint(0, 256, (1, 20), generator=torch.Generator().manual_seed(2))
+    ref = hf(ids).logits
+    got = [backend.forward(ids[:, :12], torch.arange(12))[:, -1]]
+    for layer in model.layers:
+        for c in (layer.attention.kv_cache.k_cache, layer.attention.kv_cache.v_cache):
+            c[:, :, 12:] = float("nan")
+    for t in range(12, 20):  # each decode step overwrites its own slot first
+        got.append(backend.forward(ids[:, t:t + 1], torch.tensor([t]))[:, -1])
+    got = torch.stack(got, 1)
+    assert torch.isfinite(got).all()
+    assert (got - ref[:, 11:20]).abs().max() <= 1e-4
