@@ -156,11 +156,11 @@ ROWS = {
                         peer="llama.cpp Q8_0"),
     "compile int4 g32": gen("--compile", "--checkpoint_path", "{ck}/model_int4.g32.pth", vs="compile fp32",
                             peer="llama.cpp Q4_0"),
-    # compiled prefill too (one dynamic-length graph): the prefill target rows (--rows prefill --prompt_tokens N)
     # the server's and chat's 2048-token context: the layers attend over the filled cache slots only (model.py)
     "compile fp32 ctx2048": gen("--compile", "--max_seq_length", "2048", vs="compile fp32", peer="llama.cpp F32"),
     "compile int4 g32 ctx2048": gen("--compile", "--max_seq_length", "2048", "--checkpoint_path",
                                     "{ck}/model_int4.g32.pth", vs="compile int4 g32", peer="llama.cpp Q4_0"),
+    # compiled prefill too (one dynamic-length graph): the prefill target rows (--rows prefill --prompt_tokens N)
     "compile_prefill fp32": gen("--compile", "--compile_prefill", vs="compile fp32", peer="llama.cpp F32"),
     "compile_prefill int8": gen("--compile", "--compile_prefill", "--checkpoint_path", "{ck}/model_int8.pth",
                                 vs="compile int8", peer="llama.cpp Q8_0"),

@@ -493,8 +493,10 @@ class Transformer(nn.Module):
         Cloud AI 100 need fixed shapes); not on GPUs (CUDA graphs need fixed shapes too)."""
         if idx.device.type != "cpu":
             return False
-        if torch.compiler.is_exporting() or torch.jit.is_tracing():  # (export_onnx.py traces)
-            return self.export_attend_filled and not torch.jit.is_tracing()
+        if torch.jit.is_tracing():  # export_onnx.py
+            return False
+        if torch.compiler.is_exporting():
+            return self.export_attend_filled
         return not torch.compiler.is_compiling() or torch._dynamo.config.capture_scalar_outputs
 
     def forward(self, idx: Tensor, input_pos: Tensor, batch_index: Optional[Tensor] = None,
