@@ -487,7 +487,7 @@ class Transformer(nn.Module):
         """Whether the layers attend over the cache slots up to the newest position only (the derived mask's length;
         Attention cuts the keys to it) rather than all max_seq_length slots, most of them still empty while decoding:
         reading the static cache whole cost SmolLM2 half its compiled decode speed at 2048 slots (the server's and
-        chat's context), 13.5 against 6.6 ms per step at position ~90, 2 threads. On CPU, eager and torch.compile
+        chat's context; bench.py's `compile int4 g32 ctx2048` row, README). On CPU, eager and torch.compile
         (the length is a data-dependent size there: Dynamo must capture scalar outputs, engine.configure_inductor);
         under torch.export only where the exporter says so (export_attend_filled: AOT Inductor; ExecuTorch, ONNX and
         Cloud AI 100 need fixed shapes); not on GPUs (CUDA graphs need fixed shapes too)."""
