@@ -53,6 +53,12 @@ def test_linear_matches_its_dequantized_weights(name, bias):
         want = bf(F.linear(bf(x), w16.view(N, -1))) + (lin.bias if bias else 0)
     elif qw.bits == 8 and not lin.act:  # int8: float32 scales after
         want = bf(F.linear(bf(x), qw.qdata.float())) * qw.scales + (lin.bias if bias else 0)
+    if qw.bits == 8 and not lin.act:  # compiled prefill's bfloat16 w.T (words_bf16_t): the integer values, exact
+        assert torch.equal(qw.words_bf16_t(), qw.qdata.t().to(torch.bfloat16))
+    elif qw.weight_only:  # q s + z in float32, rounded once
+        q = qw.int_values().view(qw.out_features, -1, qw.groupsize).float()
+        w32 = (q * qw.scales[..., None] + qw.zeros[..., None]).view(qw.out_features, -1)
+        assert torch.equal(qw.words_bf16_t(), w32.t().to(torch.bfloat16))
     if want is None:
         torch.testing.assert_close(lin(x), ref, rtol=1e-5, atol=1e-5)
     else:
@@ -342,6 +348,31 @@ def test_compiled_prefill_matches_eager(peaked, output):
     torch.testing.assert_close(last[0], ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
     out, _ = generate.generate(be, [PROMPT], 8, CPU)
     assert out[0] == eager
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_compiled_long_prefill_bfloat16_gemm(peaked, monkeypatch, mode):
+    """--compile_prefill of a prompt of Q._BF16_ROWS tokens or more, on a CPU with bfloat16 dot products: the weights
+    go to bfloat16 in a generated kernel (words_bf16_t) for oneDNN's bfloat16 GEMM. Forced on here, so that any CPU
+    runs it (oneDNN converts where the instructions are missing). Eager keeps ATen's packed kernels: the prompt's last
+    logits agree within bfloat16 rounding (int4's weights are rounded to it), and the greedy tokens match."""
+    monkeypatch.setattr(Q, "_BF16_GEMM", True)
+    traced = []
+    words = Q.QuantizedWeight.words_bf16_t
+    monkeypatch.setattr(Q.QuantizedWeight, "words_bf16_t", lambda self: traced.append(1) or words(self))
+    m = copy.deepcopy(peaked)
+    Q.quantize_model(m, mode, 32, embedding="int8", log=False)
+    prompt = (PROMPT * 8)[:Q._BF16_ROWS + 4]
+    ref = engine.prefill(generate.TorchBackend(copy.deepcopy(m), 1, 64), [prompt], CPU)[0]
+    eager, _ = generate.generate(generate.TorchBackend(copy.deepcopy(m), 1, 64), [prompt], 8, CPU)
+    assert not traced  # eager: the packed kernels
+    be = generate.TorchBackend(m, 1, 64, compile=True, compile_prefill=True)
+    last = engine.prefill(be, [prompt], CPU)[0]
+    assert traced  # compiled prefill took the bfloat16 GEMM
+    tol = 1e-4 if mode == "int8" else 2 ** -8  # int8's weights are exact in bfloat16 (measured 2e-6 of 12.3), int4's
+    torch.testing.assert_close(last, ref, rtol=tol, atol=tol * ref.abs().max().item())  # rounded (0.013 of 12.2)
+    out, _ = generate.generate(be, [prompt], 8, CPU)
+    assert out == eager
 
 
 def test_compiled_8da8w_prefill_matches_eager(peaked):
