@@ -216,9 +216,10 @@ _NIBBLE_SCALES = torch.tensor([16.0 ** -j for j in range(7)] + [1.0]).view(8, 1,
 # layouts (words_bf16_t; exact for int8, int4's q * s + z rounded once to bfloat16), then oneDNN's bfloat16 GEMM, which
 # multiplies at about twice float32's rate; ATen's packed weight-only kernels below multiply in float32. 2 threads,
 # 1536x576 and 576x1536 int4 g32, compiled: 754 / 840 us against 1461 / 1488 us at 128 rows, 274 / 293 against
-# 218 / 242 at 16: the conversion costs ~200 us per matrix, so products of fewer than _BF16_ROWS rows keep the packed
-# kernels (a compiled prefill graph then guards on the length: one recompile when prompts cross it). Eager runs keep
-# the packed kernels at any length: there the conversion is several ATen passes, slower than the product.
+# 218 / 242 at 16: the conversion (~100 us per matrix) and the casts around the GEMM cost about what a 16-row product
+# does, so products of fewer than _BF16_ROWS rows keep the packed kernels (a compiled prefill graph then guards on
+# the length: one recompile when prompts cross it). Eager runs keep the packed kernels at any length: there the
+# conversion is several ATen passes, slower than the product.
 _BF16_GEMM = any(getattr(torch.cpu, f, lambda: False)() for f in ("_is_avx512_bf16_supported",
                                                                  "_is_amx_tile_supported"))
 _BF16_ROWS = 32
@@ -472,7 +473,8 @@ class QuantizedWeight(nn.Module):
             w = self._int8_words.squeeze(1)                                         # [N/16, K/4, 16]
             # bytes 0-2 hold q + 128, byte 3 q as is: + 128 there, mod 256, makes it read like the others
             q = (((w >> _SHIFTS[8].to(w.device)) + _BYTE_OFFSETS.to(w.device)) & 255) - 128   # [4, N/16, K/4, 16]
-            return q.to(torch.bfloat16).permute(0, 2, 1, 3).reshape(K, N)
+            # via float32: Inductor's int32 -> bfloat16 conversion is not vectorized (the kernel took 2.5x as long)
+            return q.float().to(torch.bfloat16).permute(0, 2, 1, 3).reshape(K, N)
         if self.weight_only and self._int4_words is not None:  # nibble j of [t, 0, g, i, c]: q[16t + c, gG + jG/8 + i]
             w, st, zt = (t.squeeze(1) for t in self._int4_words)                   # [N/16, K/G, G/8 or 1, 16]
             q = (w >> _SHIFTS[4].to(w.device)) & 15                                 # [8, N/16, K/G, G/8, 16]
