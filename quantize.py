@@ -211,27 +211,21 @@ _BYTE_SCALES = torch.tensor([1.0, 2.0 ** -8, 2.0 ** -16, 1.0]).view(4, 1, 1)
 _NIBBLE_SCALES = torch.tensor([16.0 ** -j for j in range(7)] + [1.0]).view(8, 1, 1)
 
 
-# Compiled products of many rows (torch.compile's prefill, speculative verification; not export) on a CPU with
+# Products of many rows (compiled and eager int8 prefill, speculative verification; not export) on a CPU with
 # bfloat16 dot products (AVX512-BF16 or AMX): the weights go to bfloat16 in one generated kernel reading the word
 # layouts (words_bf16_t; exact for int8, int4's q * s + z rounded once to bfloat16), then oneDNN's bfloat16 GEMM, which
 # multiplies at about twice float32's rate; ATen's packed weight-only kernels below multiply in float32. 2 threads,
 # 1536x576 and 576x1536 int4 g32, compiled: 754 / 840 us against 1461 / 1488 us at 128 rows, 274 / 293 against
 # 218 / 242 at 16: the conversion (~100 us per matrix) and the casts around the GEMM cost about what a 16-row product
 # does, so products of fewer than _BF16_ROWS rows keep the packed kernels (a compiled prefill graph then guards on
-# the length: one recompile when prompts cross it). Eager runs keep the packed kernels at any length: there the
-# conversion is several ATen passes, slower than the product.
+# the length: one recompile when prompts cross it). Eager int8 takes the same GEMM after one cast of qdata; eager int4
+# keeps the packed kernels (its conversion is several ATen passes, slower than the product).
 _BF16_GEMM = any(getattr(torch.cpu, f, lambda: False)() for f in ("_is_avx512_bf16_supported",
                                                                  "_is_amx_tile_supported"))
 _BF16_ROWS = 32
 _SHIFTS = {8: torch.tensor([0, 8, 16, 24], dtype=torch.int32).view(4, 1, 1, 1),
            4: torch.arange(0, 32, 4, dtype=torch.int32).view(8, 1, 1, 1, 1)}
 _BYTE_OFFSETS = torch.tensor([0, 0, 0, 128], dtype=torch.int32).view(4, 1, 1, 1)  # see words_bf16_t
-
-
-def _bf16_gemm(x2: Tensor) -> bool:
-    """x2 [M, K]: a product for words_bf16_t + oneDNN's bfloat16 GEMM (see _BF16_GEMM)."""
-    return (_BF16_GEMM and torch.compiler.is_compiling() and not torch.compiler.is_exporting()
-            and x2.shape[0] >= _BF16_ROWS)
 
 
 def group_sums(x: Tensor, G: int) -> Tensor:
@@ -448,7 +442,7 @@ class QuantizedWeight(nn.Module):
         if self.zeros is not None and offset == self.xnnpack:  # the packed copy holds the other variant
             return None
         x2 = x.reshape(-1, self.in_features)
-        if rows and _bf16_gemm(x2) and (w := self.words_bf16_t()) is not None:
+        if rows and (w := self._bf16_weight_t(x2)) is not None:
             y = torch.mm(x2.to(torch.bfloat16), w)
             y = (y.float() * self.scales.float() if self.bits == 8 else y).to(x.dtype)
         elif self.bits == 8 and bf16:
@@ -462,6 +456,16 @@ class QuantizedWeight(nn.Module):
         else:
             return None
         return y.reshape(*x.shape[:-1], self.out_features)
+
+    def _bf16_weight_t(self, x2: Tensor) -> Optional[Tensor]:
+        """w.T as bfloat16 [K, N] for oneDNN's bfloat16 GEMM of x2 [M, K] (see _BF16_GEMM), or None where the packed
+        kernels run: compiled, words_bf16_t; eager int8, one cast of qdata (2.4x faster than the packed kernel at 128
+        rows of 1536x576, 1.3x at 32); eager int4's conversion is slower than the product."""
+        if torch.compiler.is_exporting() or not _BF16_GEMM or x2.shape[0] < _BF16_ROWS:
+            return None
+        if torch.compiler.is_compiling():
+            return self.words_bf16_t()
+        return self.qdata.t().to(torch.bfloat16) if self.bits == 8 else None
 
     def words_bf16_t(self) -> Optional[Tensor]:
         """w.T as bfloat16 [K, N] from the word layouts (None without them): int8 its integer values (exact; the

@@ -350,12 +350,32 @@ def test_compiled_prefill_matches_eager(peaked, output):
     assert out[0] == eager
 
 
+def test_eager_int8_long_product_bfloat16_gemm(monkeypatch):
+    """Eager int8 products of Q._BF16_ROWS rows or more on a CPU with bfloat16 dot products: one cast of the integer
+    weights to bfloat16 and oneDNN's bfloat16 GEMM (forced on here), the same arithmetic as the packed kernel (x in
+    bfloat16, exact weights, float32 sums, output in bfloat16, float32 scales after); shorter ones keep the kernel."""
+    monkeypatch.setattr(Q, "_BF16_GEMM", True)
+    _, lin = _linear("int8")
+    qw = lin.qweight
+    bf = lambda t: t.to(torch.bfloat16).float()
+    calls = []
+    packed = torch.ops.aten._weight_int8pack_mm
+    monkeypatch.setattr(torch.ops.aten, "_weight_int8pack_mm", lambda *a: calls.append(1) or packed(*a))
+    for rows, kernel in ((Q._BF16_ROWS - 1, True), (Q._BF16_ROWS + 8, False)):
+        x = torch.randn(rows, 128)
+        want = bf(F.linear(bf(x), qw.qdata.float())) * qw.scales
+        calls.clear()
+        torch.testing.assert_close(lin(x), want, rtol=2 ** -8, atol=1e-6)
+        assert bool(calls) == kernel
+
+
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_compiled_long_prefill_bfloat16_gemm(peaked, monkeypatch, mode):
     """--compile_prefill of a prompt of Q._BF16_ROWS tokens or more, on a CPU with bfloat16 dot products: the weights
     go to bfloat16 in a generated kernel (words_bf16_t) for oneDNN's bfloat16 GEMM. Forced on here, so that any CPU
-    runs it (oneDNN converts where the instructions are missing). Eager keeps ATen's packed kernels: the prompt's last
-    logits agree within bfloat16 rounding (int4's weights are rounded to it), and the greedy tokens match."""
+    runs it (oneDNN converts where the instructions are missing). Eager int8 casts qdata for the same GEMM, eager int4
+    keeps ATen's packed kernel: the prompt's last logits agree within bfloat16 rounding (int4's weights are rounded
+    to it), and the greedy tokens match."""
     monkeypatch.setattr(Q, "_BF16_GEMM", True)
     traced = []
     words = Q.QuantizedWeight.words_bf16_t
@@ -365,7 +385,7 @@ def test_compiled_long_prefill_bfloat16_gemm(peaked, monkeypatch, mode):
     prompt = (PROMPT * 8)[:Q._BF16_ROWS + 4]
     ref = engine.prefill(generate.TorchBackend(copy.deepcopy(m), 1, 64), [prompt], CPU)[0]
     eager, _ = generate.generate(generate.TorchBackend(copy.deepcopy(m), 1, 64), [prompt], 8, CPU)
-    assert not traced  # eager: the packed kernels
+    assert not traced  # eager: no word layouts
     be = generate.TorchBackend(m, 1, 64, compile=True, compile_prefill=True)
     last = engine.prefill(be, [prompt], CPU)[0]
     assert traced  # compiled prefill took the bfloat16 GEMM
