@@ -38,6 +38,7 @@
 # back into a float32 weight. torch.export: plain dequantize + linear (int8/int4), or for 8da4w the torchao
 # quantize/dequantize_affine pattern that ExecuTorch's XNNPACK partitioner turns into its int8 x int4 GEMM; for AOT
 # Inductor (word_kernel_export) the int8/int4 word kernels for any number of rows (8da4w: fake-quantized x into them).
+# Weight-only products of 32 rows or more on a CPU with bfloat16 dot products: oneDNN's bfloat16 GEMM (see _BF16_GEMM).
 import contextlib
 import logging
 import sys
@@ -460,7 +461,8 @@ class QuantizedWeight(nn.Module):
     def _bf16_weight_t(self, x2: Tensor) -> Optional[Tensor]:
         """w.T as bfloat16 [K, N] for oneDNN's bfloat16 GEMM of x2 [M, K] (see _BF16_GEMM), or None where the packed
         kernels run: compiled, words_bf16_t; eager int8, one cast of qdata (2.4x faster than the packed kernel at 128
-        rows of 1536x576, 1.3x at 32); eager int4's conversion is slower than the product."""
+        rows of 1536x576, 1.3x at 32; a transient copy of 2 bytes per weight, 57 MB for SmolLM2's tied table when every
+        position's logits are asked for, 2.3x faster there); eager int4's conversion is slower than the product."""
         if torch.compiler.is_exporting() or not _BF16_GEMM or x2.shape[0] < _BF16_ROWS:
             return None
         if torch.compiler.is_compiling():
