@@ -477,7 +477,9 @@ class QuantizedWeight(nn.Module):
         N, K = self.out_features, self.in_features
         if self.bits == 8 and self._int8_words is not None:  # byte j of word [t, 0, i, c]: q[16t + c, j K/4 + i]
             w = self._int8_words.squeeze(1)                                         # [N/16, K/4, 16]
-            # bytes 0-2 hold q + 128, byte 3 q as is: + 128 there, mod 256, makes it read like the others
+            # bytes 0-2 hold q + 128, byte 3 q as is: + 128 there, mod 256, makes it read like the others. (rows()
+            # reads the same bytes with scalar shifts, stacked: here that kernel took 10x as long; there, in a package,
+            # these shift tensors fail AOT Inductor's build: "references nonexistent attribute _tensor_constant1")
             q = (((w >> _SHIFTS[8].to(w.device)) + _BYTE_OFFSETS.to(w.device)) & 255) - 128   # [4, N/16, K/4, 16]
             # via float32: Inductor's int32 -> bfloat16 conversion is not vectorized (the kernel took 2.5x as long)
             return q.float().to(torch.bfloat16).permute(0, 2, 1, 3).reshape(K, N)
