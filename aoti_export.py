@@ -27,7 +27,7 @@ Decoding modes (runner-aoti -M, generate.py / eval.py): a package holds more tha
     skips the other positions' logits. oneDNN's prepacked weights are opaque tensors that cannot be shared, so a float
     model's "prompt" keeps its constants in its own library: a second copy of the weights (about twice the package
     and the memory). A quantized model's "prompt" shares the records of "model" and adds the layouts of ATen's
-    int8 / int4 kernels for its many-row products (quantize.word_kernel_export("native"); 8da8w: torch._int_mm).
+    int8 / int4 kernels for its many-row products (qops.word_kernel_export("native"); 8da8w: torch._int_mm).
 The models of such a package share their weights (except a float "prompt"): each is compiled without its constants
 (aot_inductor.package_constants_in_so=False) and the package holds every distinct constant once, as a record under
 data/weights/llama_flat/ (64-byte aligned, uncompressed) listed by that folder's `index` (one line per model and
@@ -149,8 +149,8 @@ def export(checkpoint_path, output_path, max_seq_length: int = 1024, dtype: Opti
     # (e.g. a stride guard Eq(T*Min(16, 32*T), 16*T) from the grouped-query reshape, true for every T >= 1) become
     # runtime asserts in the package instead of failing the export with "Constraints violated"
     programs = {}  # model name -> (exported program, example args, example kwargs)
-    import quantize
-    with torch.no_grad(), quantize.word_kernel_export():  # quantized products: no float32 copies (quantize.py)
+    import qops
+    with torch.no_grad(), qops.word_kernel_export():  # quantized products: no float32 copies (qops.py)
         ep = torch.export.export(model, example, dynamic_shapes=({1: seq}, {0: seq}), strict=False,
                                  prefer_deferred_runtime_asserts_over_guards=True)
         programs["model"] = (ep, example, {})
@@ -174,11 +174,11 @@ def export(checkpoint_path, output_path, max_seq_length: int = 1024, dtype: Opti
                     model, ex, kw, dynamic_shapes={"idx": {1: seq}, "input_pos": {0: seq}, "mask": {2: seq}},
                     strict=False, prefer_deferred_runtime_asserts_over_guards=True), ex, kw)
         if fast_prefill:  # prompts of 2 tokens or more (the runners run a 1-token prompt through "model"); the
-            T = min(PROMPT_HINT, S)  # weight-only products of many rows are ATen's packed kernels (quantize.py)
+            T = min(PROMPT_HINT, S)  # weight-only products of many rows are ATen's packed kernels (qops.py)
             ex = (torch.zeros(1, T, dtype=torch.long, device=device), torch.arange(T, device=device))
             kw = {"logits_at": torch.tensor([T - 1], device=device)}
             prompt_seq = Dim("prompt_seq", min=2, max=S)
-            with quantize.word_kernel_export(many_rows="native"):
+            with qops.word_kernel_export(many_rows="native"):
                 programs["prompt"] = (torch.export.export(model, ex, kw, dynamic_shapes={
                     "idx": {1: prompt_seq}, "input_pos": {0: prompt_seq}, "logits_at": None},
                     strict=False, prefer_deferred_runtime_asserts_over_guards=True), ex, kw)

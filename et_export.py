@@ -107,7 +107,7 @@ class _RotaryLinear(nn.Module):
 
 
 class _QuantizedEmbeddingET(nn.Module):
-    """quantize.py's QuantizedEmbedding through ExecuTorch's quantized_decomposed::embedding_byte / embedding_4bit
+    """qops.py's QuantizedEmbedding through ExecuTorch's quantized_decomposed::embedding_byte / embedding_4bit
     kernels (their unpacking with shifts has no ExecuTorch kernel, and gathering first keeps the table packed), from
     a copy of the table in their layout: w = (q - zp) * s; 4-bit values stored as q + 8, two per byte, even element
     in the high nibble."""
@@ -137,9 +137,9 @@ class _QuantizedEmbeddingET(nn.Module):
 
 
 def _linear_kind(m) -> Optional[str]:
-    """quantize.py QuantizedLinear -> "8da4w" | "int8" | "int4" (weight-only asymmetric: no ExecuTorch kernel)."""
-    import quantize
-    if not isinstance(m, quantize.QuantizedLinear):
+    """qops.py's QuantizedLinear -> "8da4w" | "int8" | "int4" (weight-only asymmetric: no ExecuTorch kernel)."""
+    import qops
+    if not isinstance(m, qops.QuantizedLinear):
         return None
     if m.qweight.bits == 8:
         return "int8"
@@ -148,18 +148,18 @@ def _linear_kind(m) -> Optional[str]:
 
 @contextlib.contextmanager
 def export_swaps(model, int8_dynamic: bool = True):
-    """Assign export-friendly modules at model.py's swap points (and in place of quantize.py's modules) while
+    """Assign export-friendly modules at model.py's swap points (and in place of qops.py's modules) while
     exporting; the originals are put back afterwards.
       * each KVCache -> _DirectCache over the same buffers (the cache write is reinplaced, not copied);
       * each RMSNorm -> _RMSNorm4D and each Rotary -> one shared _RotaryLinear, so both stay inside the XNNPACK
         delegate (same arithmetic);
-      * quantize.py's QuantizedEmbedding -> _QuantizedEmbeddingET (ExecuTorch's quantized embedding kernels);
+      * qops.py's QuantizedEmbedding -> _QuantizedEmbeddingET (ExecuTorch's quantized embedding kernels);
       * with int8_dynamic, int8 weight-only QuantizedLinears -> QuantizedLinear(act="int8") over the same weight:
         XNNPACK has no float x int8 weight-only GEMM, so the .pte quantizes activations per token too (quantize.py's
         8da4w export pattern, qd8-f32-qc8w), which differs from eager int8 by that rounding only; without it
         portable kernels would dequantize every weight on every call. For the portable backend they stay weight-only."""
     import model as model_py
-    import quantize
+    import qops
     rope = _RotaryLinear(model.config.head_dim, model.norm.weight.device, model.config.rotary_dim)
 
     def replacement(m):
@@ -169,10 +169,10 @@ def export_swaps(model, int8_dynamic: bool = True):
             return _RMSNorm4D(m)
         if isinstance(m, model_py.Rotary):
             return rope
-        if isinstance(m, quantize.QuantizedEmbedding):
+        if isinstance(m, qops.QuantizedEmbedding):
             return _QuantizedEmbeddingET(m.qweight)
         if int8_dynamic and _linear_kind(m) == "int8" and m.act is None:
-            return quantize.QuantizedLinear(m.qweight, m.bias, act="int8")
+            return qops.QuantizedLinear(m.qweight, m.bias, act="int8")
         return None
 
     swapped = []
@@ -593,11 +593,11 @@ def main(argv=None):
 
 
 def _scales_not_bf16(model) -> bool:
-    """True when an 8da4w weight (quantize.py keeps qdata_int8 for the XNNPACK pattern) has scales that bfloat16
+    """True when an 8da4w weight (qops.py keeps qdata_int8 for the XNNPACK pattern) has scales that bfloat16
     cannot hold exactly."""
-    import quantize
+    import qops
     for m in model.modules():
-        if isinstance(m, quantize.QuantizedWeight) and getattr(m, "qdata_int8", None) is not None:
+        if isinstance(m, qops.QuantizedWeight) and getattr(m, "qdata_int8", None) is not None:
             s = m.scales.float()
             if not torch.equal(s, s.to(torch.bfloat16).float()):
                 return True

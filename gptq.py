@@ -1,6 +1,6 @@
 # GPTQ (Frantar et al. 2022) for quantize.py's int4 modes, gpt-fast's GPTQ.py in a few functions: int4-gptq, and
-# 8da4w with --calibration_file. quantize.quantize_model imports this lazily; it imports quantize.py for the int4 grid
-# (group_params, _int4_round, _int4_values) and the modules it swaps in, so the storage and kernels are quantize.py's.
+# 8da4w with --calibration_file. quantize.quantize_model imports this lazily; it takes the int4 grid from quantize.py
+# (group_params, _int4_round) and qops.py (_int4_values, the modules it swaps in), so the storage and kernels are qops.py's.
 import math
 import sys
 import time
@@ -9,7 +9,8 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from quantize import QuantizedLinear, QuantizedWeight, _int4_round, _int4_values, _set_module, group_params
+from qops import QuantizedLinear, QuantizedWeight, _int4_values
+from quantize import _int4_round, _set_module, group_params
 
 
 def gptq_quantize(W: Tensor, H: Tensor, scheme: dict, act_order: bool = False, damp: float = 0.1,

@@ -163,13 +163,13 @@ def rank0_first():
 
 # ----------------------------------------------------------------------------------------------------------- sharding
 def _linear_parts(m: nn.Module) -> str:
-    """"float" for nn.Linear, "quant" for quantize.py's QuantizedLinear; raises for anything else."""
+    """"float" for nn.Linear, "quant" for qops.py's QuantizedLinear; raises for anything else."""
     if isinstance(m, nn.Linear):
         return "float"
-    from quantize import QuantizedLinear  # lazy: generate.py imports tp.py, and float models never need quantize.py
+    from qops import QuantizedLinear  # lazy: generate.py imports tp.py, and float models never need qops.py
     if isinstance(m, QuantizedLinear):
         return "quant"
-    raise ValueError(f"tensor parallelism cannot shard a {type(m).__name__} (only nn.Linear and quantize.py's "
+    raise ValueError(f"tensor parallelism cannot shard a {type(m).__name__} (only nn.Linear and qops.py's "
                      f"QuantizedLinear)")
 
 
@@ -231,10 +231,10 @@ def _all_reduce_hook(group):
 
 def _global_act_quant(group):
     """The activation quantizer of a row-parallel QuantizedLinear with dynamic per-token int8 activations (8da4w, its
-    act_quant): quantize.fake_quant_per_token_int8 on the rank's slice with the range of the WHOLE token row (min/max
+    act_quant): qops.fake_quant_per_token_int8 on the rank's slice with the range of the WHOLE token row (min/max
     all-reduced), as one device would."""
     from torch.distributed import _functional_collectives as funcol
-    from quantize import fake_quant_per_token_int8
+    from qops import fake_quant_per_token_int8
 
     def row_range(lo, hi):
         m = funcol.all_reduce(torch.cat((hi, -lo), dim=-1), "max", group)

@@ -215,7 +215,7 @@ def test_so_library(env, runner):
 def test_quantized_checkpoint(env, runner):
     # int4 weight-only in a package of two models (the models whose weights the package shares once once failed to
     # compile an int4 checkpoint: its several-row products lowered to an aten.mm that Inductor's C++ GEMM template
-    # does not take; they are quantize.py's word kernels now)
+    # does not take; they are qops.py's word kernels now)
     r = run([sys.executable, REPO / "quantize.py", "--checkpoint_path", env["ckpt"], "--mode", "int4", "--groupsize",
              "32"])
     assert r.returncode == 0, r.stderr[-2000:]
@@ -228,7 +228,7 @@ def test_quantized_checkpoint(env, runner):
     # the many-row products (quantize.py), as eager prefill runs them
     from generate import TorchBackend, generate
     from model import load_model
-    from quantize import QuantizedLinear
+    from qops import QuantizedLinear
     reader, index = package_index(pt2)
     records, dtypes = {}, {row[2]: row[3] for row in index}
     for row in index:
@@ -253,11 +253,12 @@ def test_quantized_checkpoint(env, runner):
 @pytest.mark.parametrize("mode", ["int8", "int4", "8da4w", "8da8w"])
 def test_quantized_package_keeps_integer_weights(env, mode):
     """An int8 / int4 / 8da4w / 8da8w package holds its integer weights, not float32 copies: under export the products
-    are quantize.py's word kernels (word_kernel_export), where Inductor's freezing would fold dequantize(w) into new
+    are qops.py's word kernels (word_kernel_export), where Inductor's freezing would fold dequantize(w) into new
     float32 constants. Its "prompt" model (--fast_prefill) runs the weight-only products of many rows as eager does,
     through ATen's packed kernels on their own integer copies (int8: qdata; int4: the blocked layout; 8da8w's int8 x
     int8 products: torch._int_mm on qdata), its one-row output projection through the words (8da4w's once failed to
     compile there: a folded slice)."""
+    import qops
     import quantize
     from aoti_export import AOTIBackend
     from generate import TorchBackend, generate
@@ -275,7 +276,7 @@ def test_quantized_package_keeps_integer_weights(env, mode):
     # the int8 embedding table is read from its word layout, the one a tied output projection reads: no int8 copy of
     # it; int8's and 8da8w's linears are stored twice (words for "model", qdata for "prompt's" kernel), 8da4w's once
     int8 = sum(n for dtype, n in stored.values() if dtype == "int8")
-    qlinears = [m.qweight for m in load_model(q).modules() if isinstance(m, quantize.QuantizedLinear)]
+    qlinears = [m.qweight for m in load_model(q).modules() if isinstance(m, qops.QuantizedLinear)]
     assert int8 == (sum(w.qdata.numel() for w in qlinears if w.bits == 8 and w.out_features != VOCAB)
                     if mode in quantize.EIGHT_BIT else 0), int8
     cpu = torch.device("cpu")

@@ -19,6 +19,8 @@ pytest.importorskip("executorch")
 
 import et_export  # noqa: E402
 import engine  # noqa: E402
+import qops  # noqa: E402
+import quantize  # noqa: E402
 from model import ModelArgs, Transformer, checkpoint_state, load_model, save_checkpoint  # noqa: E402
 
 ARGS = dict(n_layer=2, n_head=4, n_local_heads=2, dim=64, intermediate_size=128, vocab_size=300, block_size=128)
@@ -141,22 +143,13 @@ def test_portable_backend_with_prefill_and_decode_methods(float_ckpt, tmp_path):
                                eager.forward(torch.tensor([[9]]), torch.tensor([9])), atol=1e-4, rtol=1e-4)
 
 
-def _quantize():
-    try:
-        import quantize
-    except ImportError:
-        pytest.skip("quantize.py is not there yet")
-    return quantize
-
-
 def test_8da4w_pte_matches_eager_8da4w(tmp_path):
-    quantize = _quantize()
     model = _tiny(1)
     recipe = quantize.quantize_model(model, "8da4w", groupsize=32, log=False)
     # XNNPACK keeps 4-bit group scales as bfloat16: give the eager model bf16-representable scales (a no-op when
     # quantize.py already rounds them) so both run the very same weights
     for m in model.modules():
-        if isinstance(m, quantize.QuantizedWeight):
+        if isinstance(m, qops.QuantizedWeight):
             m.scales = m.scales.to(torch.bfloat16).to(m.scales.dtype)
     save_checkpoint(checkpoint_state(model, quantization=recipe), tmp_path / "model.pth")
     pte = tmp_path / "q.pte"
@@ -188,7 +181,7 @@ def test_partitioner_without_decomposition_filter_writes_the_same_pte(tmp_path, 
     the whole program); the stock partitioner gives the very same bytes (an 8da4w model: linears and quant ops)."""
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
     model = _tiny(2)
-    _quantize().quantize_model(model, "8da4w", groupsize=32, log=False)
+    quantize.quantize_model(model, "8da4w", groupsize=32, log=False)
     ours, stock = tmp_path / "ours.pte", tmp_path / "stock.pte"
     et_export.export_pte(model, ours, 32, verbose=False)
     monkeypatch.setattr(et_export, "_backend_partitioners", lambda backend, log=None: [XnnpackPartitioner()])
@@ -204,12 +197,11 @@ def _perplexity(text: str) -> float:
 
 
 def test_quantize_flag_quantizes_a_float_checkpoint(float_ckpt, tmp_path, monkeypatch):
-    quantize = _quantize()
     seen = {}
     monkeypatch.setattr(et_export, "export_pte", lambda model, *a, **k: seen.update(model=model, args=a, kw=k))
     et_export.main(["--checkpoint_path", str(float_ckpt), "--output_path", str(tmp_path / "x.pte"),
                     "--quantize", "8da4w", "--groupsize", "32"])
-    assert any(isinstance(m, quantize.QuantizedLinear) for m in seen["model"].modules())
+    assert any(isinstance(m, qops.QuantizedLinear) for m in seen["model"].modules())
     assert seen["model"].quantization["mode"] == "8da4w"
 
 

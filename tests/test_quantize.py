@@ -1,4 +1,4 @@
-# quantize.py: kernels against references computed from their own dequantized weights, rounding, checkpoints,
+# quantize.py and qops.py: kernels against references computed from their own dequantized weights, rounding, checkpoints,
 # greedy agreement, torch.compile, GPTQ, ExecuTorch/XNNPACK lowering of 8da4w, CLI errors.
 import copy
 import json
@@ -11,6 +11,7 @@ import torch.nn.functional as F
 import engine
 import generate
 import gptq
+import qops
 import quantize as Q
 from conftest import assert_clean_error, hf_to_model, run_cli, tiny_hf
 from model import checkpoint_state, load_model, save_checkpoint
@@ -30,8 +31,8 @@ def _linear(name, N=96, K=128, bias=False, seed=0):
     torch.manual_seed(seed)
     w = torch.randn(N, K) * 0.05
     scheme, act = SCHEMES[name]
-    qw = Q.QuantizedWeight.from_float(w, scheme)
-    return w, Q.QuantizedLinear(qw, torch.randn(N) if bias else None, act)
+    qw = Q.quantize_weight(w, scheme)
+    return w, qops.QuantizedLinear(qw, torch.randn(N) if bias else None, act)
 
 
 # ----------------------------------------------------------------------------------------------------------- kernels
@@ -41,7 +42,7 @@ def test_linear_matches_its_dequantized_weights(name, bias):
     w, lin = _linear(name, bias=bias)
     x = torch.randn(2, 5, 128)
     qw = lin.qweight
-    ref_x = Q.fake_quant_per_token_int8(x) if lin.act else x
+    ref_x = qops.fake_quant_per_token_int8(x) if lin.act else x
     split = qw.xnnpack and qw.zeros is not None  # 8da4w: int8 x (q - 8) s, plus float x's group sums x (z + 8 s)
     zt = F.linear(x.unflatten(-1, (-1, qw.groupsize)).sum(-1), qw.zeros + 8 * qw.scales) if split else 0
     ref = F.linear(ref_x, qw.dequantize(offset=not split), lin.bias) + zt
@@ -67,7 +68,7 @@ def test_linear_matches_its_dequantized_weights(name, bias):
     # the compile-path formulation (one reduction over the integer weights), run eagerly on one row
     fused = qw.fused_linear(ref_x[:1, :1], offset=not split) + (zt[:1, :1] if split else 0)
     torch.testing.assert_close(fused + (lin.bias if bias else 0), ref[:1, :1], rtol=1e-4, atol=1e-4)
-    with Q.word_kernel_export():  # an AOT Inductor package's dynamic length: the same kernels for any number of rows
+    with qops.word_kernel_export():  # an AOT Inductor package's dynamic length: the same kernels for any number of rows
         many = qw.fused_linear(ref_x, offset=not split) + zt
         if split:  # 8da4w's form there (and in compiled decode): the float activations' group sums in the same kernel
             one = qw.fused_linear(ref_x, sums=x.unflatten(-1, (-1, qw.groupsize)).sum(-1))
@@ -80,7 +81,7 @@ def test_linear_matches_its_dequantized_weights(name, bias):
     else:
         G = qw.groupsize
         wg = w.view(w.shape[0], -1, G)
-        expect = Q._int4_values(Q._int4_round(wg, qw.scales, qw.zeros), qw.scales, qw.zeros).view_as(w)
+        expect = qops._int4_values(Q._int4_round(wg, qw.scales, qw.zeros), qw.scales, qw.zeros).view_as(w)
     torch.testing.assert_close(qw.dequantize(), expect, rtol=0, atol=1e-7)
 
 
@@ -121,13 +122,13 @@ def test_8da8w_rows_are_one_integer_product():
     w, lin = _linear("8da8w", K=256, bias=True)
     qw = lin.qweight
     x = torch.randn(2, 7, 256) * torch.linspace(0.1, 4, 256)
-    q, zp, scale = Q.quant_per_token_int8(x)
+    q, zp, scale = qops.quant_per_token_int8(x)
     acc = (q - zp).long() @ qw.qdata.long().T                      # [2, 7, 96] exact
     want = (acc.double() * scale.double() * qw.scales.double() + lin.bias.double()).float()
     y = lin(x)
     torch.testing.assert_close(y, want, rtol=1e-6, atol=1e-6)
     assert torch.equal(y, qw.int8_act_linear(x) + lin.bias)
-    ref = F.linear(Q.fake_quant_per_token_int8(x), qw.dequantize(), lin.bias)
+    ref = F.linear(qops.fake_quant_per_token_int8(x), qw.dequantize(), lin.bias)
     torch.testing.assert_close(lin(x[:1, :1]), ref[:1, :1], rtol=1e-5, atol=1e-5)
 
 
@@ -146,9 +147,9 @@ def test_dynamic_act_export_arithmetic_matches_eager(name):
 
 def test_int4_pack_roundtrip_and_layout():
     q = torch.randint(0, 16, (7, 64))
-    p = Q.pack_int4(q, 32)
+    p = qops.pack_int4(q, 32)
     assert p.dtype == torch.uint8 and p.shape == (7, 32)
-    assert torch.equal(Q.unpack_int4(p, 32).long(), q)
+    assert torch.equal(qops.unpack_int4(p, 32).long(), q)
     assert int(p[0, 0]) == int(q[0, 0]) * 16 + int(q[0, 16])  # byte j of a group: element j (high), j + G/2 (low)
 
 
@@ -159,19 +160,19 @@ def test_int4_reproduces_a_weight_already_on_an_int4_grid():
     q = torch.randint(0, 16, (16, 4, 32)).float()
     q[..., 0], q[..., 1] = 0, 15  # Q4_1 groups use their full range
     w = (q * d + m).view(16, 128)
-    qw = Q.QuantizedWeight.from_float(w, Q._scheme(4, 32))
+    qw = Q.quantize_weight(w, Q._scheme(4, 32))
     torch.testing.assert_close(qw.dequantize(), w, rtol=0, atol=1e-6)
 
 
 def test_8da4w_activation_quantization_matches_torchao():
-    qp = Q._torchao_primitives()
+    qp = qops._torchao_primitives()
     x = torch.randn(3, 7, 64) * 3 + 0.5
     bs = (1, 1, 64)
     s, zp = qp.choose_qparams_affine(x, qp.MappingType.ASYMMETRIC, bs, torch.int8, -128, 127,
                                      zero_point_dtype=torch.int8)
     ref = qp.dequantize_affine(qp.quantize_affine(x, bs, s, zp, torch.int8, -128, 127), bs, s, zp, torch.int8,
                                -128, 127, output_dtype=x.dtype)
-    torch.testing.assert_close(Q.fake_quant_per_token_int8(x), ref, rtol=0, atol=1e-6)
+    torch.testing.assert_close(qops.fake_quant_per_token_int8(x), ref, rtol=0, atol=1e-6)
 
 
 def test_embedding_rows_match_dequantized_table():
@@ -179,8 +180,8 @@ def test_embedding_rows_match_dequantized_table():
     w = torch.randn(50, 64)
     idx = torch.randint(0, 50, (2, 9))
     for scheme in (Q._scheme(8), Q._scheme(4, 32), Q._scheme(4, 64, symmetric=True)):
-        qw = Q.QuantizedWeight.from_float(w, scheme)
-        torch.testing.assert_close(Q.QuantizedEmbedding(qw)(idx), F.embedding(idx, qw.dequantize()), rtol=0, atol=0)
+        qw = Q.quantize_weight(w, scheme)
+        torch.testing.assert_close(qops.QuantizedEmbedding(qw)(idx), F.embedding(idx, qw.dequantize()), rtol=0, atol=0)
 
 
 def test_compiled_decode_int8_layout_keeps_precision_in_bfloat16():
@@ -315,7 +316,7 @@ def test_8da4w_skips_linears_the_group_size_does_not_divide(peaked, capsys):
     r = Q.quantize_model(m, "8da4w", 64)
     assert r["skip"] == ["layers.0.feed_forward.w2", "layers.1.feed_forward.w2"]
     assert isinstance(m.layers[0].feed_forward.w2, nn.Linear)
-    assert isinstance(m.layers[0].feed_forward.w1, Q.QuantizedLinear)
+    assert isinstance(m.layers[0].feed_forward.w1, qops.QuantizedLinear)
     assert "kept float" in capsys.readouterr().err
 
 
@@ -327,7 +328,7 @@ def test_compile_matches_eager(peaked):
                        ("feed_forward.w3", "int8"), ("feed_forward.w2", "8da4w")]:
         w = peaked.layers[1].get_submodule(name).weight
         scheme, act = SCHEMES["int8" if mode == "int8" else "8da4w-g32"]
-        Q._set_module(m.layers[1], name, Q.QuantizedLinear(Q.QuantizedWeight.from_float(w, scheme), None, act))
+        Q._set_module(m.layers[1], name, qops.QuantizedLinear(Q.quantize_weight(w, scheme), None, act))
     eager = _greedy(copy.deepcopy(m), n=12)
     assert _greedy(m, n=12, compile=True) == eager
 
@@ -339,7 +340,7 @@ def test_compiled_prefill_matches_eager(peaked, output):
     match eager."""
     m = copy.deepcopy(peaked)
     Q.quantize_model(m, "int4", 32, embedding="int8", log=False)
-    Q._set_module(m, "output", Q.QuantizedLinear(Q.QuantizedWeight.from_float(peaked.output.weight,
+    Q._set_module(m, "output", qops.QuantizedLinear(Q.quantize_weight(peaked.output.weight,
                                                                               SCHEMES[output][0])))
     ref = engine.prefill(generate.TorchBackend(copy.deepcopy(m), 1, 64), [PROMPT], CPU)[0]  # eager, same kernels
     eager = _greedy(copy.deepcopy(m), n=8)
@@ -351,17 +352,17 @@ def test_compiled_prefill_matches_eager(peaked, output):
 
 
 def test_eager_int8_long_product_bfloat16_gemm(monkeypatch):
-    """Eager int8 products of Q._BF16_ROWS rows or more on a CPU with bfloat16 dot products: one cast of the integer
+    """Eager int8 products of qops._BF16_ROWS rows or more on a CPU with bfloat16 dot products: one cast of the integer
     weights to bfloat16 and oneDNN's bfloat16 GEMM (forced on here), the same arithmetic as the packed kernel (x in
     bfloat16, exact weights, float32 sums, output in bfloat16, float32 scales after); shorter ones keep the kernel."""
-    monkeypatch.setattr(Q, "_BF16_GEMM", True)
+    monkeypatch.setattr(qops, "_BF16_GEMM", True)
     _, lin = _linear("int8")
     qw = lin.qweight
     bf = lambda t: t.to(torch.bfloat16).float()
     calls = []
     packed = torch.ops.aten._weight_int8pack_mm
     monkeypatch.setattr(torch.ops.aten, "_weight_int8pack_mm", lambda *a: calls.append(1) or packed(*a))
-    for rows, kernel in ((Q._BF16_ROWS - 1, True), (Q._BF16_ROWS + 8, False)):
+    for rows, kernel in ((qops._BF16_ROWS - 1, True), (qops._BF16_ROWS + 8, False)):
         x = torch.randn(rows, 128)
         want = bf(F.linear(bf(x), qw.qdata.float())) * qw.scales
         calls.clear()
@@ -371,18 +372,18 @@ def test_eager_int8_long_product_bfloat16_gemm(monkeypatch):
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_compiled_long_prefill_bfloat16_gemm(peaked, monkeypatch, mode):
-    """--compile_prefill of a prompt of Q._BF16_ROWS tokens or more, on a CPU with bfloat16 dot products: the weights
+    """--compile_prefill of a prompt of qops._BF16_ROWS tokens or more, on a CPU with bfloat16 dot products: the weights
     go to bfloat16 in a generated kernel (words_bf16_t) for oneDNN's bfloat16 GEMM. Forced on here, so that any CPU
     runs it (oneDNN converts where the instructions are missing). Eager int8 casts qdata for the same GEMM, eager int4
     keeps ATen's packed kernel: the prompt's last logits agree within bfloat16 rounding (int4's weights are rounded
     to it), and the greedy tokens match."""
-    monkeypatch.setattr(Q, "_BF16_GEMM", True)
+    monkeypatch.setattr(qops, "_BF16_GEMM", True)
     traced = []
-    words = Q.QuantizedWeight.words_bf16_t
-    monkeypatch.setattr(Q.QuantizedWeight, "words_bf16_t", lambda self: traced.append(1) or words(self))
+    words = qops.QuantizedWeight.words_bf16_t
+    monkeypatch.setattr(qops.QuantizedWeight, "words_bf16_t", lambda self: traced.append(1) or words(self))
     m = copy.deepcopy(peaked)
     Q.quantize_model(m, mode, 32, embedding="int8", log=False)
-    prompt = (PROMPT * 8)[:Q._BF16_ROWS + 4]
+    prompt = (PROMPT * 8)[:qops._BF16_ROWS + 4]
     ref = engine.prefill(generate.TorchBackend(copy.deepcopy(m), 1, 64), [prompt], CPU)[0]
     eager, _ = generate.generate(generate.TorchBackend(copy.deepcopy(m), 1, 64), [prompt], 8, CPU)
     assert not traced  # eager: no word layouts
@@ -420,17 +421,17 @@ def test_gptq_beats_round_to_nearest_on_layer_output():
     H = 2 * X.T @ X / X.shape[0]
     scheme = Q._scheme(4, 64)
     ref = X @ W.T
-    rtn = Q.QuantizedWeight.from_float(W, scheme).dequantize()
+    rtn = Q.quantize_weight(W, scheme).dequantize()
     err_rtn = (X @ rtn.T - ref).pow(2).mean()
     for act_order in (False, True):
         qt = gptq.gptq_quantize(W, H, scheme, act_order=act_order)
-        g = Q.QuantizedWeight.from_quantized(qt, scheme, torch.float32).dequantize()
+        g = qops.QuantizedWeight.from_quantized(qt, scheme, torch.float32).dequantize()
         err = (X @ g.T - ref).pow(2).mean()
         # measured: 0.73x (act_order 0.35x) of round-to-nearest's error
         assert err < (0.5 if act_order else 0.8) * err_rtn, (act_order, err.item(), err_rtn.item())
     # with uncorrelated inputs (H = I) there is nothing to compensate: GPTQ is round-to-nearest
     qt = gptq.gptq_quantize(W, torch.eye(K), scheme)
-    torch.testing.assert_close(Q.QuantizedWeight.from_quantized(qt, scheme, torch.float32).dequantize(), rtn,
+    torch.testing.assert_close(qops.QuantizedWeight.from_quantized(qt, scheme, torch.float32).dequantize(), rtn,
                                rtol=0, atol=0)
 
 

@@ -48,14 +48,6 @@ def tiny_model(seed=0, **overrides) -> Transformer:
     return m.eval().requires_grad_(False)
 
 
-def _have_quantize() -> bool:
-    try:
-        import quantize
-        return hasattr(quantize, "quantize_model")
-    except ImportError:
-        return False
-
-
 # ----------------------------------------------------------------------------------------------------------- the ranks
 def _compare(ref, shard, compile_mode=None):
     """Logits of a prefill + one decode step and greedy tokens (generate.generate), sharded vs reference."""
@@ -117,7 +109,7 @@ def _torchrun(*args, timeout=300):
 # ----------------------------------------------------------------------------------------------------------- tests
 @pytest.fixture(scope="module")
 def tp_results(tmp_path_factory):
-    cases = [n for n, (_, mode) in CASES.items() if mode is None or _have_quantize()]
+    cases = list(CASES)
     out = tmp_path_factory.mktemp("tp") / "results.json"
     r = _torchrun(__file__, out, ",".join(cases), "aot_eager")
     assert r.returncode == 0, r.stdout + r.stderr[-4000:]
@@ -127,8 +119,6 @@ def tp_results(tmp_path_factory):
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_tp_matches_single_process(tp_results, name):
-    if name not in tp_results:
-        pytest.skip("quantize.py has no quantize_model")
     r = tp_results[name]
     overrides, mode = CASES[name]
     cfg = {**BASE, **overrides}
@@ -169,7 +159,6 @@ def test_bad_world_size_is_a_clear_error(overrides, pattern):
     assert m.layers[0].attention.n_kv == m.config.n_local_heads
 
 
-@pytest.mark.skipif(not _have_quantize(), reason="quantize.py has no quantize_model")
 def test_int4_group_cut_is_a_clear_error():
     import quantize
     m = tiny_model(dim=128, intermediate_size=192)  # wo: 64 per rank, fine; w2: 96 per rank, not a multiple of 64
@@ -190,11 +179,6 @@ def test_world_size_one_and_no_torchrun_are_no_ops(monkeypatch):
     assert tp.apply_tp(m, rank=0, world_size=1) is m and m.config.n_local_heads == 2
 
 
-def _generate_wired() -> bool:
-    return "tp.maybe_init_dist" in (REPO / "generate.py").read_text()
-
-
-@pytest.mark.skipif(not _generate_wired(), reason="generate.py does not call tp.maybe_init_dist yet")
 def test_torchrun_generate_cli_matches_single_process(tiny_checkpoint):
     from conftest import run_cli
     d, _ = tiny_checkpoint
@@ -208,7 +192,6 @@ def test_torchrun_generate_cli_matches_single_process(tiny_checkpoint):
     assert "tok/s" in r.stderr
 
 
-@pytest.mark.skipif(not _generate_wired(), reason="generate.py does not call tp.maybe_init_dist yet")
 def test_torchrun_generate_cli_bad_world_size(tmp_path):
     from model import checkpoint_state, save_checkpoint
     from conftest import make_bpe_tokenizer
