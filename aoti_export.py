@@ -182,6 +182,15 @@ def export(checkpoint_path, output_path, max_seq_length: int = 1024, dtype: Opti
                 programs["prompt"] = (torch.export.export(model, ex, kw, dynamic_shapes={
                     "idx": {1: prompt_seq}, "input_pos": {0: prompt_seq}, "logits_at": None},
                     strict=False, prefer_deferred_runtime_asserts_over_guards=True), ex, kw)
+            L = qops._BF16_ROWS  # weight-only int8 / int4 on a CPU with bfloat16 dot products: "long_prompt", the
+            if (model.quantization and model.quantization.get("act") is None and qops._BF16_GEMM  # prompts of L
+                    and S > L):  # tokens or more, through oneDNN's bfloat16 GEMM (qops.py's _BF16_GEMM)
+                long_seq = Dim("long_seq", min=L, max=S)
+                with qops.word_kernel_export(many_rows="bf16"):
+                    programs["long_prompt"] = (torch.export.export(model, ex, kw, dynamic_shapes={
+                        "idx": {1: long_seq}, "input_pos": {0: long_seq}, "logits_at": None},
+                        strict=False, prefer_deferred_runtime_asserts_over_guards=True), ex, kw)
+                meta["long_prompt_min"] = str(L)
     meta["models"] = ",".join(programs)
     if len(programs) > 1:
         meta["shared_weights"] = SHARED_WEIGHTS
@@ -223,7 +232,7 @@ def export(checkpoint_path, output_path, max_seq_length: int = 1024, dtype: Opti
                 log(f"  compiling {name} ...")
                 with torch.no_grad():
                     files[name] = torch._inductor.aot_compile(prog.module(), ex, kw,
-                                                              options=own if name == "prompt" else shared)
+                                                              options=own if "prompt" in name else shared)
             package_shared(tmp, files, log)
     log(f"compiled in {time.perf_counter() - t0:.1f} s -> {output_path} ({output_path.stat().st_size / 1e6:.1f} MB)")
     return output_path
@@ -344,13 +353,15 @@ class AOTIBackend:
     mode (the runners' -M): "kv" runs "model"; "hybrid" runs prompts through "prefill" in chunks of its length
     (prefill_chunk; the last one padded) and decodes with "model"; "lookahead" runs everything through "lookahead"
     (causal masks) and offers forward_masked() (speculative.py's contract). In kv mode a package's "prompt" model
-    (--fast_prefill) takes the calls that ask for one position's logits (logits_at, engine.prefill's prompts)."""
+    (--fast_prefill) takes the calls that ask for one position's logits (logits_at, engine.prefill's prompts), its
+    "long_prompt" model those of long_prompt_min tokens or more."""
 
     max_batch_size = 1
     prefill_chunk = None
     has_masked = False
     logits_at = False  # engine.py's flag: True when "prompt" is loaded
-    prompt_runner = None
+    prompt_runner = long_prompt_runner = None
+    long_prompt_min = None
 
     def __init__(self, path, device="cpu", mode: str = "kv"):
         path = Path(path)
@@ -375,8 +386,8 @@ class AOTIBackend:
             if need not in models:
                 raise LookupError(f"{path} has no `{need}` model, which {mode} mode needs: export it with "
                                   f"aoti_export.py {flag}")
-            names = {"kv": ["model"] + (["prompt"] if "prompt" in models else []), "hybrid": ["prefill", "model"],
-                     "lookahead": ["lookahead"]}[mode]
+            names = {"kv": ["model"] + [m for m in ("prompt", "long_prompt") if m in models],
+                     "hybrid": ["prefill", "model"], "lookahead": ["lookahead"]}[mode]
             loaded = [load_package(str(path), n) for n in names]
             self.runner = loaded[-1] if mode == "hybrid" else loaded[0]
             meta = self.runner.get_metadata()
@@ -391,6 +402,8 @@ class AOTIBackend:
             self.prefill_runner, self.prefill_chunk = loaded[0], int(meta["prefill_chunk"])
         if "prompt" in names:
             self.prompt_runner, self.logits_at = loaded[1], True
+        if "long_prompt" in names:
+            self.long_prompt_runner, self.long_prompt_min = loaded[2], int(meta["long_prompt_min"])
         self.has_masked = mode == "lookahead"
 
     def _share_constants(self, path, names, loaded, meta):
@@ -446,7 +459,9 @@ class AOTIBackend:
         if self.prompt_runner is not None and logits_at is not None and T > 1:
             if int(logits_at.reshape(-1)[0]) != T - 1:
                 raise ValueError("the package's prompt model gives the last position's logits only")
-            runner, kw = self.prompt_runner, {"logits_at": logits_at.reshape(1).to(self.device)}
+            long = self.long_prompt_runner is not None and T >= self.long_prompt_min
+            runner = self.long_prompt_runner if long else self.prompt_runner
+            kw = {"logits_at": logits_at.reshape(1).to(self.device)}
         elif self.mode == "hybrid" and T > 1:
             if T != self.prefill_chunk:
                 raise ValueError(f"hybrid mode takes chunks of {self.prefill_chunk} tokens or one token, got {T}")

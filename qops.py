@@ -21,6 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 # Under torch.compile with freezing, Inductor folds every computation that depends only on weights into a new constant.
 # The nibble unpacking (>> 4, & 15) must stay in the kernel, or the packed int4 weights would be folded into two bytes
@@ -137,8 +138,10 @@ def group_sums(x: Tensor, G: int) -> Tensor:
 # model (--fast_prefill, more than one row by its contract) exports inside word_kernel_export("native"): the weight-only
 # products of many rows take native_linear's packed kernels, as eager and compiled prefill do (the word kernels redo
 # each row's arithmetic: a package prefilled at a third of llama.cpp's rate); one row (the output projection) stays on
-# the words.
-_WORD_KERNEL_EXPORT = None  # None, "words" or "native": word_kernel_export's many_rows
+# the words. Its "long_prompt" model (lengths of _BF16_ROWS and more, on CPUs with bfloat16 dot products) exports
+# inside word_kernel_export("bf16"): those products take words_bf16_t and oneDNN's bfloat16 GEMM, as compiled prefill
+# does; its length's lower bound decides the choice at export time (a package's graph cannot branch on the length).
+_WORD_KERNEL_EXPORT = None  # None, "words", "native" or "bf16": word_kernel_export's many_rows
 
 
 @contextlib.contextmanager
@@ -157,8 +160,8 @@ def _exporting_word_kernels() -> bool:
 
 
 def _exporting_native_rows() -> bool:
-    """True while torch.export traces inside word_kernel_export("native") (a package's "prompt" model)."""
-    return _WORD_KERNEL_EXPORT == "native" and torch.compiler.is_exporting()
+    """True while torch.export traces inside word_kernel_export("native" or "bf16") (a package's prompt models)."""
+    return _WORD_KERNEL_EXPORT in ("native", "bf16") and torch.compiler.is_exporting()
 
 
 def _compiled_single_row(x: Tensor) -> bool:
@@ -351,7 +354,12 @@ class QuantizedWeight(nn.Module):
         kernels run: compiled, words_bf16_t; eager int8, one cast of qdata (2.4x faster than the packed kernel at 128
         rows of 1536x576, 1.3x at 32; a transient copy of 2 bytes per weight, 57 MB for SmolLM2's tied table when every
         position's logits are asked for, 2.3x faster there); eager int4's conversion is slower than the product."""
-        if torch.compiler.is_exporting() or not _BF16_GEMM or x2.shape[0] < _BF16_ROWS:
+        if not _BF16_GEMM:
+            return None
+        if torch.compiler.is_exporting():  # a package's "long_prompt" model (its length is _BF16_ROWS or more)
+            many = statically_known_true(x2.shape[0] >= _BF16_ROWS)  # (no guard on a dynamic length)
+            return self.words_bf16_t() if _WORD_KERNEL_EXPORT == "bf16" and many else None
+        if x2.shape[0] < _BF16_ROWS:
             return None
         if torch.compiler.is_compiling():
             return self.words_bf16_t()

@@ -11,7 +11,8 @@
 // update_constant_buffer(..., user_managed = true) under the constants' internal names (FQN, '.' -> '_').
 // In kv mode a package's "prompt" model (aoti_export.py --fast_prefill: forward(tokens, positions, logits_at [1]) ->
 // the last position's logits, GEMMs tuned for prompts, its weights inside its own library) takes every call of more
-// than one token; it gets only the shared KV cache.
+// than one token; it gets only the shared KV cache. Its "long_prompt" model (a weight-only int8 / int4 package made
+// on a CPU with bfloat16 dot products: oneDNN's bfloat16 GEMM) takes those of long_prompt_min tokens or more.
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
@@ -174,9 +175,11 @@ class AotiModel : public llm::Model {
       else unsetenv("TMPDIR");
     };
     const bool prompt = decoding == "kv" && models.find(",prompt,") != std::string::npos;
+    const bool long_prompt = decoding == "kv" && models.find(",long_prompt,") != std::string::npos;
     try {
       if (decoding == "hybrid") prefill_ = std::make_unique<torch::inductor::AOTIModelPackageLoader>(path, "prefill");
       if (prompt) prompt_ = std::make_unique<torch::inductor::AOTIModelPackageLoader>(path, "prompt");
+      if (long_prompt) long_prompt_ = std::make_unique<torch::inductor::AOTIModelPackageLoader>(path, "long_prompt");
       loader_ = std::make_unique<torch::inductor::AOTIModelPackageLoader>(path, decoding == "lookahead" ? "lookahead"
                                                                                                        : "model");
     } catch (const std::exception& e) {
@@ -188,6 +191,10 @@ class AotiModel : public llm::Model {
     if (priv) private_tmp_ = priv;
     set_metadata(path, loader_->get_metadata());
     if (decoding == "hybrid") info_.prefill_len = meta_int(meta, "prefill_chunk", 0);
+    if (long_prompt_) long_prompt_min_ = meta_int(meta, "long_prompt_min", 0);
+    if (long_prompt_ && long_prompt_min_ < 2) throw llm::Error(path + ": bad package metadata (long_prompt_min)");
+    if (prompt_) info_.description += ", prompts through \"prompt\"";
+    if (long_prompt_) info_.description += ", from " + std::to_string(long_prompt_min_) + " tokens \"long_prompt\"";
     if (decoding == "hybrid" || meta.count("shared_weights"))
       share_constants(path, decoding == "lookahead" ? "lookahead" : "model", meta);
     info_.lookahead = decoding == "lookahead";
@@ -197,6 +204,10 @@ class AotiModel : public llm::Model {
       const int64_t w[2] = {0, 0};  // up its kernels before the first prompt is timed (cache positions 0-1 are
       forward(w, 1, 0);             // written again before they are read)
       if (prompt_) forward(w, 2, 0);
+      if (long_prompt_) {
+        const std::vector<int64_t> lw(size_t(long_prompt_min_), 0);
+        forward(lw.data(), int(long_prompt_min_), 0);
+      }
     }
   }
 
@@ -219,6 +230,7 @@ class AotiModel : public llm::Model {
     std::vector<std::pair<std::string, torch::inductor::AOTIModelPackageLoader*>> models{{main, loader_.get()}};
     if (prefill_) models.push_back({"prefill", prefill_.get()});
     if (prompt_) models.push_back({"prompt", prompt_.get()});
+    if (long_prompt_) models.push_back({"long_prompt", long_prompt_.get()});
     for (auto& [name, loader] : models) {
       const bool stored = shared && weights_.count(name);  // else its weights are its own: give it the cache only
       auto consts = stored ? weights_[name] : std::unordered_map<std::string, at::Tensor>{};
@@ -312,6 +324,7 @@ class AotiModel : public llm::Model {
     loader_.reset();  // removes its unpacked files
     prefill_.reset();
     prompt_.reset();
+    long_prompt_.reset();
     weights_.clear();
     if (map_) munmap(map_, map_size_);
     if (!private_tmp_.empty()) {
@@ -329,8 +342,9 @@ class AotiModel : public llm::Model {
     int64_t* pp = p.data_ptr<int64_t>();
     for (int i = 0; i < n; i++) pp[i] = pos + i;
     if (!device_.is_cpu()) t = t.to(device_), p = p.to(device_);
-    const int64_t at = n - 1;  // "prompt"'s logits_at
-    at::Tensor logits = n > 1 && prompt_ ? run(prompt_.get(), {t, p, tensor(&at, {1})}) : run(loader_.get(), {t, p});
+    const int64_t at = n - 1;  // the prompt models' logits_at
+    auto* prompt = long_prompt_ && n >= long_prompt_min_ ? long_prompt_.get() : n > 1 ? prompt_.get() : nullptr;
+    at::Tensor logits = prompt ? run(prompt, {t, p, tensor(&at, {1})}) : run(loader_.get(), {t, p});
     // logits [1, T, V]: keep the last position, as float32 on the CPU
     last_ = logits.select(0, 0).select(0, logits.size(1) - 1).to(c10::Device(c10::DeviceType::CPU), at::kFloat)
                 .contiguous();
@@ -352,7 +366,8 @@ class AotiModel : public llm::Model {
   }
 
  private:
-  std::unique_ptr<torch::inductor::AOTIModelPackageLoader> loader_, prefill_, prompt_;
+  std::unique_ptr<torch::inductor::AOTIModelPackageLoader> loader_, prefill_, prompt_, long_prompt_;
+  int64_t long_prompt_min_ = 0;
   std::unordered_map<std::string, at::Tensor> cache_;
   std::unordered_map<std::string, std::unordered_map<std::string, at::Tensor>> weights_;  // model -> name -> tensor
   char* map_ = nullptr;  // the package file, mapped (shared_weights)
