@@ -17,6 +17,7 @@
 #
 # Deliberate lazy plugin imports (the only ones back to importers of this file): load_backend() imports the backend
 # classes of aoti_export / et_export / export_onnx / compile_qaic; TorchBackend.forward_masked imports speculative.py.
+import sys
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -72,6 +73,8 @@ class TorchBackend:
         self.decode_fn = self.prefill_fn = model
         if compile:
             configure_inductor(device)
+            if "qops" in sys.modules:  # (a quantized model): the eager prefill's int4 weight conversions compiled too
+                sys.modules["qops"].compile_eager_int4(model)
             if device.type == "cuda":
                 self.decode_fn = torch.compile(model, mode="reduce-overhead", fullgraph=True)
             else:  # CPU: a step's guards cost ~8% of a decode step (see input_guards_only)

@@ -178,6 +178,46 @@ def _static(t: Tensor) -> Tensor:
     return t
 
 
+def _int4_words_bf16_t(w: Tensor, st: Tensor, zt: Tensor) -> Tensor:
+    """Weight-only int4's w.T as bfloat16 [K, N] from its word layouts (QuantizedWeight._int4_words): q * s + z in
+    float32, rounded once (see QuantizedWeight.words_bf16_t)."""
+    w, st, zt = w.squeeze(1), st.squeeze(1), zt.squeeze(1)   # [N/16, K/G, G/8 or 1, 16]; nibble j of [t, g, i, c]:
+    N, K = w.shape[0] * 16, w.shape[1] * w.shape[2] * 8      # q[16t + c, gG + jG/8 + i]
+    q = (w >> _SHIFTS[4].to(w.device)) & 15                  # [8, N/16, K/G, G/8, 16]
+    return (q.float() * st + zt).to(torch.bfloat16).permute(2, 0, 3, 1, 4).reshape(K, N)
+
+
+# Eager int4 products of many rows (a --compile run's prefill, which runs eagerly) convert their weights with
+# _int4_words_bf16_t compiled on its own: one generated kernel per matrix shape, compiled on first use (a process with
+# a cold Inductor cache: ~1-4 s per shape; a warm one ~0.5 s, then ~0.1 ms a call). Off until compile_eager_int4(model)
+# (engine.py's TorchBackend calls it when it compiles): a plain eager run would pay that at its first long prompt.
+_EAGER_INT4_BF16 = None  # the compiled conversion; False: Inductor could not compile it
+
+
+def compile_eager_int4(model: nn.Module):
+    """The model's eager weight-only int4 products of _BF16_ROWS rows or more convert through a compiled kernel."""
+    global _EAGER_INT4_BF16
+    for m in model.modules():
+        if isinstance(m, QuantizedWeight) and m.weight_only:
+            m.eager_int4_compiled = True
+            if _EAGER_INT4_BF16 is None:
+                _EAGER_INT4_BF16 = torch.compile(_int4_words_bf16_t, dynamic=False)
+
+
+def _eager_int4_bf16_t(w: Tensor, st: Tensor, zt: Tensor) -> Optional[Tensor]:
+    """_int4_words_bf16_t through its compiled kernel (compile_eager_int4), else None: the packed kernel runs (also
+    where Inductor cannot compile, e.g. without a C++ compiler)."""
+    global _EAGER_INT4_BF16
+    if not _EAGER_INT4_BF16:
+        return None
+    try:
+        return _EAGER_INT4_BF16(w, st, zt)
+    except torch._dynamo.exc.BackendCompilerFailed as e:
+        logging.getLogger(__name__).warning("int4 prompts keep ATen's packed kernel: %s", str(e).splitlines()[0])
+        _EAGER_INT4_BF16 = False
+        return None
+
+
 class QuantizedWeight(nn.Module):
     """One quantized [out_features, in_features] matrix in plain tensors.
 
@@ -269,6 +309,7 @@ class QuantizedWeight(nn.Module):
     # _convert_weight_to_int4pack_for_cpu's blocked layout: a second copy, 0.625 byte per weight with its bfloat16
     # scales and zeros (a plain attribute, not saved, rebuilt whenever the module moves or changes dtype).
     _int4_cpu = None
+    eager_int4_compiled = False  # see compile_eager_int4
 
     _int8_words = None
     _int4_words = None
@@ -353,7 +394,9 @@ class QuantizedWeight(nn.Module):
         """w.T as bfloat16 [K, N] for oneDNN's bfloat16 GEMM of x2 [M, K] (see _BF16_GEMM), or None where the packed
         kernels run: compiled, words_bf16_t; eager int8, one cast of qdata (2.4x faster than the packed kernel at 128
         rows of 1536x576, 1.3x at 32; a transient copy of 2 bytes per weight, 57 MB for SmolLM2's tied table when every
-        position's logits are asked for, 2.3x faster there); eager int4's conversion is slower than the product."""
+        position's logits are asked for, 2.3x faster there); eager int4 after compile_eager_int4(), words_bf16_t's
+        conversion compiled on its own (as ATen ops it is several passes, 500-680 us per 1536x576 matrix, slower than
+        the product), so that eager, compiled and packaged int4 prompts multiply the very same bfloat16 weights."""
         if not _BF16_GEMM:
             return None
         if torch.compiler.is_exporting():  # a package's "long_prompt" model (its length is _BF16_ROWS or more)
@@ -363,7 +406,11 @@ class QuantizedWeight(nn.Module):
             return None
         if torch.compiler.is_compiling():
             return self.words_bf16_t()
-        return self.qdata.t().to(torch.bfloat16) if self.bits == 8 else None
+        if self.bits == 8:
+            return self.qdata.t().to(torch.bfloat16)
+        if self.eager_int4_compiled and self.weight_only and self._int4_words is not None:
+            return _eager_int4_bf16_t(*self._int4_words)
+        return None
 
     def words_bf16_t(self) -> Optional[Tensor]:
         """w.T as bfloat16 [K, N] from the word layouts (None without them): int8 its integer values (exact; the
@@ -379,10 +426,8 @@ class QuantizedWeight(nn.Module):
             q = (((w >> _SHIFTS[8].to(w.device)) + _BYTE_OFFSETS.to(w.device)) & 255) - 128   # [4, N/16, K/4, 16]
             # via float32: Inductor's int32 -> bfloat16 conversion is not vectorized (the kernel took 2.5x as long)
             return q.float().to(torch.bfloat16).permute(0, 2, 1, 3).reshape(K, N)
-        if self.weight_only and self._int4_words is not None:  # nibble j of [t, 0, g, i, c]: q[16t + c, gG + jG/8 + i]
-            w, st, zt = (t.squeeze(1) for t in self._int4_words)                   # [N/16, K/G, G/8 or 1, 16]
-            q = (w >> _SHIFTS[4].to(w.device)) & 15                                 # [8, N/16, K/G, G/8, 16]
-            return (q.float() * st + zt).to(torch.bfloat16).permute(2, 0, 3, 1, 4).reshape(K, N)
+        if self.weight_only and self._int4_words is not None:
+            return _int4_words_bf16_t(*self._int4_words)
         return None
 
     def int8_act_linear(self, x: Tensor) -> Tensor:

@@ -376,13 +376,15 @@ def test_compiled_long_prefill_bfloat16_gemm(peaked, monkeypatch, mode):
     go to bfloat16 in a generated kernel (words_bf16_t) for oneDNN's bfloat16 GEMM. Forced on here, so that any CPU
     runs it (oneDNN converts where the instructions are missing). Eager int8 casts qdata for the same GEMM, eager int4
     keeps ATen's packed kernel: the prompt's last logits agree within bfloat16 rounding (int4's weights are rounded
-    to it), and the greedy tokens match."""
+    to it), and the greedy tokens match. A --compile run's eager prefill (decode compiled) converts int4 weights
+    through the same kernel, compiled on its own (qops.compile_eager_int4): its logits are compiled prefill's."""
     monkeypatch.setattr(qops, "_BF16_GEMM", True)
     traced = []
     words = qops.QuantizedWeight.words_bf16_t
     monkeypatch.setattr(qops.QuantizedWeight, "words_bf16_t", lambda self: traced.append(1) or words(self))
     m = copy.deepcopy(peaked)
     Q.quantize_model(m, mode, 32, embedding="int8", log=False)
+    eager_prefill = generate.TorchBackend(copy.deepcopy(m), 1, 64, compile=True)
     prompt = (PROMPT * 8)[:qops._BF16_ROWS + 4]
     ref = engine.prefill(generate.TorchBackend(copy.deepcopy(m), 1, 64), [prompt], CPU)[0]
     eager, _ = generate.generate(generate.TorchBackend(copy.deepcopy(m), 1, 64), [prompt], 8, CPU)
@@ -394,6 +396,12 @@ def test_compiled_long_prefill_bfloat16_gemm(peaked, monkeypatch, mode):
     torch.testing.assert_close(last, ref, rtol=tol, atol=tol * ref.abs().max().item())  # rounded (0.013 of 12.2)
     out, _ = generate.generate(be, [prompt], 8, CPU)
     assert out == eager
+    converted = []
+    convert = qops._eager_int4_bf16_t
+    monkeypatch.setattr(qops, "_eager_int4_bf16_t", lambda *a: converted.append(1) or convert(*a))
+    torch.testing.assert_close(engine.prefill(eager_prefill, [prompt], CPU)[0], last, rtol=1e-4,
+                               atol=1e-4 * ref.abs().max().item())
+    assert bool(converted) == (mode == "int4")  # (int8: the cast of qdata)
 
 
 def test_compiled_8da8w_prefill_matches_eager(peaked):
