@@ -401,9 +401,12 @@ class AOTIBackend:
         if mode == "hybrid":
             self.prefill_runner, self.prefill_chunk = loaded[0], int(meta["prefill_chunk"])
         if "prompt" in names:
-            self.prompt_runner, self.logits_at = loaded[1], True
+            self.prompt_runner, self.logits_at = loaded[names.index("prompt")], True
         if "long_prompt" in names:
-            self.long_prompt_runner, self.long_prompt_min = loaded[2], int(meta["long_prompt_min"])
+            low = meta.get("long_prompt_min", "")
+            if not (low.isdigit() and 2 <= int(low) <= self.max_seq_length):
+                raise ValueError(f"{path}: bad package metadata (long_prompt_min {low!r})")
+            self.long_prompt_runner, self.long_prompt_min = loaded[names.index("long_prompt")], int(low)
         self.has_masked = mode == "lookahead"
 
     def _share_constants(self, path, names, loaded, meta):

@@ -192,7 +192,8 @@ class AotiModel : public llm::Model {
     set_metadata(path, loader_->get_metadata());
     if (decoding == "hybrid") info_.prefill_len = meta_int(meta, "prefill_chunk", 0);
     if (long_prompt_) long_prompt_min_ = meta_int(meta, "long_prompt_min", 0);
-    if (long_prompt_ && long_prompt_min_ < 2) throw llm::Error(path + ": bad package metadata (long_prompt_min)");
+    if (long_prompt_ && (long_prompt_min_ < 2 || long_prompt_min_ > info_.max_seq_len))
+      throw llm::Error(path + ": bad package metadata (long_prompt_min)");
     if (prompt_) info_.description += ", prompts through \"prompt\"";
     if (long_prompt_) info_.description += ", from " + std::to_string(long_prompt_min_) + " tokens \"long_prompt\"";
     if (decoding == "hybrid" || meta.count("shared_weights"))
