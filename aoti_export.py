@@ -28,6 +28,8 @@ Decoding modes (runner-aoti -M, generate.py / eval.py): a package holds more tha
     model's "prompt" keeps its constants in its own library: a second copy of the weights (about twice the package
     and the memory). A quantized model's "prompt" shares the records of "model" and adds the layouts of ATen's
     int8 / int4 kernels for its many-row products (qops.word_kernel_export("native"); 8da8w: torch._int_mm).
+    A weight-only int8 / int4 model exported on a CPU with bfloat16 dot products adds "long_prompt" (same contract,
+    lengths from long_prompt_min = qops._BF16_ROWS): the decode words converted to bfloat16, oneDNN's bfloat16 GEMM.
 The models of such a package share their weights (except a float "prompt"): each is compiled without its constants
 (aot_inductor.package_constants_in_so=False) and the package holds every distinct constant once, as a record under
 data/weights/llama_flat/ (64-byte aligned, uncompressed) listed by that folder's `index` (one line per model and
