@@ -113,7 +113,8 @@ _NIBBLE_SCALES = torch.tensor([16.0 ** -j for j in range(7)] + [1.0]).view(8, 1,
 # 218 / 242 at 16: the conversion (~100 us per matrix) and the casts around the GEMM cost about what a 16-row product
 # does, so products of fewer than _BF16_ROWS rows keep the packed kernels (a compiled prefill graph then guards on
 # the length: one recompile when prompts cross it). Eager int8 takes the same GEMM after one cast of qdata; eager int4
-# keeps the packed kernels (its conversion is several ATen passes, slower than the product).
+# in a --compile run converts through the same kernel compiled on its own (compile_eager_int4), plain eager int4 keeps
+# the packed kernels (as ATen ops its conversion is several passes, slower than the product).
 _BF16_GEMM = any(getattr(torch.cpu, f, lambda: False)() for f in ("_is_avx512_bf16_supported",
                                                                  "_is_amx_tile_supported"))
 _BF16_ROWS = 32
