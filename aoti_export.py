@@ -179,20 +179,18 @@ def export(checkpoint_path, output_path, max_seq_length: int = 1024, dtype: Opti
             T = min(PROMPT_HINT, S)  # weight-only products of many rows are ATen's packed kernels (qops.py)
             ex = (torch.zeros(1, T, dtype=torch.long, device=device), torch.arange(T, device=device))
             kw = {"logits_at": torch.tensor([T - 1], device=device)}
-            prompt_seq = Dim("prompt_seq", min=2, max=S)
-            with qops.word_kernel_export(many_rows="native"):
-                programs["prompt"] = (torch.export.export(model, ex, kw, dynamic_shapes={
-                    "idx": {1: prompt_seq}, "input_pos": {0: prompt_seq}, "logits_at": None},
-                    strict=False, prefer_deferred_runtime_asserts_over_guards=True), ex, kw)
+            prompts = [("prompt", 2, "native")]  # (model, its shortest length, word_kernel_export's many_rows)
             L = qops._BF16_ROWS  # weight-only int8 / int4 on a CPU with bfloat16 dot products: "long_prompt", the
             if (model.quantization and model.quantization.get("act") is None and qops._BF16_GEMM  # prompts of L
                     and S > L):  # tokens or more, through oneDNN's bfloat16 GEMM (qops.py's _BF16_GEMM)
-                long_seq = Dim("long_seq", min=L, max=S)
-                with qops.word_kernel_export(many_rows="bf16"):
-                    programs["long_prompt"] = (torch.export.export(model, ex, kw, dynamic_shapes={
-                        "idx": {1: long_seq}, "input_pos": {0: long_seq}, "logits_at": None},
-                        strict=False, prefer_deferred_runtime_asserts_over_guards=True), ex, kw)
+                prompts.append(("long_prompt", L, "bf16"))
                 meta["long_prompt_min"] = str(L)
+            for name, low, many_rows in prompts:
+                length = Dim(f"{name}_seq", min=low, max=S)
+                with qops.word_kernel_export(many_rows=many_rows):
+                    programs[name] = (torch.export.export(model, ex, kw, dynamic_shapes={
+                        "idx": {1: length}, "input_pos": {0: length}, "logits_at": None},
+                        strict=False, prefer_deferred_runtime_asserts_over_guards=True), ex, kw)
     meta["models"] = ",".join(programs)
     if len(programs) > 1:
         meta["shared_weights"] = SHARED_WEIGHTS
