@@ -160,17 +160,9 @@ ROWS = {
     "compile fp32 ctx2048": gen("--compile", "--max_seq_length", "2048", vs="compile fp32", peer="llama.cpp F32"),
     "compile int4 g32 ctx2048": gen("--compile", "--max_seq_length", "2048", "--checkpoint_path",
                                     "{ck}/model_int4.g32.pth", vs="compile int4 g32", peer="llama.cpp Q4_0"),
-    # compiled prefill too (one dynamic-length graph): the prefill target rows (--rows prefill --prompt_tokens N)
-    "compile_prefill fp32": gen("--compile", "--compile_prefill", vs="compile fp32", peer="llama.cpp F32"),
-    "compile_prefill int8": gen("--compile", "--compile_prefill", "--checkpoint_path", "{ck}/model_int8.pth",
-                                vs="compile int8", peer="llama.cpp Q8_0"),
-    "compile_prefill int4 g32": gen("--compile", "--compile_prefill", "--checkpoint_path", "{ck}/model_int4.g32.pth",
-                                    vs="compile int4 g32", peer="llama.cpp Q4_0"),
     # 8da8w: int8 weights x int8 per-token activations, the arithmetic of llama.cpp's Q8_0 (prompts: torch._int_mm)
     "compile 8da8w": gen("--compile", "--checkpoint_path", "{ck}/model_8da8w.pth", vs="compile int8",
                          peer="llama.cpp Q8_0"),
-    "compile_prefill 8da8w": gen("--compile", "--compile_prefill", "--checkpoint_path", "{ck}/model_8da8w.pth",
-                                 vs="compile 8da8w", peer="llama.cpp Q8_0"),
     "compile 8da4w g32": gen("--compile", "--checkpoint_path", "{ck}/model_8da4w.g32.pth", vs="compile fp32",
                              peer="llama.cpp Q4_0"),
     "compile bf16 int8": gen("--compile", "--dtype", "bfloat16", "--checkpoint_path", "{ck}/model_int8.pth",
@@ -214,9 +206,9 @@ ROWS = {
                                           vs="runner-et fp32 ctx1024"),
     "onnx fp32": artifact_row("--onnx", "{art}/onnx/model.onnx", "{ck}/model.pth", vs="eager fp32"),
     # decoding modes (issue 7): speedup over plain decoding of the same prompt and precision
-    "compile spec int4 k5": gen("--compile", "--compile_prefill", "--draft_checkpoint_path",
+    "compile spec int4 k5": gen("--compile", "--draft_checkpoint_path",
                                 "{ck}/model_int4.g32.pth", "--speculate_k", "5", vs="compile fp32"),
-    "compile spec int8 k6": gen("--compile", "--compile_prefill", "--draft_checkpoint_path", "{ck}/model_int8.pth",
+    "compile spec int8 k6": gen("--compile", "--draft_checkpoint_path", "{ck}/model_int8.pth",
                                 "--speculate_k", "6", vs="compile fp32"),
     "eager fp32 code": gen(prompt="code"),
     "eager lookahead code": gen("--lookahead", "5,1,2", prompt="code", vs="eager fp32 code"),  # runs model.py eagerly
@@ -244,10 +236,10 @@ GROUPS = {  # --rows shorthands
 GROUPS["peer"] = ["llama.cpp F32", "compile fp32", "aoti fp32", "runner-aoti fp32", "runner-aoti fp32 fast_prefill",
                   "runner-et fp32", "llama.cpp F16", "compile bf16", "llama.cpp Q8_0", "compile int8", "llama.cpp Q4_0",
                   "compile int4 g32", "runner-et 8da4w g32"]
-GROUPS["prefill"] = ["llama.cpp F32", "compile_prefill fp32", "runner-aoti fp32", "runner-aoti fp32 fast_prefill",
-                     "runner-et fp32", "llama.cpp Q8_0", "compile_prefill int8", "runner-aoti int8 fast_prefill",
-                     "compile_prefill 8da8w", "runner-aoti 8da8w fast_prefill", "runner-et 8da8w",
-                     "llama.cpp Q4_0", "compile_prefill int4 g32", "runner-aoti int4 g32 fast_prefill",
+GROUPS["prefill"] = ["llama.cpp F32", "compile fp32", "runner-aoti fp32", "runner-aoti fp32 fast_prefill",
+                     "runner-et fp32", "llama.cpp Q8_0", "compile int8", "runner-aoti int8 fast_prefill",
+                     "compile 8da8w", "runner-aoti 8da8w fast_prefill", "runner-et 8da8w",
+                     "llama.cpp Q4_0", "compile int4 g32", "runner-aoti int4 g32 fast_prefill",
                      "runner-et 8da4w g32"]
 GROUPS["all"] = list(ROWS)
 # --rows server: server.py under 1, 4 and 8 concurrent clients (scripts/bench_server.py), next to the generate.py

@@ -17,7 +17,7 @@
 #
 # Deliberate lazy plugin imports (the only ones back to importers of this file): load_backend() imports the backend
 # classes of aoti_export / et_export / export_onnx / compile_qaic; TorchBackend.forward_masked imports speculative.py.
-import sys
+import contextlib
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -29,7 +29,7 @@ import torch
 
 import tp  # tensor parallelism under torchrun
 from common import DEFAULT_CHECKPOINT, INDUCTOR_CPU, REPO, ArgumentParser
-from model import load_model
+from model import call_module, load_model
 
 
 # ----------------------------------------------------------------------------------------------------------- sampling
@@ -58,12 +58,14 @@ def sample(logits: torch.Tensor, temperature: float = 0.0, top_k=None, top_p=Non
 
 # ----------------------------------------------------------------------------------------------------------- backends
 class TorchBackend:
-    """model.py's Transformer, eager or torch.compile'd (decode step; optionally prefill with a dynamic length)."""
+    """model.py's Transformer, eager or torch.compile'd: the decode step as one graph of the whole model, prompts
+    (and lookahead's masked steps) through Transformer.prompt_call, each block and the output projection compiled with
+    dynamic lengths."""
 
     prefill_chunk = None
     logits_at = True  # forward(..., logits_at=) computes only the named rows' logits (prefill's last tokens)
 
-    def __init__(self, model, max_batch_size: int, max_seq_length: int, compile=False, compile_prefill=False):
+    def __init__(self, model, max_batch_size: int, max_seq_length: int, compile=False):
         device = next(model.parameters()).device
         with torch.device(device):
             model.setup_caches(max_batch_size, max_seq_length)
@@ -73,30 +75,36 @@ class TorchBackend:
         self.decode_fn = self.prefill_fn = model
         if compile:
             configure_inductor(device)
-            if "qops" in sys.modules:  # (a quantized model): the eager prefill's int4 weight conversions compiled too
-                sys.modules["qops"].compile_eager_int4(model)
             if device.type == "cuda":
                 self.decode_fn = torch.compile(model, mode="reduce-overhead", fullgraph=True)
             else:  # CPU: a step's guards cost ~8% of a decode step (see input_guards_only)
                 self.decode_fn = torch.compile(model, fullgraph=True, options={"guard_filter_fn": input_guards_only})
-        if compile_prefill:
-            self.prefill_fn = torch.compile(model, fullgraph=True, dynamic=True,
-                                            options={"guard_filter_fn": input_guards_only})
-        self.masked_fn = torch.compile(model, fullgraph=True, dynamic=True) if compile else model
+            # Prompts: one graph for every layer's block, compiled in seconds (SmolLM2: ~5 s, two length ranges, from
+            # a warm Inductor cache), where the whole model as one dynamic-length graph took ~1 min per length range
+            # even from a warm cache (Dynamo's trace and the freezing passes run in every process), for the same
+            # prefill speed. Its weights are the graph's inputs, not frozen constants (_prompt_config).
+        model.prompt_call = torch.compile(call_module, dynamic=True, fullgraph=True) if compile else None
         self._step_caches = []
 
     def forward(self, tokens, input_pos, batch_index=None, logits_at=None):
-        fn = self.decode_fn if tokens.shape[1] == 1 else self.prefill_fn
+        one = tokens.shape[1] == 1
         kw = {} if logits_at is None else {"logits_at": logits_at}
-        with torch.inference_mode():
+        with torch.inference_mode(), (contextlib.nullcontext() if one else _prompt_config()):
+            fn = self.decode_fn if one else self.prefill_fn
             return fn(tokens, input_pos, **kw) if batch_index is None else fn(tokens, input_pos, batch_index, **kw)
 
     def forward_masked(self, tokens, input_pos, mask):
         """speculative.py's lookahead contract (batch 1): token k of tokens [1, T] sits at position input_pos[k] and
         writes cache slot input_pos[0] + k; mask [1, 1, T, S] (additive) says what it attends to."""
         from speculative import step_caches  # lazy plugin import (speculative.py imports this file's loop)
-        with torch.inference_mode(), step_caches(self.model, self._step_caches):
-            return self.masked_fn(tokens, input_pos, mask=mask.to(self.model.norm.weight.dtype))
+        with torch.inference_mode(), _prompt_config(), step_caches(self.model, self._step_caches):
+            return self.prefill_fn(tokens, input_pos, mask=mask.to(self.model.norm.weight.dtype))
+
+
+def _prompt_config():
+    """Inductor's settings for the calls of Transformer.prompt_call: no freezing (configure_inductor turns it on for
+    the decode step), which would make each layer's weights constants of its own graph, compiled once per layer."""
+    return torch._inductor.config.patch(freezing=False)
 
 
 def input_guards_only(entries) -> list[bool]:
@@ -145,7 +153,7 @@ def load_backend(args, device, dtype, max_batch_size, max_seq_length):
         model = tp.load_model_tp(args.checkpoint_path, device=device, dtype=dtype)
     else:
         model = load_model(args.checkpoint_path, device=device, dtype=dtype)
-    return TorchBackend(model, max_batch_size, max_seq_length, compile=args.compile, compile_prefill=args.compile_prefill)
+    return TorchBackend(model, max_batch_size, max_seq_length, compile=args.compile)
 
 
 # ----------------------------------------------------------------------------------------------------------- the loop
@@ -383,8 +391,7 @@ def add_backend_args(p: ArgumentParser):
     p.add_argument("--checkpoint_path", type=Path, default=None,
                    help=f"model.pth from scripts/convert_checkpoint.py or quantize.py (default: {DEFAULT_CHECKPOINT.relative_to(REPO)}, prepared on first use)")
     p.add_argument("--tokenizer_path", type=Path, default=None, help="default: the checkpoint's directory")
-    p.add_argument("--compile", action="store_true", help="torch.compile the decode step")
-    p.add_argument("--compile_prefill", action="store_true", help="also compile prefill (dynamic length)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the decode step and the prompts' blocks")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "mps"])
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads (default: the cores not busy with other work; README: Threads)")

@@ -133,7 +133,7 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "mps"])
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: the cores not busy with other work)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--compile", action="store_true", help="torch.compile the forward (dynamic length)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the blocks (dynamic length)")
     p.add_argument("--mode", default="kv", choices=["kv", "hybrid", "lookahead"],
                    help="the program of a runner decoding mode (-M): forward, the fixed-length prefill, lookahead")
     p.add_argument("--prefill_chunk", type=int, default=None,
@@ -168,7 +168,6 @@ def main(argv=None):
         ids = ids[:args.max_tokens]
     check_windows(args.max_seq_length, args.stride, len(ids))
     device = torch.device(args.device)
-    args.compile_prefill, args.compile = args.compile, False  # every call is a prefill here
     t0 = time.perf_counter()
     backend = load_backend(args, device, getattr(torch, args.dtype), 1, args.max_seq_length)
     if args.mode == "hybrid" and not (args.pte or args.aoti_package):

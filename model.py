@@ -40,8 +40,11 @@
 #     the keys/values to attend over), `attention.rope` (a module with forward(x, cos, sin); Rotary, or NoRope in a
 #     layer without positions) and the norm modules (attention_norm, ffn_norm, post_attention_norm, post_ffn_norm,
 #     norm, q_norm/k_norm: RMSNorm or nn.LayerNorm; ffn_norm is None in a parallel block with one norm), which may
-#     be replaced by any module computing the same function. load_model() keeps the quantization recipe on the model
-#     as `model.quantization`.
+#     be replaced by any module computing the same function. One callable too: `Transformer.prompt_call(module,
+#     *args, **kwargs)`, through which forward calls each block and the output projection of a prompt (T > 1) outside
+#     torch.compile and torch.export (engine.TorchBackend sets a torch.compile'd one: every layer runs one graph,
+#     compiled in seconds, where a dynamic-length graph of the whole model took minutes). load_model() keeps the
+#     quantization recipe on the model as `model.quantization`.
 #   * Mixture of experts (Mixtral) is computed densely: every expert (nn.Linear, so quantize.py and every exporter take
 #     it as is) runs on every token and is weighted by the renormalised top-k routing weights, zero elsewhere. Exact
 #     and free of data-dependent control flow, at n_experts / n_experts_per_tok times the MLP FLOPs and weight reads
@@ -481,6 +484,8 @@ class Transformer(nn.Module):
             self.register_buffer("rope_local", precompute_rope(self.config, seq_len, dtype, local=True).to(device),
                                  persistent=False)
 
+    prompt_call = None  # swap point (see the top of this file): None calls the modules as they are
+
     export_attend_filled = False  # under torch.export: aoti_export.py sets it (AOT Inductor takes the dynamic size)
 
     def _attend_filled(self, idx: Tensor) -> bool:
@@ -551,15 +556,23 @@ class Transformer(nn.Module):
             dist = (q_pos - torch.arange(S, device=idx.device).view(1, 1, 1, S)).to(x.dtype)  # [rows, 1, T, S]
             bias = -torch.tensor(self.alibi, dtype=x.dtype, device=x.device).view(1, -1, 1, 1) * dist  # [rows,H,T,S]
             masks = {k: m + bias for k, m in masks.items()}
+        call = call_module
+        if T > 1 and self.prompt_call is not None and not torch.compiler.is_compiling():
+            call = self.prompt_call
         for layer in self.layers:
             cos, sin = ropes[layer.local_rope]
-            x = layer(x, cos, sin, input_pos, batch_index=batch_index, mask=masks[layer.sliding])
+            x = call(layer, x, cos, sin, input_pos, batch_index=batch_index, mask=masks[layer.sliding])
         if logits_at is not None:
             x = x.gather(1, logits_at.view(B, 1, 1).expand(B, 1, x.shape[-1]))
-        logits = self.output(self.norm(x))
+        logits = call(self.output, self.norm(x))
         if cfg.final_softcap:
             logits = torch.tanh(logits / cfg.final_softcap) * cfg.final_softcap
         return logits.float()
+
+
+def call_module(module: nn.Module, *args, **kwargs):
+    """Transformer.forward's default way to call its blocks (see prompt_call)."""
+    return module(*args, **kwargs)
 
 
 def _json_object(value, key: str, path) -> dict:

@@ -113,8 +113,7 @@ _NIBBLE_SCALES = torch.tensor([16.0 ** -j for j in range(7)] + [1.0]).view(8, 1,
 # 218 / 242 at 16: the conversion (~100 us per matrix) and the casts around the GEMM cost about what a 16-row product
 # does, so products of fewer than _BF16_ROWS rows keep the packed kernels (a compiled prefill graph then guards on
 # the length: one recompile when prompts cross it). Eager int8 takes the same GEMM after one cast of qdata; eager int4
-# in a --compile run converts through the same kernel compiled on its own (compile_eager_int4), plain eager int4 keeps
-# the packed kernels (as ATen ops its conversion is several passes, slower than the product).
+# (no --compile) keeps the packed kernels (as ATen ops its conversion is several passes, slower than the product).
 _BF16_GEMM = any(getattr(torch.cpu, f, lambda: False)() for f in ("_is_avx512_bf16_supported",
                                                                  "_is_amx_tile_supported"))
 _BF16_ROWS = 32
@@ -186,37 +185,6 @@ def _int4_words_bf16_t(w: Tensor, st: Tensor, zt: Tensor) -> Tensor:
     N, K = w.shape[0] * 16, w.shape[1] * w.shape[2] * 8      # q[16t + c, gG + jG/8 + i]
     q = (w >> _SHIFTS[4].to(w.device)) & 15                  # [8, N/16, K/G, G/8, 16]
     return (q.float() * st + zt).to(torch.bfloat16).permute(2, 0, 3, 1, 4).reshape(K, N)
-
-
-# Eager int4 products of many rows (a --compile run's prefill, which runs eagerly) convert their weights with
-# _int4_words_bf16_t compiled on its own: one generated kernel per matrix shape, compiled on first use (a process with
-# a cold Inductor cache: ~1-4 s per shape; a warm one ~0.5 s, then ~0.1 ms a call). Off until compile_eager_int4(model)
-# (engine.py's TorchBackend calls it when it compiles): a plain eager run would pay that at its first long prompt.
-_EAGER_INT4_BF16 = None  # the compiled conversion; False: Inductor could not compile it
-
-
-def compile_eager_int4(model: nn.Module):
-    """The model's eager weight-only int4 products of _BF16_ROWS rows or more convert through a compiled kernel."""
-    global _EAGER_INT4_BF16
-    for m in model.modules():
-        if isinstance(m, QuantizedWeight) and m.weight_only:
-            m.eager_int4_compiled = True
-            if _EAGER_INT4_BF16 is None:
-                _EAGER_INT4_BF16 = torch.compile(_int4_words_bf16_t, dynamic=False)
-
-
-def _eager_int4_bf16_t(w: Tensor, st: Tensor, zt: Tensor) -> Optional[Tensor]:
-    """_int4_words_bf16_t through its compiled kernel (compile_eager_int4), else None: the packed kernel runs (also
-    where Inductor cannot compile, e.g. without a C++ compiler)."""
-    global _EAGER_INT4_BF16
-    if not _EAGER_INT4_BF16:
-        return None
-    try:
-        return _EAGER_INT4_BF16(w, st, zt)
-    except torch._dynamo.exc.BackendCompilerFailed as e:
-        logging.getLogger(__name__).warning("int4 prompts keep ATen's packed kernel: %s", str(e).splitlines()[0])
-        _EAGER_INT4_BF16 = False
-        return None
 
 
 class QuantizedWeight(nn.Module):
@@ -303,14 +271,13 @@ class QuantizedWeight(nn.Module):
     # than one row (prefill, batched decode, speculative verification), output back to float32 (int8: scaled after,
     # unit scales inside). 2 threads, 33 / 128 rows of 576x1536: int4 380 / 1454 us, int8 472 / 1561 us, float32
     # sgemm 460 / 1359 us. Dequantizing first cost as much as the product (compiled int4 prefill 3x slower at 15
-    # tokens); compiled, int8's dequantize is constant-folded into a float32 copy of the weights (compile_prefill held
-    # 4 bytes per int8 weight more).
+    # tokens); compiled with freezing, int8's dequantize was constant-folded into a float32 copy of the weights (4 bytes
+    # per int8 weight more).
     # Bfloat16 activations are finer than llama.cpp's Q4_0 / Q8_0 paths (8-bit activations); one-row products (decode)
     # keep float32 (fused_linear: as fast, measured). int8 runs on qdata as stored; int4 needs
     # _convert_weight_to_int4pack_for_cpu's blocked layout: a second copy, 0.625 byte per weight with its bfloat16
     # scales and zeros (a plain attribute, not saved, rebuilt whenever the module moves or changes dtype).
     _int4_cpu = None
-    eager_int4_compiled = False  # see compile_eager_int4
 
     _int8_words = None
     _int4_words = None
@@ -395,9 +362,8 @@ class QuantizedWeight(nn.Module):
         """w.T as bfloat16 [K, N] for oneDNN's bfloat16 GEMM of x2 [M, K] (see _BF16_GEMM), or None where the packed
         kernels run: compiled, words_bf16_t; eager int8, one cast of qdata (2.4x faster than the packed kernel at 128
         rows of 1536x576, 1.3x at 32; a transient copy of 2 bytes per weight, 57 MB for SmolLM2's tied table when every
-        position's logits are asked for, 2.3x faster there); eager int4 after compile_eager_int4(), words_bf16_t's
-        conversion compiled on its own (as ATen ops it is several passes, 500-680 us per 1536x576 matrix, slower than
-        the product), so that eager, compiled and packaged int4 prompts multiply the very same bfloat16 weights."""
+        position's logits are asked for, 2.3x faster there); not eager int4 (as ATen ops its conversion is several
+        passes, 500-680 us per 1536x576 matrix, slower than the product)."""
         if not _BF16_GEMM:
             return None
         if torch.compiler.is_exporting():  # a package's "long_prompt" model (its length is _BF16_ROWS or more)
@@ -407,11 +373,7 @@ class QuantizedWeight(nn.Module):
             return None
         if torch.compiler.is_compiling():
             return self.words_bf16_t()
-        if self.bits == 8:
-            return self.qdata.t().to(torch.bfloat16)
-        if self.eager_int4_compiled and self.weight_only and self._int4_words is not None:
-            return _eager_int4_bf16_t(*self._int4_words)
-        return None
+        return self.qdata.t().to(torch.bfloat16) if self.bits == 8 else None
 
     def words_bf16_t(self) -> Optional[Tensor]:
         """w.T as bfloat16 [K, N] from the word layouts (None without them): int8 its integer values (exact; the

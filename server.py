@@ -402,7 +402,7 @@ def main(argv=None):
     resolve_checkpoint(args)
     print(f"loading {args.checkpoint_path or 'the artifact'} ...", file=sys.stderr, flush=True)
     srv = Server(args, args.full_batch_size)
-    print("warming up" + (" (compiling the decode step)" if args.compile else "") + " ...", file=sys.stderr, flush=True)
+    print("warming up" + (" (compiling)" if args.compile else "") + " ...", file=sys.stderr, flush=True)
     threading.Thread(target=srv.run_engine, name="engine", daemon=True).start()
     while not srv.ready.wait(0.5):
         pass

@@ -38,9 +38,9 @@
 # forward, whose matmuls round differently from one-token decode steps, so an exact near-tie could in principle flip.
 #
 # On a CPU (memory-bound decode), what pays (SmolLM2-135M, measured on a busy 2-core machine):
-#   * speculative: a quantize.py checkpoint of the target as the draft, compiled (--compile; eager int4 dequantizes
-#     every weight on every call and is slower than float32), and the target's k+1-token verification compiled too
-#     (--compile_prefill). int8 (98% of greedy tokens agree) drafts as fast as int4 g32 (94%) here; k = 5..6.
+#   * speculative: a quantize.py checkpoint of the target as the draft, compiled (--compile, which compiles the
+#     target's k+1-token verification too; eager int4 dequantizes every weight on every call and is slower than
+#     float32). int8 (98% of greedy tokens agree) drafts as fast as int4 g32 (94%) here; k = 5..6.
 #   * lookahead: keep the step small, since a forward of T tokens costs more than one of 1 token (about 1.6x at
 #     T = 6 and 2x at T = 16 in eager float32): e.g. 5,1,2 on text that repeats (code, edits, lists), where most
 #     hits come from the pool's n-grams of the prompt and of the text so far; on free prose few guesses hit.

@@ -334,18 +334,27 @@ def test_compile_matches_eager(peaked):
 
 
 @pytest.mark.parametrize("output", ["int8", "int4-g32"])
-def test_compiled_prefill_matches_eager(peaked, output):
-    """--compile_prefill: one dynamic-length graph whose output projection runs for the last token only, through the
-    same word kernels as decode (int8 or int4 output projection): the prompt's last logits and the greedy tokens
-    match eager."""
+def test_compiled_prefill_matches_eager(peaked, monkeypatch, output):
+    """--compile's prompts: each block and the output projection through Transformer.prompt_call, compiled with dynamic
+    lengths as one graph for every layer (weights as inputs, not frozen constants: no graph per layer); the output
+    projection runs for the last token only, through the same word kernels as decode (int8 or int4). The prompt's
+    last logits and the greedy tokens match eager."""
+    from torch._dynamo.utils import counters
     m = copy.deepcopy(peaked)
     Q.quantize_model(m, "int4", 32, embedding="int8", log=False)
     Q._set_module(m, "output", qops.QuantizedLinear(Q.quantize_weight(peaked.output.weight,
                                                                               SCHEMES[output][0])))
     ref = engine.prefill(generate.TorchBackend(copy.deepcopy(m), 1, 64), [PROMPT], CPU)[0]  # eager, same kernels
     eager = _greedy(copy.deepcopy(m), n=8)
-    be = generate.TorchBackend(m, 1, 64, compile=True, compile_prefill=True)
+    traced = []
+    fused = qops.QuantizedWeight.fused_linear
+    monkeypatch.setattr(qops.QuantizedWeight, "fused_linear", lambda self, *a: traced.append(1) or fused(self, *a))
+    torch._dynamo.reset()  # (graphs of earlier tests would serve this model: its weights are inputs)
+    be = generate.TorchBackend(m, 1, 64, compile=True)
+    graphs = counters["stats"]["unique_graphs"]
     last = engine.prefill(be, [PROMPT], CPU)
+    assert len(m.layers) > 1 and counters["stats"]["unique_graphs"] - graphs == 2  # a block, the output projection
+    assert traced  # the last token's output projection: the decode word kernel (eager: chunked_linear)
     torch.testing.assert_close(last[0], ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
     out, _ = generate.generate(be, [PROMPT], 8, CPU)
     assert out[0] == eager
@@ -372,47 +381,39 @@ def test_eager_int8_long_product_bfloat16_gemm(monkeypatch):
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_compiled_long_prefill_bfloat16_gemm(peaked, monkeypatch, mode):
-    """--compile_prefill of a prompt of qops._BF16_ROWS tokens or more, on a CPU with bfloat16 dot products: the weights
-    go to bfloat16 in a generated kernel (words_bf16_t) for oneDNN's bfloat16 GEMM. Forced on here, so that any CPU
-    runs it (oneDNN converts where the instructions are missing). Eager int8 casts qdata for the same GEMM, eager int4
-    keeps ATen's packed kernel: the prompt's last logits agree within bfloat16 rounding (int4's weights are rounded
-    to it), and the greedy tokens match. A --compile run's eager prefill (decode compiled) converts int4 weights
-    through the same kernel, compiled on its own (qops.compile_eager_int4): its logits are compiled prefill's."""
+    """--compile's prompts of qops._BF16_ROWS tokens or more, on a CPU with bfloat16 dot products: the weights go to
+    bfloat16 in a generated kernel (words_bf16_t) for oneDNN's bfloat16 GEMM. Forced on here, so that any CPU runs it
+    (oneDNN converts where the instructions are missing). Eager int8 casts qdata for the same GEMM, eager int4 keeps
+    ATen's packed kernel: the prompt's last logits agree within bfloat16 rounding (int4's weights are rounded to it),
+    and the greedy tokens match."""
     monkeypatch.setattr(qops, "_BF16_GEMM", True)
     traced = []
     words = qops.QuantizedWeight.words_bf16_t
     monkeypatch.setattr(qops.QuantizedWeight, "words_bf16_t", lambda self: traced.append(1) or words(self))
     m = copy.deepcopy(peaked)
     Q.quantize_model(m, mode, 32, embedding="int8", log=False)
-    eager_prefill = generate.TorchBackend(copy.deepcopy(m), 1, 64, compile=True)
     prompt = (PROMPT * 8)[:qops._BF16_ROWS + 4]
     ref = engine.prefill(generate.TorchBackend(copy.deepcopy(m), 1, 64), [prompt], CPU)[0]
     eager, _ = generate.generate(generate.TorchBackend(copy.deepcopy(m), 1, 64), [prompt], 8, CPU)
     assert not traced  # eager: no word layouts
-    be = generate.TorchBackend(m, 1, 64, compile=True, compile_prefill=True)
+    be = generate.TorchBackend(m, 1, 64, compile=True)
     last = engine.prefill(be, [prompt], CPU)[0]
     assert traced  # compiled prefill took the bfloat16 GEMM
     tol = 1e-4 if mode == "int8" else 2 ** -8  # int8's weights are exact in bfloat16 (measured 2e-6 of 12.3), int4's
     torch.testing.assert_close(last, ref, rtol=tol, atol=tol * ref.abs().max().item())  # rounded (0.013 of 12.2)
     out, _ = generate.generate(be, [prompt], 8, CPU)
     assert out == eager
-    converted = []
-    convert = qops._eager_int4_bf16_t
-    monkeypatch.setattr(qops, "_eager_int4_bf16_t", lambda *a: converted.append(1) or convert(*a))
-    torch.testing.assert_close(engine.prefill(eager_prefill, [prompt], CPU)[0], last, rtol=1e-4,
-                               atol=1e-4 * ref.abs().max().item())
-    assert bool(converted) == (mode == "int4")  # (int8: the cast of qdata)
 
 
 def test_compiled_8da8w_prefill_matches_eager(peaked):
-    """8da8w under --compile --compile_prefill: the prompt's integer GEMMs (torch._int_mm) compiled, decode through the
+    """8da8w under --compile: the prompt's integer GEMMs (torch._int_mm) compiled, decode through the
     int8 word kernels on fake-quantized activations; the prompt's last logits and the greedy tokens match eager."""
     m = copy.deepcopy(peaked)
     Q.quantize_model(m, "8da8w", log=False)
     prompt = PROMPT * 3
     ref = engine.prefill(generate.TorchBackend(copy.deepcopy(m), 1, 64), [prompt], CPU)[0]
     eager, _ = generate.generate(generate.TorchBackend(copy.deepcopy(m), 1, 64), [prompt], 8, CPU)
-    be = generate.TorchBackend(m, 1, 64, compile=True, compile_prefill=True)
+    be = generate.TorchBackend(m, 1, 64, compile=True)
     last = engine.prefill(be, [prompt], CPU)
     torch.testing.assert_close(last[0], ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
     out, _ = generate.generate(be, [prompt], 8, CPU)
