@@ -1,5 +1,6 @@
-# Over 500 lines: the network (~400 lines: every family's blocks) plus load/save; the named configs and the reading of
-# each family's Hugging Face config.json live in model_configs.py (data about published checkpoints).
+# Over 500 lines: the network (~450 lines: every family's blocks, float32's oneDNN product) plus load/save; the named
+# configs and the reading of each family's Hugging Face config.json live in model_configs.py (data about published
+# checkpoints).
 # One transformer for every supported family (Llama 2/3, Mistral/Codestral, Mixtral, TinyLlama, SmolLM2/3, Qwen2.5,
 # Qwen3, Gemma 1/2/3, Phi-3/Phi-4-mini, StarCoder2, GPT-2, GPT-J, Falcon, MPT, CodeGen2.5/XGen), gpt-fast style.
 # Families differ by ModelArgs fields that pick small named blocks (RMSNorm/LayerNorm with or without bias, gated/plain
