@@ -178,13 +178,14 @@ def _static(t: Tensor) -> Tensor:
     return t
 
 
-def _int4_words_bf16_t(w: Tensor, st: Tensor, zt: Tensor) -> Tensor:
-    """Weight-only int4's w.T as bfloat16 [K, N] from its word layouts (QuantizedWeight._int4_words): q * s + z in
-    float32, rounded once (see QuantizedWeight.words_bf16_t)."""
-    w, st, zt = w.squeeze(1), st.squeeze(1), zt.squeeze(1)   # [N/16, K/G, G/8 or 1, 16]; nibble j of [t, g, i, c]:
+def _int4_words_bf16_t(w: Tensor, st: Tensor, zt: Optional[Tensor]) -> Tensor:
+    """An int4 w.T as bfloat16 [K, N] from its word layouts (QuantizedWeight._int4_words): q * s + z (weight-only) or,
+    zt None, (q - 8) * s (8da4w's part without zero offsets), in float32, rounded once (see words_bf16_t)."""
+    w, st = w.squeeze(1), st.squeeze(1)                      # [N/16, K/G, G/8 or 1, 16]; nibble j of [t, g, i, c]:
     N, K = w.shape[0] * 16, w.shape[1] * w.shape[2] * 8      # q[16t + c, gG + jG/8 + i]
-    q = (w >> _SHIFTS[4].to(w.device)) & 15                  # [8, N/16, K/G, G/8, 16]
-    return (q.float() * st + zt).to(torch.bfloat16).permute(2, 0, 3, 1, 4).reshape(K, N)
+    q = ((w >> _SHIFTS[4].to(w.device)) & 15).float()        # [8, N/16, K/G, G/8, 16]
+    v = (q - 8) * st if zt is None else q * st + zt.squeeze(1)
+    return v.to(torch.bfloat16).permute(2, 0, 3, 1, 4).reshape(K, N)
 
 
 class QuantizedWeight(nn.Module):
@@ -319,7 +320,8 @@ class QuantizedWeight(nn.Module):
             self._int4_words = (tile(w), tile(self.scales.float().unsqueeze(-1)),
                                 None if self.zeros is None else tile(self.zeros.float().unsqueeze(-1)))
         if (self.bits == 4 and tiles and hasattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu")
-                and (self.scales.dtype == torch.bfloat16 or self.weight_only)):
+                and (self.scales.dtype == torch.bfloat16 or self.weight_only  # (8da4w: see int4_act_linear)
+                     or torch.equal(self.scales.to(torch.bfloat16).to(self.scales.dtype), self.scales))):
             s = self.scales
             z = torch.zeros_like(s) if self.zeros is None or self.xnnpack else self.zeros + 8 * s  # (q - 8) s + z'
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(self.int_values().to(torch.int32), 1)
@@ -389,8 +391,9 @@ class QuantizedWeight(nn.Module):
             q = (((w >> _SHIFTS[8].to(w.device)) + _BYTE_OFFSETS.to(w.device)) & 255) - 128   # [4, N/16, K/4, 16]
             # via float32: Inductor's int32 -> bfloat16 conversion is not vectorized (the kernel took 2.5x as long)
             return q.float().to(torch.bfloat16).permute(0, 2, 1, 3).reshape(K, N)
-        if self.weight_only and self._int4_words is not None:
-            return _int4_words_bf16_t(*self._int4_words)
+        if self.bits == 4 and self._int4_words is not None:
+            w, st, zt = self._int4_words
+            return _int4_words_bf16_t(w, st, zt if self.weight_only else None)
         return None
 
     def int8_act_linear(self, x: Tensor) -> Tensor:
@@ -403,6 +406,28 @@ class QuantizedWeight(nn.Module):
         acc = torch._int_mm(q.to(torch.int8), self.qdata.t()) - zp.to(torch.int32) * self._int8_sums
         y = acc.float() * scale * self.scales.float()
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def int4_act_linear(self, x: Tensor) -> Optional[Tensor]:
+        """8da4w's x @ ((q - 8) s).T for more than one row of float activations under torch.compile (prompts), or None
+        where it does not apply (no packed copy, no bfloat16 GEMM): x's per-token int8 values q - zp (integers of at
+        most 255 in magnitude, exact in bfloat16) through ATen's packed int4 kernel (fewer than _BF16_ROWS rows: its
+        products are exact, scales on the bfloat16 grid, and the output is rounded to bfloat16) or oneDNN's bfloat16
+        GEMM on words_bf16_t's (q - 8) s (weights rounded to bfloat16 once), then times x's scales. The float32
+        product of the fake-quantized x that it replaces dequantized every weight to float32 per call. Eager keeps
+        that product: the reference that the .pte's XNNPACK kernels match token for token."""
+        if self.bits != 4 or self.weight_only:
+            return None
+        x2 = x.reshape(-1, self.in_features)
+        w = self._bf16_weight_t(x2)
+        if w is None and self._int4_cpu is None:
+            return None
+        q, zp, scale = quant_per_token_int8(x2.float())
+        xi = (q - zp).to(torch.bfloat16)
+        if w is not None:
+            y = torch.mm(xi, w)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(xi, self._int4_cpu[0], self.groupsize, self._int4_cpu[1])
+        return (y.float() * scale).to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
     def int_values(self) -> Tensor:
         """Integer values [N, K] (int8: [-127, 127]; int4: [0, 15]) as int16."""
@@ -565,11 +590,13 @@ class QuantizedLinear(nn.Module):
                 else:
                     zt = F.linear(group_sums(x, qw.groupsize), qw.zero_term.to(x.dtype))
             compiled = torch.compiler.is_compiling() and not torch.compiler.is_exporting()
-            if self.act_quant is not None:  # tp.py's row-parallel shards: the range of the whole row
-                x = self.act_quant(x)
-            else:
-                x = _FAKE_QUANT_OP(x) if compiled and not self._word_kernels(x) else fake_quant_per_token_int8(x)
-            y = self._matmul(x, offset=zt is None, sums=sums)
+            y = qw.int4_act_linear(x) if compiled and qw.bits == 4 and self._int_rows(x) else None
+            if y is None:
+                if self.act_quant is not None:  # tp.py's row-parallel shards: the range of the whole row
+                    x = self.act_quant(x)
+                else:
+                    x = _FAKE_QUANT_OP(x) if compiled and not self._word_kernels(x) else fake_quant_per_token_int8(x)
+                y = self._matmul(x, offset=zt is None, sums=sums)
             y = y if zt is None else y + zt
         else:
             y = self._matmul(x)

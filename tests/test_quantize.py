@@ -405,6 +405,40 @@ def test_compiled_long_prefill_bfloat16_gemm(peaked, monkeypatch, mode):
     assert out == eager
 
 
+@pytest.mark.parametrize("rows", ["short", "long"])
+def test_compiled_8da4w_prefill(peaked, monkeypatch, rows):
+    """8da4w under --compile: a prompt's products take the activations' integer values q - zp (exact in bfloat16)
+    through ATen's packed int4 kernel (fewer than qops._BF16_ROWS tokens) or oneDNN's bfloat16 GEMM on words_bf16_t's
+    (q - 8) s (from qops._BF16_ROWS tokens; forced on here, so any CPU runs it), times the activations' scales after.
+    Eager keeps the float32 product of the fake-quantized activations. One product agrees with that float32 product
+    (computed in float64) to bfloat16 rounding; the prompt's last logits agree with eager's likewise (before the
+    argmax), and the greedy tokens match."""
+    monkeypatch.setattr(qops, "_BF16_GEMM", True)
+    M = qops._BF16_ROWS + 4 if rows == "long" else qops._BF16_ROWS - 8
+    _, lin = _linear("8da4w-g32", N=96, K=256)
+    qw = lin.qweight
+    x = torch.randn(M, 256)
+    want = F.linear(qops.fake_quant_per_token_int8(x).double(), qw.dequantize(torch.float64, offset=False))
+    w = qw.words_bf16_t() if rows == "long" else None  # what the compiled graph multiplies by (eager: packed kernel)
+    q, zp, scale = qops.quant_per_token_int8(x)
+    got = (torch.mm((q - zp).to(torch.bfloat16), w).float() * scale) if w is not None else qw.int4_act_linear(x)
+    torch.testing.assert_close(got.double(), want, rtol=2 ** -8, atol=2 ** -8 * want.abs().max().item())
+    m = copy.deepcopy(peaked)
+    Q.quantize_model(m, "8da4w", 32, log=False)
+    prompt = (PROMPT * 8)[:M]
+    ref = engine.prefill(generate.TorchBackend(copy.deepcopy(m), 1, 64), [prompt], CPU)[0]
+    eager, _ = generate.generate(generate.TorchBackend(copy.deepcopy(m), 1, 64), [prompt], 8, CPU)
+    calls = []
+    act = qops.QuantizedWeight.int4_act_linear
+    monkeypatch.setattr(qops.QuantizedWeight, "int4_act_linear", lambda self, x: calls.append(1) or act(self, x))
+    be = generate.TorchBackend(m, 1, 64, compile=True)
+    last = engine.prefill(be, [prompt], CPU)[0]
+    assert calls  # traced into the compiled prompt graph
+    torch.testing.assert_close(last, ref, rtol=2 ** -7, atol=2 ** -7 * ref.abs().max().item())
+    out, _ = generate.generate(be, [prompt], 8, CPU)
+    assert out == eager
+
+
 def test_compiled_8da8w_prefill_matches_eager(peaked):
     """8da8w under --compile: the prompt's integer GEMMs (torch._int_mm) compiled, decode through the
     int8 word kernels on fake-quantized activations; the prompt's last logits and the greedy tokens match eager."""
