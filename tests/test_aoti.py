@@ -213,15 +213,34 @@ def test_so_library(env, runner):
     assert r.returncode == 0 and r.stdout == want, r.stderr
 
 
-def test_quantized_checkpoint(env, runner):
-    # int4 weight-only in a package of two models (the models whose weights the package shares once once failed to
+@pytest.fixture(scope="module")
+def quantized(env):
+    """quantized(mode) -> (checkpoint, package), made once per mode for the tests below: `quantize.py --mode M
+    --groupsize 32` on env's checkpoint, then `aoti_export.export(..., fast_prefill=True)` with qops._BF16_GEMM forced
+    on (any CPU makes the same package: a weight-only one adds "long_prompt", see test_long_prompt_model)."""
+    import aoti_export
+    import qops
+    made = {}
+
+    def get(mode):
+        if mode not in made:
+            q = env["root"] / f"model_{mode}.pth"
+            r = run([sys.executable, REPO / "quantize.py", "--checkpoint_path", env["ckpt"], "--mode", mode,
+                     "--groupsize", "32", "--output", q])
+            assert r.returncode == 0, r.stderr[-2000:]
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(qops, "_BF16_GEMM", True)
+                made[mode] = q, aoti_export.export(q, env["root"] / f"tiny_{mode}.pt2", MAX_SEQ, None, "cpu",
+                                                   env["bpe"], False, log=lambda *a: None, fast_prefill=True)
+        return made[mode]
+    return get
+
+
+def test_quantized_checkpoint(env, runner, quantized):
+    # int4 weight-only in a package of its models (the models whose weights the package shares once once failed to
     # compile an int4 checkpoint: its several-row products lowered to an aten.mm that Inductor's C++ GEMM template
     # does not take; they are qops.py's word kernels now)
-    r = run([sys.executable, REPO / "quantize.py", "--checkpoint_path", env["ckpt"], "--mode", "int4", "--groupsize",
-             "32"])
-    assert r.returncode == 0, r.stderr[-2000:]
-    q = next(p for p in env["bpe"].glob("model_int4*.pth"))
-    pt2 = export_pt2(q, env["root"] / "tiny_int4.pt2", "--fast_prefill")
+    q, pt2 = quantized("int4")
     from aoti_export import AOTIBackend
     assert "quantization" in AOTIBackend(pt2).metadata
     # a quantized model's "prompt" shares the package's records with "model" (its products are not float GEMMs);
@@ -252,7 +271,7 @@ def test_quantized_checkpoint(env, runner):
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4", "8da4w", "8da8w"])
-def test_quantized_package_keeps_integer_weights(env, mode):
+def test_quantized_package_keeps_integer_weights(env, quantized, mode):
     """An int8 / int4 / 8da4w / 8da8w package holds its integer weights, not float32 copies: under export the products
     are qops.py's word kernels (word_kernel_export), where Inductor's freezing would fold dequantize(w) into new
     float32 constants. Its "prompt" model (--fast_prefill) runs the weight-only products of many rows as eager does,
@@ -264,11 +283,7 @@ def test_quantized_package_keeps_integer_weights(env, mode):
     from aoti_export import AOTIBackend
     from generate import TorchBackend, generate
     from model import load_model
-    q = env["root"] / f"model_{mode}.pth"
-    r = run([sys.executable, REPO / "quantize.py", "--checkpoint_path", env["ckpt"], "--mode", mode, "--groupsize",
-             "32", "--output", q])
-    assert r.returncode == 0, r.stderr[-2000:]
-    pt2 = export_pt2(q, env["root"] / f"tiny_{mode}.pt2", "--fast_prefill")
+    q, pt2 = quantized(mode)
     reader, index = package_index(pt2)
     stored = {row[2]: (row[3], reader.get_record_size(row[2])) for row in index}
     float32 = sum(n for dtype, n in stored.values() if dtype == "float32")
@@ -291,9 +306,9 @@ LONG_PROMPT = "Once upon a time there was a little cat who lived in a big red ho
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
-def test_long_prompt_model(env, runner, mode, tmp_path, monkeypatch):
-    """A weight-only int8 / int4 package made on a CPU with bfloat16 dot products (forced here, so any CPU runs the
-    test: oneDNN converts where the instructions are missing) adds "long_prompt": prompts of _BF16_ROWS tokens or more,
+def test_long_prompt_model(env, runner, quantized, mode, monkeypatch):
+    """A weight-only int8 / int4 package made on a CPU with bfloat16 dot products (forced in `quantized` and here, so any CPU runs
+    the test: oneDNN converts where the instructions are missing) adds "long_prompt": prompts of _BF16_ROWS tokens or more,
     their products through qops.words_bf16_t and oneDNN's bfloat16 GEMM (as compiled prefill runs them). It adds no
     weights to the package (only the shift amounts); the long prompt's last logits are eager's (int8: the same
     bfloat16 GEMM), or for int4 (weights rounded once to bfloat16; eager's packed kernel rounds its scales and offsets
@@ -303,13 +318,8 @@ def test_long_prompt_model(env, runner, mode, tmp_path, monkeypatch):
     import aoti_export
     import qops
     from model import load_model
-    monkeypatch.setattr(qops, "_BF16_GEMM", True)
-    q = tmp_path / f"model_{mode}.pth"
-    r = run([sys.executable, REPO / "quantize.py", "--checkpoint_path", env["ckpt"], "--mode", mode, "--groupsize",
-             "32", "--output", q])
-    assert r.returncode == 0, r.stderr[-2000:]
-    pt2 = aoti_export.export(q, tmp_path / f"{mode}.pt2", MAX_SEQ, None, "cpu", env["bpe"], False,
-                             log=lambda *a: None, fast_prefill=True)
+    monkeypatch.setattr(qops, "_BF16_GEMM", True)  # (the eager models below: int8's bfloat16 GEMM)
+    q, pt2 = quantized(mode)
     b = aoti_export.AOTIBackend(pt2)
     assert b.metadata["models"] == "model,prompt,long_prompt" and b.long_prompt_min == qops._BF16_ROWS
     _, index = package_index(pt2)

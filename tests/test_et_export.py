@@ -143,7 +143,14 @@ def test_portable_backend_with_prefill_and_decode_methods(float_ckpt, tmp_path):
                                eager.forward(torch.tensor([[9]]), torch.tensor([9])), atol=1e-4, rtol=1e-4)
 
 
-def test_8da4w_pte_matches_eager_8da4w(tmp_path):
+_8DA4W_ARGS = ["--max_seq_length", "128", "--bos_id", "1", "--eos_ids", str(EOS)]
+
+
+@pytest.fixture(scope="module")
+def pte_8da4w(tmp_path_factory):
+    """An 8da4w checkpoint of _tiny(1) and its .pte, written by `et_export.py` (a quantized checkpoint is exported
+    as is)."""
+    d = tmp_path_factory.mktemp("pte_8da4w")
     model = _tiny(1)
     recipe = quantize.quantize_model(model, "8da4w", groupsize=32, log=False)
     # XNNPACK keeps 4-bit group scales as bfloat16: give the eager model bf16-representable scales (a no-op when
@@ -151,12 +158,15 @@ def test_8da4w_pte_matches_eager_8da4w(tmp_path):
     for m in model.modules():
         if isinstance(m, qops.QuantizedWeight):
             m.scales = m.scales.to(torch.bfloat16).to(m.scales.dtype)
-    save_checkpoint(checkpoint_state(model, quantization=recipe), tmp_path / "model.pth")
-    pte = tmp_path / "q.pte"
-    et_export.main(["--checkpoint_path", str(tmp_path / "model.pth"), "--output_path", str(pte),
-                    "--max_seq_length", "128", "--bos_id", "1", "--eos_ids", str(EOS)])  # quantized: exported as-is
+    save_checkpoint(checkpoint_state(model, quantization=recipe), d / "model.pth")
+    et_export.main(["--checkpoint_path", str(d / "model.pth"), "--output_path", str(d / "q.pte"), *_8DA4W_ARGS])
+    return d / "model.pth", d / "q.pte"
+
+
+def test_8da4w_pte_matches_eager_8da4w(pte_8da4w, tmp_path):
+    ckpt, pte = pte_8da4w
     be = et_export.PTEBackend(pte)
-    eager = engine.TorchBackend(load_model(tmp_path / "model.pth"), 1, 128)
+    eager = engine.TorchBackend(load_model(ckpt), 1, 128)
     toks = torch.tensor([PROMPT])
     torch.testing.assert_close(be.forward(toks, torch.arange(8)), eager.forward(toks, torch.arange(8)),
                                atol=1e-3, rtol=1e-3)
@@ -170,23 +180,20 @@ def test_8da4w_pte_matches_eager_8da4w(tmp_path):
         text.write_text("The quick brown fox jumps over the lazy dog. " * 4)
         common = ["--text_file", text, "--tokenizer_path", tmp_path, "--max_seq_length", "128", "--quiet"]
         r_pte = _run([eval_py, "--pte", pte, *common])
-        r_eager = _run([eval_py, "--checkpoint_path", tmp_path / "model.pth", *common])
+        r_eager = _run([eval_py, "--checkpoint_path", ckpt, *common])
         assert r_pte.returncode == 0 and r_eager.returncode == 0, r_pte.stderr[-2000:] + r_eager.stderr[-2000:]
         ppl = [_perplexity(r.stdout + r.stderr) for r in (r_pte, r_eager)]
         assert ppl[0] == pytest.approx(ppl[1], rel=1e-3), ppl
 
 
-def test_partitioner_without_decomposition_filter_writes_the_same_pte(tmp_path, monkeypatch):
+def test_partitioner_without_decomposition_filter_writes_the_same_pte(pte_8da4w, tmp_path, monkeypatch):
     """et_export's XNNPACK partitioner drops XnnpackPartitioner's per-node decomposition filter (two fewer retraces of
     the whole program); the stock partitioner gives the very same bytes (an 8da4w model: linears and quant ops)."""
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
-    model = _tiny(2)
-    quantize.quantize_model(model, "8da4w", groupsize=32, log=False)
-    ours, stock = tmp_path / "ours.pte", tmp_path / "stock.pte"
-    et_export.export_pte(model, ours, 32, verbose=False)
+    ckpt, ours = pte_8da4w
     monkeypatch.setattr(et_export, "_backend_partitioners", lambda backend, log=None: [XnnpackPartitioner()])
-    et_export.export_pte(model, stock, 32, verbose=False)
-    assert ours.read_bytes() == stock.read_bytes()
+    et_export.main(["--checkpoint_path", str(ckpt), "--output_path", str(tmp_path / "stock.pte"), *_8DA4W_ARGS])
+    assert ours.read_bytes() == (tmp_path / "stock.pte").read_bytes()
 
 
 def _perplexity(text: str) -> float:
