@@ -27,9 +27,10 @@ Decoding modes (runner-aoti -M, generate.py / eval.py): a package holds more tha
     skips the other positions' logits. oneDNN's prepacked weights are opaque tensors that cannot be shared, so a float
     model's "prompt" keeps its constants in its own library: a second copy of the weights (about twice the package
     and the memory). A quantized model's "prompt" shares the records of "model" and adds the layouts of ATen's
-    int8 / int4 kernels for its many-row products (qops.word_kernel_export("native"); 8da8w: torch._int_mm).
-    A weight-only int8 / int4 model exported on a CPU with bfloat16 dot products adds "long_prompt" (same contract,
-    lengths from long_prompt_min = qops._BF16_ROWS): the decode words converted to bfloat16, oneDNN's bfloat16 GEMM.
+    int8 / int4 kernels for its many-row products (qops.word_kernel_export("native"); 8da8w: torch._int_mm; 8da4w:
+    the activations' int8 values through the int4 kernel). A weight-only int8 / int4 or an 8da4w model exported on a
+    CPU with bfloat16 dot products adds "long_prompt" (same contract, lengths from long_prompt_min =
+    qops._BF16_ROWS): the decode words converted to bfloat16, oneDNN's bfloat16 GEMM.
 The models of such a package share their weights (except a float "prompt"): each is compiled without its constants
 (aot_inductor.package_constants_in_so=False) and the package holds every distinct constant once, as a record under
 data/weights/llama_flat/ (64-byte aligned, uncompressed) listed by that folder's `index` (one line per model and
@@ -180,9 +181,9 @@ def export(checkpoint_path, output_path, max_seq_length: int = 1024, dtype: Opti
             ex = (torch.zeros(1, T, dtype=torch.long, device=device), torch.arange(T, device=device))
             kw = {"logits_at": torch.tensor([T - 1], device=device)}
             prompts = [("prompt", 2, "native")]  # (model, its shortest length, word_kernel_export's many_rows)
-            L = qops._BF16_ROWS  # weight-only int8 / int4 on a CPU with bfloat16 dot products: "long_prompt", the
-            if (model.quantization and model.quantization.get("act") is None and qops._BF16_GEMM  # prompts of L
-                    and S > L):  # tokens or more, through oneDNN's bfloat16 GEMM (qops.py's _BF16_GEMM)
+            L = qops._BF16_ROWS  # weight-only int8 / int4 and 8da4w on a CPU with bfloat16 dot products:
+            q = model.quantization or {}  # "long_prompt", the prompts of L tokens or more, through oneDNN's bfloat16
+            if (q.get("act") is None or q.get("mode") == "8da4w") and q and qops._BF16_GEMM and S > L:  # GEMM (qops)
                 prompts.append(("long_prompt", L, "bf16"))
                 meta["long_prompt_min"] = str(L)
             for name, low, many_rows in prompts:

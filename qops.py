@@ -118,7 +118,7 @@ _BF16_GEMM = any(getattr(torch.cpu, f, lambda: False)() for f in ("_is_avx512_bf
                                                                  "_is_amx_tile_supported"))
 _BF16_ROWS = 32
 _SHIFTS = {8: torch.tensor([0, 8, 16, 24], dtype=torch.int32).view(4, 1, 1, 1),
-           4: torch.arange(0, 32, 4, dtype=torch.int32).view(8, 1, 1, 1, 1)}
+           4: torch.arange(0, 32, 4, dtype=torch.int32).view(8, 1, 1, 1, 1, 1)}
 _BYTE_OFFSETS = torch.tensor([0, 0, 0, 128], dtype=torch.int32).view(4, 1, 1, 1)  # see words_bf16_t
 
 
@@ -180,12 +180,13 @@ def _static(t: Tensor) -> Tensor:
 
 def _int4_words_bf16_t(w: Tensor, st: Tensor, zt: Optional[Tensor]) -> Tensor:
     """An int4 w.T as bfloat16 [K, N] from its word layouts (QuantizedWeight._int4_words): q * s + z (weight-only) or,
-    zt None, (q - 8) * s (8da4w's part without zero offsets), in float32, rounded once (see words_bf16_t)."""
-    w, st = w.squeeze(1), st.squeeze(1)                      # [N/16, K/G, G/8 or 1, 16]; nibble j of [t, g, i, c]:
-    N, K = w.shape[0] * 16, w.shape[1] * w.shape[2] * 8      # q[16t + c, gG + jG/8 + i]
-    q = ((w >> _SHIFTS[4].to(w.device)) & 15).float()        # [8, N/16, K/G, G/8, 16]
-    v = (q - 8) * st if zt is None else q * st + zt.squeeze(1)
-    return v.to(torch.bfloat16).permute(2, 0, 3, 1, 4).reshape(K, N)
+    zt None, (q - 8) * s (8da4w's part without zero offsets), in float32, rounded once (see words_bf16_t). The tiles
+    are read as stored, without views: in a package, a view of a constant that another product also reads (8da4w's
+    zero term reads st) fails Inductor's freezing (see fused_linear)."""
+    N, K = w.shape[0] * 16, w.shape[2] * w.shape[3] * 8      # [N/16, 1, K/G, G/8 or 1, 16]; nibble j of
+    q = ((w >> _SHIFTS[4].to(w.device)) & 15).float()        # [t, 0, g, i, c]: q[16t + c, gG + jG/8 + i]; q:
+    v = (q - 8) * st if zt is None else q * st + zt          # [8, N/16, 1, K/G, G/8, 16]
+    return v.to(torch.bfloat16).permute(3, 0, 4, 1, 2, 5).reshape(K, N)
 
 
 class QuantizedWeight(nn.Module):
@@ -408,8 +409,8 @@ class QuantizedWeight(nn.Module):
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
     def int4_act_linear(self, x: Tensor) -> Optional[Tensor]:
-        """8da4w's x @ ((q - 8) s).T for more than one row of float activations under torch.compile (prompts), or None
-        where it does not apply (no packed copy, no bfloat16 GEMM): x's per-token int8 values q - zp (integers of at
+        """8da4w's x @ ((q - 8) s).T for more than one row of float activations under torch.compile (prompts) and in a
+        package's prompt models (word_kernel_export "native" / "bf16"), or None where it does not apply (no packed copy, no bfloat16 GEMM): x's per-token int8 values q - zp (integers of at
         most 255 in magnitude, exact in bfloat16) through ATen's packed int4 kernel (fewer than _BF16_ROWS rows: its
         products are exact, scales on the bfloat16 grid, and the output is rounded to bfloat16) or oneDNN's bfloat16
         GEMM on words_bf16_t's (q - 8) s (weights rounded to bfloat16 once), then times x's scales. The float32
@@ -583,14 +584,23 @@ class QuantizedLinear(nn.Module):
             if qw.bits == 8 and self._int_rows(x):
                 y = qw.int8_act_linear(x)
                 return y + self.bias if self.bias is not None else y
+            compiled = torch.compiler.is_compiling() and not torch.compiler.is_exporting()
+            many = (compiled or _exporting_native_rows()) and qw.bits == 4 and self._int_rows(x)  # int4_act_linear
             zt = sums = None
             if qw.xnnpack and qw.zeros is not None:  # asymmetric 8da4w: the zero term takes the float activations
-                if qw._int4_words is not None and self._word_kernels(x):
+                if qw._int4_words is not None and self._word_kernels(x) and not many:
                     sums = group_sums(x, qw.groupsize)  # the word kernel adds it (see fused_linear)
+                elif many and qw._int4_words is not None:  # from the tiled scales and zeros that the word kernels
+                    # read (a package stores them for "model"), as a reduction with x's group sums on both sides (a
+                    # GEMM's or a sum's constant operand would be folded into a new constant by Inductor's freezing)
+                    # (no views of them either: see fused_linear, whose broadcast this is)
+                    _, st, z = qw._int4_words                                        # [N/16, 1, K/G, 1, 16]
+                    xs = group_sums(x.float(), qw.groupsize).view(-1, st.shape[2], 1, 1)  # [M, K/G, 1, 1]
+                    zt = (xs * z + (8 * xs) * st).sum((2, 3)).transpose(0, 1)       # [M, N/16, 16]
+                    zt = zt.reshape(*x.shape[:-1], qw.out_features).to(x.dtype)
                 else:
                     zt = F.linear(group_sums(x, qw.groupsize), qw.zero_term.to(x.dtype))
-            compiled = torch.compiler.is_compiling() and not torch.compiler.is_exporting()
-            y = qw.int4_act_linear(x) if compiled and qw.bits == 4 and self._int_rows(x) else None
+            y = qw.int4_act_linear(x) if many else None
             if y is None:
                 if self.act_quant is not None:  # tp.py's row-parallel shards: the range of the whole row
                     x = self.act_quant(x)

@@ -277,7 +277,8 @@ def test_quantized_package_keeps_integer_weights(env, quantized, mode):
     float32 constants. Its "prompt" model (--fast_prefill) runs the weight-only products of many rows as eager does,
     through ATen's packed kernels on their own integer copies (int8: qdata; int4: the blocked layout; 8da8w's int8 x
     int8 products: torch._int_mm on qdata), its one-row output projection through the words (8da4w's once failed to
-    compile there: a folded slice)."""
+    compile there: a folded slice). The package's tokens are eager's; 8da4w's are --compile's, whose prompts run the
+    same packed int4 kernel on the activations' int8 values (eager 8da4w: float32 products)."""
     import qops
     import quantize
     from aoti_export import AOTIBackend
@@ -296,8 +297,9 @@ def test_quantized_package_keeps_integer_weights(env, quantized, mode):
     assert int8 == (sum(w.qdata.numel() for w in qlinears if w.bits == 8 and w.out_features != VOCAB)
                     if mode in quantize.EIGHT_BIT else 0), int8
     cpu = torch.device("cpu")
+    ref = TorchBackend(load_model(q), 1, MAX_SEQ, compile=mode == "8da4w")
     for p in ([1, 5, 9, 300, 17], [7]):
-        want, _ = generate(TorchBackend(load_model(q), 1, MAX_SEQ), [p], 30, cpu)
+        want, _ = generate(ref, [p], 30, cpu)
         got, _ = generate(AOTIBackend(pt2), [p], 30, cpu)
         assert got == want
 
@@ -305,16 +307,17 @@ def test_quantized_package_keeps_integer_weights(env, quantized, mode):
 LONG_PROMPT = "Once upon a time there was a little cat who lived in a big red house by the river, and"  # 58 tokens
 
 
-@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("mode", ["int8", "int4", "8da4w"])
 def test_long_prompt_model(env, runner, quantized, mode, monkeypatch):
-    """A weight-only int8 / int4 package made on a CPU with bfloat16 dot products (forced in `quantized` and here, so any CPU runs
-    the test: oneDNN converts where the instructions are missing) adds "long_prompt": prompts of _BF16_ROWS tokens or more,
-    their products through qops.words_bf16_t and oneDNN's bfloat16 GEMM (as compiled prefill runs them). It adds no
-    weights to the package (only the shift amounts); the long prompt's last logits are eager's (int8: the same
-    bfloat16 GEMM), or for int4 (weights rounded once to bfloat16; eager's packed kernel rounds its scales and offsets
-    instead) no further from the float32 product of the dequantized weights than eager's are, up to a factor of 2
-    (measured: 0.0043 against 0.0057 of 0.71); the cache it writes is the one "model" decodes from; the runner loads
-    it and prints what generate.py prints."""
+    """A weight-only int8 / int4 or an 8da4w package made on a CPU with bfloat16 dot products (forced in `quantized`
+    and here, so any CPU runs the test: oneDNN converts where the instructions are missing) adds "long_prompt":
+    prompts of _BF16_ROWS tokens or more, their products through qops.words_bf16_t and oneDNN's bfloat16 GEMM (as
+    compiled prefill runs them). It adds no weights to the package (only the shift amounts); the long prompt's last
+    logits are eager's (int8: the same bfloat16 GEMM), or for int4 / 8da4w (weights rounded once to bfloat16; eager
+    int4's packed kernel rounds its scales and offsets instead, eager 8da4w runs float32 products) no further from
+    the float32 product of the dequantized weights than eager's are, up to a factor of 2 (int4, measured: 0.0043
+    against 0.0057 of 0.71); the cache it writes is the one "model" decodes from; the runner loads it and prints
+    what generate.py prints."""
     import aoti_export
     import qops
     from model import load_model
