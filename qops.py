@@ -11,8 +11,10 @@
 # generated kernel); with Inductor's freezing, a plain `F.linear(x, w_int8.to(x.dtype)) * s` would be constant-folded
 # back into a float32 weight. torch.export: plain dequantize + linear (int8/int4), or for 8da4w the torchao
 # quantize/dequantize_affine pattern that ExecuTorch's XNNPACK partitioner turns into its int8 x int4 GEMM; for AOT
-# Inductor (word_kernel_export) the int8/int4 word kernels for any number of rows (8da4w: fake-quantized x into them).
-# Weight-only products of 32 rows or more on a CPU with bfloat16 dot products: oneDNN's bfloat16 GEMM (see _BF16_GEMM).
+# Inductor (word_kernel_export) the int8/int4 word kernels for any number of rows (8da4w: fake-quantized x into them;
+# a package's prompt models: as compiled). Weight-only products of 32 rows or more on a CPU with bfloat16 dot
+# products: oneDNN's bfloat16 GEMM (see _BF16_GEMM). 8da4w's products of more than one row, compiled: the activations'
+# int8 values through the int4 kernels (int4_act_linear); eager keeps float32 products.
 import contextlib
 import logging
 from typing import Callable, Optional
@@ -410,12 +412,13 @@ class QuantizedWeight(nn.Module):
 
     def int4_act_linear(self, x: Tensor) -> Optional[Tensor]:
         """8da4w's x @ ((q - 8) s).T for more than one row of float activations under torch.compile (prompts) and in a
-        package's prompt models (word_kernel_export "native" / "bf16"), or None where it does not apply (no packed copy, no bfloat16 GEMM): x's per-token int8 values q - zp (integers of at
-        most 255 in magnitude, exact in bfloat16) through ATen's packed int4 kernel (fewer than _BF16_ROWS rows: its
-        products are exact, scales on the bfloat16 grid, and the output is rounded to bfloat16) or oneDNN's bfloat16
-        GEMM on words_bf16_t's (q - 8) s (weights rounded to bfloat16 once), then times x's scales. The float32
-        product of the fake-quantized x that it replaces dequantized every weight to float32 per call. Eager keeps
-        that product: the reference that the .pte's XNNPACK kernels match token for token."""
+        package's prompt models (word_kernel_export "native" / "bf16"), or None where it does not apply (no packed
+        copy, no bfloat16 GEMM): x's per-token int8 values q - zp (integers of at most 255 in magnitude, exact in
+        bfloat16) through ATen's packed int4 kernel (fewer than _BF16_ROWS rows: its products are exact, scales on the
+        bfloat16 grid, and the output is rounded to bfloat16) or oneDNN's bfloat16 GEMM on words_bf16_t's (q - 8) s
+        (weights rounded to bfloat16 once), then times x's scales. The float32 product of the fake-quantized x that it
+        replaces dequantized every weight to float32 per call. Eager keeps that product: the reference that the .pte's
+        XNNPACK kernels match token for token."""
         if self.bits != 4 or self.weight_only:
             return None
         x2 = x.reshape(-1, self.in_features)
@@ -590,10 +593,10 @@ class QuantizedLinear(nn.Module):
             if qw.xnnpack and qw.zeros is not None:  # asymmetric 8da4w: the zero term takes the float activations
                 if qw._int4_words is not None and self._word_kernels(x) and not many:
                     sums = group_sums(x, qw.groupsize)  # the word kernel adds it (see fused_linear)
-                elif many and qw._int4_words is not None:  # from the tiled scales and zeros that the word kernels
-                    # read (a package stores them for "model"), as a reduction with x's group sums on both sides (a
-                    # GEMM's or a sum's constant operand would be folded into a new constant by Inductor's freezing)
-                    # (no views of them either: see fused_linear, whose broadcast this is)
+                elif many and qw._int4_words is not None:  # sums x (z + 8 s) from the tiled scales and zeros the
+                    # word kernels read (a package stores them for "model"), x's side in every product: Inductor's
+                    # freezing would fold a GEMM's constant weight or z + 8 s into new constants (nor views of them:
+                    # see fused_linear, whose broadcast this is)
                     _, st, z = qw._int4_words                                        # [N/16, 1, K/G, 1, 16]
                     xs = group_sums(x.float(), qw.groupsize).view(-1, st.shape[2], 1, 1)  # [M, K/G, 1, 1]
                     zt = (xs * z + (8 * xs) * st).sum((2, 3)).transpose(0, 1)       # [M, N/16, 16]
