@@ -181,9 +181,10 @@ def export(checkpoint_path, output_path, max_seq_length: int = 1024, dtype: Opti
             ex = (torch.zeros(1, T, dtype=torch.long, device=device), torch.arange(T, device=device))
             kw = {"logits_at": torch.tensor([T - 1], device=device)}
             prompts = [("prompt", 2, "native")]  # (model, its shortest length, word_kernel_export's many_rows)
-            L = qops._BF16_ROWS  # weight-only int8 / int4 and 8da4w on a CPU with bfloat16 dot products:
-            q = model.quantization or {}  # "long_prompt", the prompts of L tokens or more, through oneDNN's bfloat16
-            if (q.get("act") is None or q.get("mode") == "8da4w") and q and qops._BF16_GEMM and S > L:  # GEMM (qops)
+            # weight-only int8 / int4 and 8da4w on a CPU with bfloat16 dot products: "long_prompt", the prompts of
+            # L tokens or more, through oneDNN's bfloat16 GEMM (qops.py's _BF16_GEMM)
+            q, L = model.quantization, qops._BF16_ROWS
+            if q and (q.get("act") is None or q.get("mode") == "8da4w") and qops._BF16_GEMM and S > L:
                 prompts.append(("long_prompt", L, "bf16"))
                 meta["long_prompt_min"] = str(L)
             for name, low, many_rows in prompts:
