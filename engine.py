@@ -29,7 +29,7 @@ import torch
 
 import tp  # tensor parallelism under torchrun
 from common import DEFAULT_CHECKPOINT, INDUCTOR_CPU, REPO, ArgumentParser
-from model import call_module, load_model
+from model import call_module, load_model, pack_prompt_weights
 
 
 # ----------------------------------------------------------------------------------------------------------- sampling
@@ -81,10 +81,14 @@ class TorchBackend:
                 self.decode_fn = torch.compile(model, fullgraph=True, options={"guard_filter_fn": input_guards_only})
             # Prompts: one graph for every layer's block, compiled in seconds (SmolLM2: ~5 s, two length ranges, from
             # a warm Inductor cache), where the whole model as one dynamic-length graph took ~1 min per length range
-            # even from a warm cache (Dynamo's trace and the freezing passes run in every process). In-process, 2
-            # threads: int4 g32 as fast as that graph, int8 within 12%, float32 52 against 36 ms at 15 tokens (its
-            # frozen weights were packed for the GEMM). The weights are graph inputs, not constants (_prompt_config).
+            # even from a warm cache (Dynamo's trace and the freezing passes run in every process). The weights are
+            # graph inputs, not constants (_prompt_config). In-process, 2 threads, SmolLM2 int4 g32, 15 / 128 tokens:
+            # 30.6 / 113 ms; the whole model as one graph of weights as inputs 26.7 / 111 ms after a first call of
+            # 111 s; runs of 3 to 10 blocks per graph 29.4-30.7 ms after 11-26 s. float32 products use packed
+            # copies of the blocks' weights (pack_prompt_weights): 53 -> 41 ms at 15 tokens.
         model.prompt_call = torch.compile(call_module, dynamic=True, fullgraph=True) if compile else None
+        if compile and device.type == "cpu":
+            pack_prompt_weights(model)
         self._step_caches = []
 
     def forward(self, tokens, input_pos, batch_index=None, logits_at=None):

@@ -1,4 +1,5 @@
 # generate.py: the loop against transformers' greedy decoding, sampling rules, --compile, the CLI and its errors.
+import gc
 import os
 
 import pytest
@@ -6,6 +7,7 @@ import torch
 from conftest import assert_clean_error, hf_greedy, run_cli
 
 import engine
+import model as model_module
 from model import load_model
 from tokenizer import load_tokenizer
 
@@ -50,6 +52,40 @@ def test_compile_matches_eager(tiny_checkpoint, cpu):
     assert got == want
     got1, _ = engine.generate(compiled, prompts[:1], 20, cpu)
     assert got1 == want[:1]
+
+
+@pytest.mark.skipif(not model_module._ONEDNN_F32, reason="PyTorch built without oneDNN")
+def test_compiled_prompts_use_packed_weights(tiny_checkpoint, cpu, monkeypatch):
+    """--compile gives each block's float32 weights a oneDNN-packed copy that the compiled prompts multiply by (rows >
+    1 only), a copy that stops being used once its weight changes in place and is freed with the model."""
+    d, _ = tiny_checkpoint
+    model = load_model(d / "model.pth")
+    compiled = engine.TorchBackend(model, 1, 48, compile=True)
+    blocks = [m.weight for m in model.layers.modules() if isinstance(m, torch.nn.Linear)]
+    entries = {w.data_ptr(): model_module._ONEDNN_PACKED.get(w.data_ptr()) for w in blocks}
+    assert all(e is not None and e[0]() is w for w, e in zip(blocks, entries.values()))
+    assert model.output.weight.data_ptr() not in model_module._ONEDNN_PACKED  # a prompt needs one row of it
+    used = []
+    plain = model_module._linear_onednn
+    monkeypatch.setattr(model_module, "_linear_onednn", lambda x, w, b: used.append(w.is_mkldnn) or plain(x, w, b))
+    ids, pos = torch.tensor([[5, 17, 33, 2, 90, 7, 8]]), torch.arange(7)
+    eager = lambda: engine.TorchBackend(load_model(d / "model.pth"), 1, 48).forward(ids, pos)
+    want = eager()
+    used.clear()  # (eager calls it too, with the plain weights)
+    got = compiled.forward(ids, pos)
+    assert used.count(True) == len(blocks) and used.count(False) == 1  # (the output projection: plain)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    with torch.no_grad():  # an in-place change: the compiled prompt reads the new weight, not the stale copy
+        model.layers[0].feed_forward.w2.weight.mul_(3)
+    used.clear()
+    got = compiled.forward(ids, pos)
+    assert used.count(True) == len(blocks) - 1 and used.count(False) == 2
+    assert (got - want).abs().max() > 1e-2
+    ref = engine.TorchBackend(model, 1, 48).forward(ids, pos)
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+    del compiled, model, ref, blocks
+    gc.collect()
+    assert all(model_module._ONEDNN_PACKED.get(k) is not e for k, e in entries.items())
 
 
 def test_compiled_bfloat16_tracks_float32(tiny_checkpoint, cpu):
