@@ -76,6 +76,7 @@ BUILD = {
     # .pte reads its static cache whole at every step, at 1024 tokens 47 MB per step for this model (the ctx1024
     # rows); torch.compile and AOT Inductor packages read the filled slots only (model.py's _attend_filled)
     **export("et_export.py", "fp32.s256.pte", "model.pth", *S256),
+    **export("et_export.py", "fp32.fp.s256.pte", "model.pth", *S256, "--fast_prefill"),
     **export("et_export.py", "8da4w.g32.s256.pte", "model_8da4w.g32.pth", *S256),
     **export("et_export.py", "8da8w.s256.pte", "model_8da8w.pth", *S256),
     **export("et_export.py", "fp32.pte", "model.pth"),
@@ -201,6 +202,8 @@ ROWS = {
     "pte 8da4w g32": artifact_row("--pte", "{art}/8da4w.g32.s256.pte", "{ck}/model_8da4w.g32.pth", vs="pte fp32"),
     "runner-et fp32": runner("runner-et/build/run", "{art}/fp32.s256.pte", "{ck}/model.pth", vs="pte fp32",
                              peer="llama.cpp F32"),
+    "runner-et fp32 fast_prefill": runner("runner-et/build/run", "{art}/fp32.fp.s256.pte", "{ck}/model.pth",
+                                          vs="runner-et fp32", peer="llama.cpp F32"),
     "runner-et 8da4w g32": runner("runner-et/build/run", "{art}/8da4w.g32.s256.pte", "{ck}/model_8da4w.g32.pth",
                                   vs="runner-et fp32", peer="llama.cpp Q4_0"),
     "runner-et 8da8w": runner("runner-et/build/run", "{art}/8da8w.s256.pte", "{ck}/model_8da8w.pth",

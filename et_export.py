@@ -19,6 +19,10 @@
 #   * optional (`--prefill_chunk N`, the hybrid mode's AR-N program): extra methods `prefill` (tokens [1, N], fixed
 #     length; runners pad the last chunk with positions after the prompt) and `decode` (tokens [1, 1]) that share the
 #     weights and the KV cache with `forward`; get_prefill_chunk says N.
+#   * optional (`--fast_prefill`): method `prompt(tokens int64[1, T], input_pos int64[T], logits_at int64[1] = T - 1)
+#     -> logits [1, 1, V]`, T dynamic in [2, max_seq_len]: the last position's logits only (as a .pt2's "prompt"
+#     model), which kv-mode runners take for prompts: `forward`'s every-position logits cost SmolLM2 ~4 ms of a
+#     15-token prompt. XNNPACK packs each loaded method's weights, so a runner that loads it holds them twice.
 #   * optional (`--lookahead`): method `lookahead(tokens int64[1, T], input_pos int64[T], mask float32[1, 1, T, S])
 #     -> logits [1, T, V]`, T dynamic: speculative.py's lookahead contract (token k writes cache slot input_pos[0] + k,
 #     attends as the additive mask says), the same cache. With a causal mask it is also the prompt and plain decode,
@@ -191,11 +195,11 @@ def export_swaps(model, int8_dynamic: bool = True):
 
 # ------------------------------------------------------------------------------------------------ export
 def export_programs(model, prefill_chunk: Optional[int] = None, backend: str = "xnnpack",
-                    lookahead: bool = False) -> dict:
+                    lookahead: bool = False, fast_prefill: bool = False) -> dict:
     """torch.export the model (caches set up) as forward(tokens [1, T], input_pos [T]) -> logits [1, T, V]:
     {"forward": dynamic T} (+ "prefill": T = prefill_chunk, "decode": T = 1) (+ "lookahead": dynamic T with a mask,
-    speculative.py's contract). All share one module, so the lowered program shares weights and (with
-    share_mutable_buffers) the cache."""
+    speculative.py's contract) (+ "prompt": T >= 2 and logits_at, the last position's logits only). All share one
+    module, so the lowered program shares weights and (with share_mutable_buffers) the cache."""
     from torch.export import Dim, export
     S = model.max_seq_length
     progs = {}
@@ -218,6 +222,10 @@ def export_programs(model, prefill_chunk: Optional[int] = None, backend: str = "
                                             {"mask": speculative.causal_mask(range(T), S)},
                                             dynamic_shapes={"idx": {1: seq}, "input_pos": {0: seq}, "mask": {2: seq}},
                                             strict=False)
+        if fast_prefill:
+            plen = Dim("prompt_seq", min=2, max=S)
+            progs["prompt"] = export(model, ex, {"logits_at": torch.tensor([T - 1])}, strict=False,
+                                     dynamic_shapes={"idx": {1: plen}, "input_pos": {0: plen}, "logits_at": None})
     for name, ep in progs.items():
         et_passes.drop_unused_state(ep)
         if not et_passes.gqa_attention_pass(ep.graph_module):
@@ -347,7 +355,7 @@ def _token_ids(tokenizer_path, bos_id, eos_ids):
 
 def export_pte(model, output_path, max_seq_length: int = DEFAULT_MAX_SEQ_LENGTH, backend: str = "xnnpack",
                bos_id: int = 1, eos_ids=(2,), prefill_chunk: Optional[int] = None, verbose: bool = True,
-               lookahead: bool = False) -> dict:
+               lookahead: bool = False, fast_prefill: bool = False) -> dict:
     """Lower a model.py Transformer (float, or quantized by quantize.py: model.quantization names the recipe) to a
     .pte at output_path, written atomically. Returns info: size, method names, op summary, times."""
     log = (lambda *a: print(*a, file=sys.stderr)) if verbose else (lambda *a: None)
@@ -365,9 +373,10 @@ def export_pte(model, output_path, max_seq_length: int = DEFAULT_MAX_SEQ_LENGTH,
     S = model.max_seq_length
     if lookahead and model.norm.weight.dtype != torch.float32:
         raise ValueError("--lookahead programs take a float32 mask: export them with -d fp32")
-    methods = ["forward"] + ["prefill", "decode"] * bool(prefill_chunk) + ["lookahead"] * lookahead
+    methods = (["forward"] + ["prefill", "decode"] * bool(prefill_chunk) + ["lookahead"] * lookahead
+               + ["prompt"] * fast_prefill)
     log(f"exporting {', '.join(methods)} with torch.export ...")
-    progs = export_programs(model, prefill_chunk, backend, lookahead)
+    progs = export_programs(model, prefill_chunk, backend, lookahead, fast_prefill)
     t1 = time.perf_counter()
     cfg = model.config
     constant_methods = {
@@ -443,10 +452,12 @@ class PTEBackend:
     forward(tokens [1, T], input_pos [T]) -> logits [1, T, V]; one sequence. mode (the runners' -M): "kv" runs
     `forward` (any prompt length in one call); "hybrid" runs prompts through `prefill` in chunks of its length
     (prefill_chunk; generate.py / eval.py pad the last one) and decodes with `decode`; "lookahead" runs everything
-    through `lookahead` (causal masks) and offers forward_masked() (speculative.py's contract)."""
+    through `lookahead` (causal masks) and offers forward_masked() (speculative.py's contract). In kv mode a program's
+    `prompt` method (--fast_prefill) takes the calls that ask for one position's logits (engine.prefill's logits_at)."""
 
     max_batch_size = 1
     prefill_chunk = None
+    logits_at = False  # True with a `prompt` method (kv mode)
 
     def __init__(self, path, method: str = "forward", mode: str = "kv"):
         path = Path(path)
@@ -489,6 +500,8 @@ class PTEBackend:
         self.vocab_size = self.constants.get("get_vocab_size")
         self.method = self._load(method)
         self.has_masked = mode == "lookahead"
+        self.prompt = self._load("prompt") if mode == "kv" and "prompt" in names else None
+        self.logits_at = self.prompt is not None
         if mode == "hybrid":
             self.prefill_chunk = int(self.constants["get_prefill_chunk"])
             self.decode = self._load("decode" if "decode" in names else "forward")
@@ -508,7 +521,7 @@ class PTEBackend:
         return self.method.execute([tokens.to(torch.long).contiguous(), input_pos.to(torch.long).contiguous(),
                                     mask.to(torch.float32).contiguous()])[0]
 
-    def forward(self, tokens: Tensor, input_pos: Tensor) -> Tensor:
+    def forward(self, tokens: Tensor, input_pos: Tensor, logits_at: Optional[Tensor] = None) -> Tensor:
         if tokens.dim() != 2 or tokens.shape[0] != 1:
             raise ValueError(f"the .pte runs one sequence: tokens must be [1, T], got {list(tokens.shape)}")
         if input_pos.dim() == 2 and input_pos.shape[0] == 1:
@@ -527,6 +540,8 @@ class PTEBackend:
             if T != 1:
                 raise ValueError(f"hybrid mode takes chunks of {self.prefill_chunk} tokens or one token, got {T}")
             return self.decode.execute([tokens, input_pos])[0]
+        if self.prompt is not None and logits_at is not None and T > 1:
+            return self.prompt.execute([tokens, input_pos, logits_at.to(torch.long).reshape(1).contiguous()])[0]
         return self.method.execute([tokens, input_pos])[0]
 
 
@@ -556,6 +571,9 @@ def parse_args(argv=None):
                    help="hybrid mode: also add fixed-length `prefill` (N tokens) and `decode` (1 token) methods")
     p.add_argument("--lookahead", action="store_true",
                    help="lookahead mode: also add the `lookahead` method (tokens, positions, attention mask)")
+    p.add_argument("--fast_prefill", action="store_true",
+                   help="also add the `prompt` method (the last position's logits: faster prompts, a second copy of "
+                        "the packed weights in a runner's memory)")
     p.add_argument("--tokenizer_path", type=Path, default=None, help="for bos/eos ids (default: checkpoint directory)")
     p.add_argument("--bos_id", type=int, default=None)
     p.add_argument("--eos_ids", type=int, nargs="+", default=None)
@@ -589,7 +607,7 @@ def main(argv=None):
         model.requires_grad_(False)
     bos, eos = _token_ids(args.tokenizer_path, args.bos_id, args.eos_ids)
     export_pte(model, args.output_path, args.max_seq_length, args.backend, bos, eos, args.prefill_chunk,
-               lookahead=args.lookahead)
+               lookahead=args.lookahead, fast_prefill=args.fast_prefill)
 
 
 def _scales_not_bf16(model) -> bool:

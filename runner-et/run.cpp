@@ -6,7 +6,9 @@
 // mutable buffers; constant methods get_max_seq_len, get_vocab_size, get_bos_id, get_eos_ids, use_kv_cache, ...
 // Decoding modes load other methods of the same program (sharing the cache): -M hybrid `prefill` (T fixed,
 // get_prefill_chunk) and `decode` (T = 1; `forward` when absent), -M lookahead only `lookahead` (tokens, positions,
-// mask float32[1, 1, T, S]). Only the methods a mode uses are loaded (XNNPACK packs each method's weights).
+// mask float32[1, 1, T, S]). In kv mode a `prompt` method (et_export.py --fast_prefill: tokens, positions, logits_at
+// int64[1] -> the last position's logits [1, 1, V]) takes every call of more than one token. Only the methods a
+// mode uses are loaded (XNNPACK packs each method's weights: --fast_prefill's `prompt` costs a second copy).
 #include <executorch/extension/module/module.h>
 #include <executorch/extension/tensor/tensor.h>
 #include <executorch/runtime/platform/runtime.h>
@@ -87,6 +89,10 @@ class EtModel : public llm::Model {
       info_.lookahead = true;
     } else {
       load(path, "forward");
+      if (names->count("prompt")) {  // et_export.py --fast_prefill: prompts of 2+ tokens, the last logits only
+        load(path, "prompt");
+        prompt_ = true;
+      }
     }
     info_.max_seq_len = int(constant(*names, "get_max_seq_len", 0));
     info_.vocab_size = int(constant(*names, "get_vocab_size", 0));
@@ -103,6 +109,7 @@ class EtModel : public llm::Model {
       throw llm::Error(path + ": get_max_seq_len/get_vocab_size missing (not made by et_export.py?)");
     info_.description = "ExecuTorch, vocab " + std::to_string(info_.vocab_size) + ", context " +
                         std::to_string(info_.max_seq_len);
+    if (prompt_) info_.description += ", prompts through \"prompt\"";
   }
 
   const llm::ModelInfo& info() const override { return info_; }
@@ -110,7 +117,8 @@ class EtModel : public llm::Model {
   const float* forward(const int64_t* tokens, int n, int64_t pos) override {
     pos_.resize(n);
     for (int i = 0; i < n; i++) pos_[i] = pos + i;
-    const auto& logits = run(decode_, tokens, pos_.data(), nullptr, n);
+    const auto& logits = prompt_ && n > 1 ? run("prompt", tokens, pos_.data(), nullptr, n, n - 1)
+                                          : run(decode_, tokens, pos_.data(), nullptr, n);
     // the last position's row: [1, T, V] or [1, 1, V] (a program that returns only the last position)
     return logits.const_data_ptr<float>() + size_t(logits.size(1) - 1) * info_.vocab_size;
   }
@@ -132,6 +140,8 @@ class EtModel : public llm::Model {
   std::vector<int64_t> tokens_, pos_;
   std::vector<float> mask_;
   std::string decode_ = "forward";  // the method of single-token steps (hybrid: `decode` when the program has it)
+  bool prompt_ = false;             // kv mode with a `prompt` method
+  int64_t logits_at_ = 0;
   std::vector<executorch::runtime::EValue> result_;
 
   void load(const std::string& path, const std::string& method) {
@@ -141,9 +151,9 @@ class EtModel : public llm::Model {
                        " (a kernel or delegate missing from this build?)");
   }
 
-  // method(tokens [1, n], positions [n] (, mask [1, 1, n, S])) -> logits float32 [1, n or 1, V]
+  // method(tokens [1, n], positions [n] (, mask [1, 1, n, S]) (, logits_at [1])) -> logits float32 [1, n or 1, V]
   const executorch::aten::Tensor& run(const std::string& method, const int64_t* tokens, const int64_t* positions,
-                                      const float* mask, int n) {
+                                      const float* mask, int n, int64_t logits_at = -1) {
     tokens_.assign(tokens, tokens + n);
     if (positions != pos_.data()) pos_.assign(positions, positions + n);
     auto t = executorch::extension::from_blob(tokens_.data(), {1, n}, executorch::aten::ScalarType::Long);
@@ -155,6 +165,12 @@ class EtModel : public llm::Model {
       m = executorch::extension::from_blob(mask_.data(), {1, 1, n, info_.max_seq_len},
                                            executorch::aten::ScalarType::Float);
       in.push_back(*m);
+    }
+    executorch::extension::TensorPtr at;
+    if (logits_at >= 0) {
+      logits_at_ = logits_at;
+      at = executorch::extension::from_blob(&logits_at_, {1}, executorch::aten::ScalarType::Long);
+      in.push_back(*at);
     }
     auto r = module_->execute(method, in);
     if (!r.ok()) throw llm::Error(method + " failed: " + err(r.error()));

@@ -82,6 +82,26 @@ def test_runner_8da4w(env, runner):
         compare(runner, pte, env["bpe"], env["bins"]["bpe"], prompt, 24)
 
 
+def test_fast_prefill_prompt_method(env, runner):
+    """et_export.py --fast_prefill adds `prompt` (the last position's logits only): it equals `forward`'s last row,
+    generate.py --pte and the runner take it for prompts, and both print what the plain program prints."""
+    import torch
+    from et_export import PTEBackend
+    pte = export_pte(env["ckpt"], env["root"] / "tiny_fp.pte", "--fast_prefill")
+    tok, pos = torch.tensor([[5, 17, 33, 2, 90, 7]]), torch.arange(6)
+    fast, plain = PTEBackend(pte), PTEBackend(env["pte"])
+    assert fast.logits_at and not plain.logits_at
+    last = fast.forward(tok, pos, logits_at=torch.tensor([5]))
+    assert last.shape == (1, 1, plain.vocab_size)
+    torch.testing.assert_close(last[0, 0], plain.forward(tok, pos)[0, -1], rtol=1e-5, atol=1e-5)
+    for prompt in PROMPTS:
+        want = generate_py(["--pte", env["pte"]], env["bpe"], prompt, 24)
+        assert generate_py(["--pte", pte], env["bpe"], prompt, 24) == want
+        r = run([runner, pte, "-z", env["bins"]["bpe"], "-i", prompt, "-n", 24, "-t", 0])
+        assert r.returncode == 0, r.stderr
+        assert r.stdout == want and 'prompts through "prompt"' in r.stderr, prompt
+
+
 def test_runner_chat(env, runner):
     turns = "Hi there\nWhat is 2+2?\n\n"
     want = generate_py(["--pte", env["pte"]], env["bpe"], "unused", 12, "--chat", "--system", "Be brief.", stdin=turns)
