@@ -224,6 +224,7 @@ def export_programs(model, prefill_chunk: Optional[int] = None, backend: str = "
                                             strict=False)
         if fast_prefill:
             plen = Dim("prompt_seq", min=2, max=S)
+            ex = (torch.zeros(1, T, dtype=torch.long), torch.arange(T))  # (T = min(4, S) >= 2)
             progs["prompt"] = export(model, ex, {"logits_at": torch.tensor([T - 1])}, strict=False,
                                      dynamic_shapes={"idx": {1: plen}, "input_pos": {0: plen}, "logits_at": None})
     for name, ep in progs.items():
