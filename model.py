@@ -208,25 +208,30 @@ def _linear_onednn(x: Tensor, w: Tensor, b: Optional[Tensor]) -> Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
 
 
-def _linear_onednn_op(x: Tensor, w: Tensor, b: Optional[Tensor]) -> Tensor:
+def _packed(w: Tensor) -> Optional[Tensor]:
+    """w's packed copy while it is current (its weight alive and not changed in place since), else None."""
     entry = _ONEDNN_PACKED.get(w.data_ptr())
-    if entry is not None and x.numel() > x.shape[-1]:
-        ref, version, packed = entry
-        if ref() is not None and ref()._version == version and ref().shape == w.shape:
-            w = packed
+    if entry is None or (ref := entry[0]()) is None or ref._version != entry[1] or ref.shape != w.shape:
+        return None
+    return entry[2]
+
+
+def _linear_onednn_op(x: Tensor, w: Tensor, b: Optional[Tensor]) -> Tensor:
+    if x.numel() > x.shape[-1] and (packed := _packed(w)) is not None:
+        w = packed
     return _linear_onednn(x, w, b)
 
 
 def pack_prompt_weights(model: nn.Module):
     """Give the float32 weights of model's blocks (not the output projection: a prompt needs one row of it) their
     oneDNN-packed copy for the products of compiled prompts (see _ONEDNN_PACKED); freed with the weights."""
+    if not _ONEDNN_F32:
+        return
     for mod in model.modules():
         w = mod.weight if type(mod) is Linear and mod is not getattr(model, "output", None) else None
-        if w is None or not _ONEDNN_F32 or w.dtype != torch.float32 or w.device.type != "cpu":
+        if w is None or w.dtype != torch.float32 or w.device.type != "cpu" or _packed(w) is not None:
             continue
         key = w.data_ptr()
-        if key in _ONEDNN_PACKED and _ONEDNN_PACKED[key][0]() is w and _ONEDNN_PACKED[key][1] == w._version:
-            continue
 
         def drop(ref, key=key):  # the weight is gone: free its copy, unless the address holds a newer weight's
             if _ONEDNN_PACKED.get(key, (None,))[0] is ref:

@@ -69,8 +69,7 @@ def test_compiled_prompts_use_packed_weights(tiny_checkpoint, cpu, monkeypatch):
     plain = model_module._linear_onednn
     monkeypatch.setattr(model_module, "_linear_onednn", lambda x, w, b: used.append(w.is_mkldnn) or plain(x, w, b))
     ids, pos = torch.tensor([[5, 17, 33, 2, 90, 7, 8]]), torch.arange(7)
-    eager = lambda: engine.TorchBackend(load_model(d / "model.pth"), 1, 48).forward(ids, pos)
-    want = eager()
+    want = engine.TorchBackend(load_model(d / "model.pth"), 1, 48).forward(ids, pos)
     used.clear()  # (eager calls it too, with the plain weights)
     got = compiled.forward(ids, pos)
     assert used.count(True) == len(blocks) and used.count(False) == 1  # (the output projection: plain)
