@@ -13,6 +13,7 @@ import signal
 import sys
 import tempfile
 import time
+import weakref
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -211,6 +212,40 @@ def peak_memory_mb(device) -> float:
         return int(status.split("VmHWM:")[1].split()[0]) / 1024
     except (OSError, IndexError, ValueError):
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB, macOS bytes
+
+
+def available_memory() -> Optional[int]:
+    """Bytes the kernel says new allocations can take without swapping (MemAvailable), or None where unknown."""
+    try:
+        return int(Path("/proc/meminfo").read_text().split("MemAvailable:")[1].split()[0]) * 1024
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+# Copies of weights in oneDNN's packed (blocked) layout for compiled prompts (model.pack_prompt_weights: float32
+# weights, and a bfloat16 copy of quantized ones, qops.QuantizedWeight.pack_prompt). Such a tensor is opaque: a
+# compiled graph cannot take it as an input, so the graph passes the weight (a quantized one's qdata) and an op looks
+# its copy up here: data_ptr -> (weak reference to that tensor, its version, the copy). A copy is freed with its
+# tensor and ignored once the tensor changes in place.
+_PACKED: dict = {}
+
+
+def packed_copy(w):
+    """w's packed copy while it is current (w alive and not changed in place since), else None."""
+    entry = _PACKED.get(w.data_ptr())
+    if entry is None or (ref := entry[0]()) is None or ref._version != entry[1] or ref.shape != w.shape:
+        return None
+    return entry[2]
+
+
+def keep_packed_copy(w, copy) -> None:
+    """Registers copy as w's packed copy (see _PACKED), freed when w is."""
+    key = w.data_ptr()
+
+    def drop(ref, key=key):  # w is gone: free its copy, unless the address holds a newer tensor's
+        if _PACKED.get(key, (None,))[0] is ref:
+            del _PACKED[key]
+    _PACKED[key] = (weakref.ref(w, drop), w._version, copy)
 
 
 # ----------------------------------------------------------------------------------------------- command lines

@@ -18,6 +18,7 @@
 # Deliberate lazy plugin imports (the only ones back to importers of this file): load_backend() imports the backend
 # classes of aoti_export / et_export / export_onnx / compile_qaic; TorchBackend.forward_masked imports speculative.py.
 import contextlib
+import sys
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -28,7 +29,7 @@ from typing import Callable, Optional
 import torch
 
 import tp  # tensor parallelism under torchrun
-from common import DEFAULT_CHECKPOINT, INDUCTOR_CPU, REPO, ArgumentParser
+from common import DEFAULT_CHECKPOINT, INDUCTOR_CPU, REPO, ArgumentParser, available_memory
 from model import call_module, load_model, pack_prompt_weights
 
 
@@ -84,11 +85,15 @@ class TorchBackend:
             # even from a warm cache (Dynamo's trace and the freezing passes run in every process). The weights are
             # graph inputs, not constants (_prompt_config). In-process, 2 threads, SmolLM2 int4 g32, 15 / 128 tokens:
             # 30.6 / 113 ms; the whole model as one graph of weights as inputs 26.7 / 111 ms after a first call of
-            # 111 s; runs of 3 to 10 blocks per graph 29.4-30.7 ms after 11-26 s. float32 products use packed
-            # copies of the blocks' weights (pack_prompt_weights): 53 -> 41 ms at 15 tokens.
+            # 111 s; runs of 3 to 10 blocks per graph 29.4-30.7 ms after 11-26 s. The products use packed copies of
+            # the blocks' weights (pack_prompt_weights): float32 53 -> 41 ms at 15 tokens, int8 43 -> 28 ms.
         model.prompt_call = torch.compile(call_module, dynamic=True, fullgraph=True) if compile else None
-        if compile and device.type == "cpu":
-            pack_prompt_weights(model)
+        if compile and device.type == "cpu":  # the copies may take half of the memory that is free
+            free = available_memory()
+            size, made = pack_prompt_weights(model, None if free is None else free // 2)
+            if not made:
+                print(f"prompts run on the weights as stored: their packed copies ({size / 2**20:.0f} MB) would take "
+                      f"more than half of the free memory ({free / 2**20:.0f} MB)", file=sys.stderr)
         self._step_caches = []
 
     def forward(self, tokens, input_pos, batch_index=None, logits_at=None):

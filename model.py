@@ -53,7 +53,6 @@
 #     quantized forms). The router is not an nn.Linear, so quantization keeps it float (as llama.cpp does).
 import json
 import math
-import weakref
 from dataclasses import asdict, dataclass, fields
 from typing import Optional
 
@@ -63,7 +62,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from common import atomic_path, checkpoint_file
+from common import atomic_path, checkpoint_file, keep_packed_copy, packed_copy
 from model_configs import hf_config_fields, transformer_configs  # noqa: F401  (re-exported: model.transformer_configs)
 
 
@@ -199,45 +198,42 @@ _ONEDNN_F32 = torch.backends.mkldnn.is_available()
 # A weight in oneDNN's packed (blocked) layout made products of 15 rows ~25% faster than the plain one (128 rows: ~7%;
 # the same values: one row gains nothing), so pack_prompt_weights gives a compiled model's blocks a packed copy for
 # their prompts: 53 -> 41 ms for SmolLM2's 15-token prompt, at the cost of a second copy of those weights (+430 MB).
-# That layout is an opaque tensor that a compiled graph cannot take as an input, so the graph passes the weight and the
-# op looks its packed copy up here: weight data_ptr -> (weak reference to the weight, its version, packed copy).
-_ONEDNN_PACKED: dict[int, tuple] = {}
+# The graph passes the weight and the op looks its copy up (common.packed_copy: a packed tensor is opaque to it).
 
 
 def _linear_onednn(x: Tensor, w: Tensor, b: Optional[Tensor]) -> Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
 
 
-def _packed(w: Tensor) -> Optional[Tensor]:
-    """w's packed copy while it is current (its weight alive and not changed in place since), else None."""
-    entry = _ONEDNN_PACKED.get(w.data_ptr())
-    if entry is None or (ref := entry[0]()) is None or ref._version != entry[1] or ref.shape != w.shape:
-        return None
-    return entry[2]
-
-
 def _linear_onednn_op(x: Tensor, w: Tensor, b: Optional[Tensor]) -> Tensor:
-    if x.numel() > x.shape[-1] and (packed := _packed(w)) is not None:
+    if x.numel() > x.shape[-1] and (packed := packed_copy(w)) is not None:
         w = packed
     return _linear_onednn(x, w, b)
 
 
-def pack_prompt_weights(model: nn.Module):
-    """Give the float32 weights of model's blocks (not the output projection: a prompt needs one row of it) their
-    oneDNN-packed copy for the products of compiled prompts (see _ONEDNN_PACKED); freed with the weights."""
-    if not _ONEDNN_F32:
-        return
-    for mod in model.modules():
-        w = mod.weight if type(mod) is Linear and mod is not getattr(model, "output", None) else None
-        if w is None or w.dtype != torch.float32 or w.device.type != "cpu" or _packed(w) is not None:
+def pack_prompt_weights(model: nn.Module, budget: Optional[int] = None) -> tuple[int, bool]:
+    """Give the weights of model's blocks (not the output projection: a prompt needs one row of it) packed copies for
+    the products of compiled prompts: float32 weights in oneDNN's layout (above), weight-only int8 ones as bfloat16
+    (qops.QuantizedLinear.pack_prompt). Returns the copies' bytes and whether they were made: none are where they
+    would take more than budget bytes (a prompt's products then run on the weights as they are)."""
+    todo = []
+    for mod in model.layers.modules():
+        if hasattr(mod, "pack_prompt"):  # a qops.QuantizedLinear (model.py does not import qops.py)
+            size = mod.prompt_copy_bytes()
+        elif type(mod) is Linear and _ONEDNN_F32 and mod.weight.dtype == torch.float32 and mod.weight.is_cpu:
+            size = mod.weight.numel() * 4
+        else:
             continue
-        key = w.data_ptr()
-
-        def drop(ref, key=key):  # the weight is gone: free its copy, unless the address holds a newer weight's
-            if _ONEDNN_PACKED.get(key, (None,))[0] is ref:
-                del _ONEDNN_PACKED[key]
-        packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 64)  # (hints of 15, 64, 128 rows: as fast; 1 row: no gain)
-        _ONEDNN_PACKED[key] = (weakref.ref(w, drop), w._version, packed)
+        todo.append((mod, size))
+    total = sum(size for _, size in todo)
+    if budget is not None and total > budget:
+        return total, False
+    for mod, _ in todo:
+        if hasattr(mod, "pack_prompt"):
+            mod.pack_prompt()
+        elif packed_copy(w := mod.weight) is None:  # (row hints of 15, 64, 128: as fast; 1 row: no gain)
+            keep_packed_copy(w, torch.ops.mkldnn._reorder_linear_weight(w.detach(), 64))
+    return total, True
 
 
 if not hasattr(torch.ops.llama_flat, "linear_onednn"):

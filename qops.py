@@ -25,6 +25,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from common import keep_packed_copy, packed_copy
+
 # Under torch.compile with freezing, Inductor folds every computation that depends only on weights into a new constant.
 # The nibble unpacking (>> 4, & 15) must stay in the kernel, or the packed int4 weights would be folded into two bytes
 # per value. These ops do not occur in model.py's float graph.
@@ -97,6 +99,23 @@ if not hasattr(torch.ops.llama_flat, "fake_quant_per_token_int8"):
     _LIB.impl("fake_quant_per_token_int8", fake_quant_per_token_int8, "CompositeExplicitAutograd")
     torch.library.register_fake("llama_flat::fake_quant_per_token_int8", lib=_LIB)(lambda x: torch.empty_like(x))
 _FAKE_QUANT_OP = torch.ops.llama_flat.fake_quant_per_token_int8
+
+
+def _linear_packed(x: Tensor, key: Tensor) -> Tensor:
+    """x [M, K] bfloat16 @ the packed bfloat16 copy registered for key (a QuantizedWeight's qdata; make_prompt_copy)."""
+    copy = packed_copy(key)
+    if copy is None:  # (a compiled graph takes this op only for a weight whose _prompt_packed is set: rebuild clears it)
+        raise RuntimeError("a quantized weight changed in place after its prompt copy was made: call rebuild()")
+    return torch.ops.mkldnn._linear_pointwise(x, copy, None, "none", [], "")
+
+
+# Compiled prompts' products on make_prompt_copy's copy: an opaque op, as that layout cannot be a graph's input.
+if not hasattr(torch.ops.llama_flat, "linear_packed"):
+    _LIB2 = torch.library.Library("llama_flat", "FRAGMENT")
+    _LIB2.define("linear_packed(Tensor x, Tensor key) -> Tensor")
+    _LIB2.impl("linear_packed", _linear_packed, "CPU")
+    torch.library.register_fake("llama_flat::linear_packed", lib=_LIB2)(
+        lambda x, key: x.new_empty((x.shape[0], key.shape[0])))
 
 
 # The word kernels (fused_linear) read byte / nibble j of a word in place, `w & mask_j` (its value times 256^j / 16^j),
@@ -287,9 +306,11 @@ class QuantizedWeight(nn.Module):
     _int4_words = None
     _int8_unit = None
     _int8_sums = None
+    _prompt_packed = False
 
     def _rebuild_native(self):
         self._int4_cpu = None
+        self._prompt_packed = False  # see make_prompt_copy: a rebuilt weight has none (compiled prompts guard on it)
         self._int8_words = None
         self._int4_words = None
         # int8's unit bfloat16 scales for float32 activations (see native_linear) and its per-channel sums of q (see
@@ -331,6 +352,29 @@ class QuantizedWeight(nn.Module):
             sz = torch.stack([s.t(), z.t()], -1).to(torch.bfloat16).contiguous()
             self._int4_cpu = (_static(packed), _static(sz))
 
+    def prompt_copy_bytes(self) -> int:
+        """The bytes of make_prompt_copy's copy (0 where it makes none)."""
+        return 2 * self.qdata.numel() if self.bits == 8 and _BF16_GEMM and self.qdata.is_cpu else 0
+
+    def make_prompt_copy(self):
+        """int8: q as bfloat16 (exact; the scales come after the product), in oneDNN's packed layout, for the products
+        of compiled prompts (QuantizedLinear.pack_prompt, _prompt_copy_here): oneDNN's bfloat16 GEMM on it took 80 us
+        for 15 rows of 1536x576 (2 threads) where ATen's packed int8 kernel took 194 us (8 rows 53 / 100, 128 rows
+        544 / 1556; 2 rows 43 / 35), the same sums of the same products. 2 bytes per weight. Not int4: its weights
+        (q s + z, 8da4w's (q - 8) s) are not exact in bfloat16, where ATen's int4 kernel multiplies them exactly; a
+        rounded copy made SmolLM2 int4 g32's 15-token compiled prompt 27 ms instead of 31, but its greedy tokens
+        parted from eager's within 32 tokens on 1 of 6 prompts (0 of 6 with the kernel)."""
+        if self.prompt_copy_bytes() and packed_copy(self.qdata) is None:
+            w = self.qdata.to(torch.bfloat16)
+            keep_packed_copy(self.qdata, torch.ops.mkldnn._reorder_linear_weight(w, 16))
+        self._prompt_packed = packed_copy(self.qdata) is not None
+
+    def _prompt_copy_here(self) -> bool:
+        """Whether products run on make_prompt_copy's copy (torch.ops.llama_flat.linear_packed): inside a compiled
+        prompt (no freezing, not export) of a weight that has one."""
+        return (self._prompt_packed and torch.compiler.is_compiling() and not torch.compiler.is_exporting()
+                and not torch._inductor.config.freezing)
+
     @property
     def weight_only(self) -> bool:
         """int4 weight-only (--mode int4, int4-gptq): not 8da4w's layouts."""
@@ -348,7 +392,10 @@ class QuantizedWeight(nn.Module):
         if self.zeros is not None and offset == self.xnnpack:  # the packed copy holds the other variant
             return None
         x2 = x.reshape(-1, self.in_features)
-        if rows and (w := self._bf16_weight_t(x2)) is not None:
+        if rows and self._prompt_copy_here():  # (int8)
+            y = torch.ops.llama_flat.linear_packed(x2.to(torch.bfloat16), self.qdata)
+            y = y.to(x.dtype) * self.scales.to(x.dtype)
+        elif rows and (w := self._bf16_weight_t(x2)) is not None:
             y = torch.mm(x2.to(torch.bfloat16), w)
             y = (y.float() * self.scales.float() if self.bits == 8 else y).to(x.dtype)
         elif self.bits == 8 and bf16:
@@ -614,6 +661,17 @@ class QuantizedLinear(nn.Module):
         else:
             y = self._matmul(x)
         return y + self.bias if self.bias is not None else y
+
+    def prompt_copy_bytes(self) -> int:
+        """The bytes of pack_prompt's copy: weight-only int8 only (8da8w's prompts multiply int8 by int8,
+        int8_act_linear; int4: see QuantizedWeight.make_prompt_copy)."""
+        return 0 if self.act == "int8" else self.qweight.prompt_copy_bytes()
+
+    def pack_prompt(self):
+        """Gives the weight its copy for compiled prompts (QuantizedWeight.make_prompt_copy); model.pack_prompt_weights
+        calls it for a compiled model's blocks."""
+        if self.prompt_copy_bytes():
+            self.qweight.make_prompt_copy()
 
     @staticmethod
     def _native(x: Tensor) -> bool:

@@ -6,6 +6,7 @@ import pytest
 import torch
 from conftest import assert_clean_error, hf_greedy, run_cli
 
+import common
 import engine
 import model as model_module
 from model import load_model
@@ -62,9 +63,9 @@ def test_compiled_prompts_use_packed_weights(tiny_checkpoint, cpu, monkeypatch):
     model = load_model(d / "model.pth")
     compiled = engine.TorchBackend(model, 1, 48, compile=True)
     blocks = [m.weight for m in model.layers.modules() if isinstance(m, torch.nn.Linear)]
-    entries = {w.data_ptr(): model_module._ONEDNN_PACKED.get(w.data_ptr()) for w in blocks}
+    entries = {w.data_ptr(): common._PACKED.get(w.data_ptr()) for w in blocks}
     assert all(e is not None and e[0]() is w for w, e in zip(blocks, entries.values()))
-    assert model.output.weight.data_ptr() not in model_module._ONEDNN_PACKED  # a prompt needs one row of it
+    assert model.output.weight.data_ptr() not in common._PACKED  # a prompt needs one row of it
     used = []
     plain = model_module._linear_onednn
     monkeypatch.setattr(model_module, "_linear_onednn", lambda x, w, b: used.append(w.is_mkldnn) or plain(x, w, b))
@@ -84,7 +85,7 @@ def test_compiled_prompts_use_packed_weights(tiny_checkpoint, cpu, monkeypatch):
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
     del compiled, model, ref, blocks
     gc.collect()
-    assert all(model_module._ONEDNN_PACKED.get(k) is not e for k, e in entries.items())
+    assert all(common._PACKED.get(k) is not e for k, e in entries.items())
 
 
 def test_compiled_bfloat16_tracks_float32(tiny_checkpoint, cpu):

@@ -8,10 +8,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import common
 import engine
 import generate
 import gptq
 import qops
+import model as model_module
 import quantize as Q
 from conftest import assert_clean_error, hf_to_model, run_cli, tiny_hf
 from model import checkpoint_state, load_model, save_checkpoint
@@ -381,12 +383,14 @@ def test_eager_int8_long_product_bfloat16_gemm(monkeypatch):
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_compiled_long_prefill_bfloat16_gemm(peaked, monkeypatch, mode):
-    """--compile's prompts of qops._BF16_ROWS tokens or more, on a CPU with bfloat16 dot products: the weights go to
-    bfloat16 in a generated kernel (words_bf16_t) for oneDNN's bfloat16 GEMM. Forced on here, so that any CPU runs it
+    """--compile's prompts of qops._BF16_ROWS tokens or more, on a CPU with bfloat16 dot products, where the weights
+    have no prompt copies (model.pack_prompt_weights): the weights go to bfloat16 in a generated kernel (words_bf16_t)
+    for oneDNN's bfloat16 GEMM. Forced on here, so that any CPU runs it
     (oneDNN converts where the instructions are missing). Eager int8 casts qdata for the same GEMM, eager int4 keeps
     ATen's packed kernel: the prompt's last logits agree within bfloat16 rounding (int4's weights are rounded to it),
     and the greedy tokens match."""
     monkeypatch.setattr(qops, "_BF16_GEMM", True)
+    monkeypatch.setattr(engine, "available_memory", lambda: 0)  # no prompt copies (no memory for them): the graph's path
     traced = []
     words = qops.QuantizedWeight.words_bf16_t
     monkeypatch.setattr(qops.QuantizedWeight, "words_bf16_t", lambda self: traced.append(1) or words(self))
@@ -437,6 +441,56 @@ def test_compiled_8da4w_prefill(peaked, monkeypatch, rows):
     torch.testing.assert_close(last, ref, rtol=2 ** -7, atol=2 ** -7 * ref.abs().max().item())
     out, _ = generate.generate(be, [prompt], 8, CPU)
     assert out == eager
+
+
+def test_compiled_int8_prompts_use_bfloat16_copies(peaked, monkeypatch, capsys):
+    """--compile of a weight-only int8 model on a CPU with bfloat16 dot products (forced on here) gives each block's
+    weight a bfloat16 copy of q (exact) in oneDNN's packed layout that every product of a compiled prompt runs on, short
+    or long (one graph), the scales after; not the output projection's, nor int4's or 8da4w's weights (not exact in
+    bfloat16) or 8da8w's (integer GEMMs). The prompt's last logits equal eager's to float rounding and the greedy tokens
+    match. A weight rebuilt after compiling loses its copy (its products take the kernels as before); copies that would
+    take more than half of the free memory are not made, with one line."""
+    from torch._dynamo.utils import counters
+    monkeypatch.setattr(qops, "_BF16_GEMM", True)
+    m = copy.deepcopy(peaked)
+    Q.quantize_model(m, "int8", embedding="int8", log=False)
+    prompts = [PROMPT, (PROMPT * 8)[:qops._BF16_ROWS + 4]]
+    eager = generate.TorchBackend(copy.deepcopy(m), 1, 64)
+    refs = [engine.prefill(eager, [p], CPU)[0] for p in prompts]
+    want = [generate.generate(eager, [p], 8, CPU)[0] for p in prompts]
+    torch._dynamo.reset()
+    graphs = counters["stats"]["unique_graphs"]
+    be = generate.TorchBackend(m, 1, 64, compile=True)
+    blocks = [mod.qweight for mod in m.layers.modules() if isinstance(mod, qops.QuantizedLinear)]
+    assert blocks and all(w._prompt_packed and common.packed_copy(w.qdata) is not None for w in blocks)
+    assert not m.output.qweight._prompt_packed and common.packed_copy(m.output.qweight.qdata) is None
+    looked_up = []
+    lookup = qops.packed_copy
+    monkeypatch.setattr(qops, "packed_copy", lambda w: looked_up.append(1) or lookup(w))
+    for p, ref, tokens in zip(prompts, refs, want):
+        looked_up.clear()
+        last = engine.prefill(be, [p], CPU)[0]
+        assert len(looked_up) == len(blocks)  # every block product, once
+        torch.testing.assert_close(last, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+        assert generate.generate(be, [p], 8, CPU)[0] == tokens
+    assert counters["stats"]["unique_graphs"] - graphs == 3  # decode, one block graph for both lengths, the output
+    w2 = m.layers[0].feed_forward.w2.qweight
+    w2.rebuild()
+    looked_up.clear()
+    last = engine.prefill(be, [PROMPT], CPU)[0]
+    torch.testing.assert_close(last, refs[0], rtol=1e-4, atol=1e-4 * refs[0].abs().max().item())
+    assert len(looked_up) == len(blocks) - 1 and not w2._prompt_packed
+    for mode in ("int4", "8da4w", "8da8w"):
+        m2 = copy.deepcopy(peaked)
+        Q.quantize_model(m2, mode, 32, log=False)
+        assert model_module.pack_prompt_weights(m2) == (0, True)
+    m2 = copy.deepcopy(peaked)
+    Q.quantize_model(m2, "int8", log=False)
+    monkeypatch.setattr(engine, "available_memory", lambda: 0)
+    capsys.readouterr()
+    generate.TorchBackend(m2, 1, 64, compile=True)
+    assert "would take more than half of the free memory" in capsys.readouterr().err
+    assert not any(mod.qweight._prompt_packed for mod in m2.layers.modules() if isinstance(mod, qops.QuantizedLinear))
 
 
 def test_compiled_8da8w_prefill_matches_eager(peaked):
