@@ -28,9 +28,11 @@ Decoding modes (runner-aoti -M, generate.py / eval.py): a package holds more tha
     model's "prompt" keeps its constants in its own library: a second copy of the weights (about twice the package
     and the memory). A quantized model's "prompt" shares the records of "model" and adds the layouts of ATen's
     int8 / int4 kernels for its many-row products (qops.word_kernel_export("native"); 8da8w: torch._int_mm; 8da4w:
-    the activations' int8 values through the int4 kernel). A weight-only int8 / int4 or an 8da4w model exported on a
-    CPU with bfloat16 dot products adds "long_prompt" (same contract, lengths from long_prompt_min =
-    qops._BF16_ROWS): the decode words converted to bfloat16, oneDNN's bfloat16 GEMM.
+    the activations' int8 values through the int4 kernel). Weight-only int8 on a CPU with bfloat16 dot products
+    instead multiplies by q as bfloat16 (exact; oneDNN's bfloat16 GEMM, 2.4x the int8 kernel's rate at 15 rows),
+    packed by oneDNN: that "prompt" keeps its constants in its own library, as a float one. A weight-only int4 or an 8da4w model exported on a CPU with
+    bfloat16 dot products adds "long_prompt" (same contract, lengths from long_prompt_min = qops._BF16_ROWS): the
+    decode words converted to bfloat16, oneDNN's bfloat16 GEMM.
 The models of such a package share their weights (except a float "prompt"): each is compiled without its constants
 (aot_inductor.package_constants_in_so=False) and the package holds every distinct constant once, as a record under
 data/weights/llama_flat/ (64-byte aligned, uncompressed) listed by that folder's `index` (one line per model and
@@ -176,15 +178,19 @@ def export(checkpoint_path, output_path, max_seq_length: int = 1024, dtype: Opti
                 programs["lookahead"] = (torch.export.export(
                     model, ex, kw, dynamic_shapes={"idx": {1: seq}, "input_pos": {0: seq}, "mask": {2: seq}},
                     strict=False, prefer_deferred_runtime_asserts_over_guards=True), ex, kw)
+        bf16_copies = []  # weight-only int8's prompt copies (below)
         if fast_prefill:  # prompts of 2 tokens or more (the runners run a 1-token prompt through "model"); the
             T = min(PROMPT_HINT, S)  # weight-only products of many rows are ATen's packed kernels (qops.py)
             ex = (torch.zeros(1, T, dtype=torch.long, device=device), torch.arange(T, device=device))
             kw = {"logits_at": torch.tensor([T - 1], device=device)}
             prompts = [("prompt", 2, "native")]  # (model, its shortest length, word_kernel_export's many_rows)
-            # weight-only int8 / int4 and 8da4w on a CPU with bfloat16 dot products: "long_prompt", the prompts of
-            # L tokens or more, through oneDNN's bfloat16 GEMM (qops.py's _BF16_GEMM)
+            # weight-only int4 and 8da4w on a CPU with bfloat16 dot products: "long_prompt", the prompts of L tokens
+            # or more, through oneDNN's bfloat16 GEMM (qops.py's _BF16_GEMM); weight-only int8's "prompt" runs that
+            # GEMM at every length, on a bfloat16 copy of its integer weights (qops.QuantizedWeight.add_export_copy)
             q, L = model.quantization, qops._BF16_ROWS
-            if q and (q.get("act") is None or q.get("mode") == "8da4w") and qops._BF16_GEMM and S > L:
+            bf16_copies = [lin.qweight.add_export_copy() for lin in model.layers.modules()
+                           if isinstance(lin, qops.QuantizedLinear) and lin.act is None]
+            if q and q.get("mode") in ("int4", "int4-gptq", "8da4w") and qops._BF16_GEMM and S > L:
                 prompts.append(("long_prompt", L, "bf16"))
                 meta["long_prompt_min"] = str(L)
             for name, low, many_rows in prompts:
@@ -228,7 +234,9 @@ def export(checkpoint_path, output_path, max_seq_length: int = 1024, dtype: Opti
                       "aot_inductor.package_constants_on_disk_format": "binary_blob",
                       "max_autotune_gemm_backends": "CPP"}
             own = {**configs, "aot_inductor.package": True, "aot_inductor.package_constants_in_so": True}
-            if model.quantization:  # no float GEMMs on its weights: ATen's int8 / int4 kernels allowed, no prepacking
+            # a quantized model's "prompt": no float GEMMs on its weights, ATen's int8 / int4 kernels allowed, no
+            # prepacking; except on int8's bfloat16 copies (oneDNN-packed, so in its own library, as a float model's)
+            if model.quantization and not any(bf16_copies):
                 own = {**shared, "max_autotune_gemm_backends": "CPP,ATEN", "cpp.weight_prepack": False}
             for name, (prog, ex, kw) in programs.items():
                 log(f"  compiling {name} ...")

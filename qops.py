@@ -158,8 +158,8 @@ def group_sums(x: Tensor, G: int) -> Tensor:
 # int4 g32: 118 MB, 1.13x Q4_0, README's 5-round run; the folded int8 package was 584 MB and 0.38x). Its "prompt"
 # model (--fast_prefill, more than one row by its contract) exports inside word_kernel_export("native"): the weight-only
 # products of many rows take native_linear's packed kernels, as eager and compiled prefill do (the word kernels redo
-# each row's arithmetic: a package prefilled at a third of llama.cpp's rate); one row (the output projection) stays on
-# the words. Its "long_prompt" model (lengths of _BF16_ROWS and more, on CPUs with bfloat16 dot products) exports
+# each row's arithmetic: a package prefilled at a third of llama.cpp's rate), int8's as q in bfloat16 (add_export_copy);
+# one row (the output projection) stays on the words. Its "long_prompt" model (lengths of _BF16_ROWS and more, on CPUs with bfloat16 dot products) exports
 # inside word_kernel_export("bf16"): those products take words_bf16_t and oneDNN's bfloat16 GEMM, as compiled prefill
 # does; its length's lower bound decides the choice at export time (a package's graph cannot branch on the length).
 _WORD_KERNEL_EXPORT = None  # None, "words", "native" or "bf16": word_kernel_export's many_rows
@@ -307,10 +307,12 @@ class QuantizedWeight(nn.Module):
     _int8_unit = None
     _int8_sums = None
     _prompt_packed = False
+    _int8_bf16_t = None  # see add_export_copy
 
     def _rebuild_native(self):
         self._int4_cpu = None
         self._prompt_packed = False  # see make_prompt_copy: a rebuilt weight has none (compiled prompts guard on it)
+        self._int8_bf16_t = None
         self._int8_words = None
         self._int4_words = None
         # int8's unit bfloat16 scales for float32 activations (see native_linear) and its per-channel sums of q (see
@@ -369,6 +371,16 @@ class QuantizedWeight(nn.Module):
             keep_packed_copy(self.qdata, torch.ops.mkldnn._reorder_linear_weight(w, 16))
         self._prompt_packed = packed_copy(self.qdata) is not None
 
+    def add_export_copy(self) -> bool:
+        """int8 on a CPU with bfloat16 dot products: q.T as bfloat16 [K, N] (exact), a plain attribute that a package's
+        "prompt" model (aoti_export.py --fast_prefill) multiplies by with oneDNN's bfloat16 GEMM at every length, a
+        constant of the package (2 bytes per weight; that model no longer reads qdata, 1 byte): 111 us for 15 rows of
+        1536x576 against the packed int8 kernel's 194 (2 threads). A cast of qdata inside the graph would be folded by
+        Inductor's freezing into a constant the shared package format cannot store (aoti_export.constant_table)."""
+        if self.bits == 8 and _BF16_GEMM and self.qdata.is_cpu:
+            self._int8_bf16_t = _static(self.qdata.t().to(torch.bfloat16).contiguous())
+        return self._int8_bf16_t is not None
+
     def _prompt_copy_here(self) -> bool:
         """Whether products run on make_prompt_copy's copy (torch.ops.llama_flat.linear_packed): inside a compiled
         prompt (no freezing, not export) of a weight that has one."""
@@ -418,8 +430,10 @@ class QuantizedWeight(nn.Module):
         passes, 500-680 us per 1536x576 matrix, slower than the product)."""
         if not _BF16_GEMM:
             return None
-        if torch.compiler.is_exporting():  # a package's "long_prompt" model (its length is _BF16_ROWS or more)
-            many = statically_known_true(x2.shape[0] >= _BF16_ROWS)  # (no guard on a dynamic length)
+        if torch.compiler.is_exporting():  # a package's prompt models
+            if _WORD_KERNEL_EXPORT == "native" and self._int8_bf16_t is not None:  # int8's "prompt": any length
+                return self._int8_bf16_t
+            many = statically_known_true(x2.shape[0] >= _BF16_ROWS)  # "long_prompt": _BF16_ROWS tokens or more
             return self.words_bf16_t() if _WORD_KERNEL_EXPORT == "bf16" and many else None
         if x2.shape[0] < _BF16_ROWS:
             return None

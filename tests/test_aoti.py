@@ -274,13 +274,13 @@ def test_quantized_checkpoint(env, runner, quantized):
 def test_quantized_package_keeps_integer_weights(env, quantized, mode):
     """An int8 / int4 / 8da4w / 8da8w package holds its integer weights, not float32 copies: under export the products
     are qops.py's word kernels (word_kernel_export), where Inductor's freezing would fold dequantize(w) into new
-    float32 constants. Its "prompt" model (--fast_prefill) runs the weight-only products of many rows as eager does,
-    through ATen's packed kernels on their own integer copies (int8: qdata; int4: the blocked layout; 8da8w's int8 x
-    int8 products: torch._int_mm on qdata), its one-row output projection through the words (8da4w's once failed to
-    compile there: a folded slice). The package's tokens are eager's; 8da4w's are --compile's, whose prompts run the
-    same packed int4 kernel on the activations' int8 values (eager 8da4w: float32 products)."""
+    float32 constants. Its "prompt" model (--fast_prefill) runs the products of many rows on copies of their own: int4
+    through ATen's packed kernel (its blocked layout), 8da8w's int8 x int8 products through torch._int_mm on qdata,
+    int8 through oneDNN's bfloat16 GEMM on q as bfloat16 (exact; eager runs it from 32 rows, the packed kernel
+    below); its one-row output projection through the words (8da4w's once failed to compile there: a folded slice).
+    The package's tokens are eager's; 8da4w's are --compile's, whose prompts run the same packed int4 kernel on the
+    activations' int8 values (eager 8da4w: float32 products)."""
     import qops
-    import quantize
     from aoti_export import AOTIBackend
     from generate import TorchBackend, generate
     from model import load_model
@@ -291,11 +291,13 @@ def test_quantized_package_keeps_integer_weights(env, quantized, mode):
     linears = sum(m.weight.numel() * 4 for m in load_model(env["ckpt"]).modules() if isinstance(m, torch.nn.Linear))
     assert float32 < linears / 4, (float32, linears)  # scales, zero terms, norms and the rope table only
     # the int8 embedding table is read from its word layout, the one a tied output projection reads: no int8 copy of
-    # it; int8's and 8da8w's linears are stored twice (words for "model", qdata for "prompt's" kernel), 8da4w's once
+    # it; 8da8w's linears are stored twice (words for "model", qdata for "prompt's" torch._int_mm), 8da4w's once,
+    # int8's as words; int8's "prompt" keeps its own constants, q in bfloat16 packed by oneDNN, in its library
     int8 = sum(n for dtype, n in stored.values() if dtype == "int8")
     qlinears = [m.qweight for m in load_model(q).modules() if isinstance(m, qops.QuantizedLinear)]
     assert int8 == (sum(w.qdata.numel() for w in qlinears if w.bits == 8 and w.out_features != VOCAB)
-                    if mode in quantize.EIGHT_BIT else 0), int8
+                    if mode == "8da8w" else 0), int8
+    assert ("prompt" in {row[0] for row in index}) == (mode != "int8")
     cpu = torch.device("cpu")
     ref = TorchBackend(load_model(q), 1, MAX_SEQ, compile=mode == "8da4w")
     for p in ([1, 5, 9, 300, 17], [7]):
@@ -309,32 +311,37 @@ LONG_PROMPT = "Once upon a time there was a little cat who lived in a big red ho
 
 @pytest.mark.parametrize("mode", ["int8", "int4", "8da4w"])
 def test_long_prompt_model(env, runner, quantized, mode, monkeypatch):
-    """A weight-only int8 / int4 or an 8da4w package made on a CPU with bfloat16 dot products (forced in `quantized`
-    and here, so any CPU runs the test: oneDNN converts where the instructions are missing) adds "long_prompt":
+    """A weight-only int4 or an 8da4w package made on a CPU with bfloat16 dot products (forced in `quantized` and
+    here, so any CPU runs the test: oneDNN converts where the instructions are missing) adds "long_prompt":
     prompts of _BF16_ROWS tokens or more, their products through qops.words_bf16_t and oneDNN's bfloat16 GEMM (as
     compiled prefill runs them). It adds no weights to the package (only the shift amounts); the long prompt's last
-    logits are eager's (int8: the same bfloat16 GEMM), or for int4 / 8da4w (weights rounded once to bfloat16; eager
-    int4's packed kernel rounds its scales and offsets instead, eager 8da4w runs float32 products) no further from
-    the float32 product of the dequantized weights than eager's are, up to a factor of 2 (int4, measured: 0.0043
-    against 0.0057 of 0.71); the cache it writes is the one "model" decodes from; the runner loads it and prints
-    what generate.py prints."""
+    logits (int4 / 8da4w: weights rounded once to bfloat16; eager int4's packed kernel rounds its scales and offsets
+    instead, eager 8da4w runs float32 products) are no further from the float32 product of the dequantized weights
+    than eager's are, up to a factor of 2 (int4, measured: 0.0043 against 0.0057 of 0.71); the cache it writes is the one "model" decodes from; the runner loads it and prints
+    what generate.py prints. A weight-only int8 package has no "long_prompt": its "prompt" runs that GEMM at every
+    length, on a bfloat16 copy of the integer weights (exact) packed by oneDNN, whose sums in another order than
+    eager's unpacked GEMM round some outputs to the neighbouring bfloat16 (measured 0.0032 from the float32 product
+    against eager's 0.0037 of 0.64; the step after it 0.0024 against 0.0023)."""
     import aoti_export
     import qops
     from model import load_model
     monkeypatch.setattr(qops, "_BF16_GEMM", True)  # (the eager models below: int8's bfloat16 GEMM)
     q, pt2 = quantized(mode)
     b = aoti_export.AOTIBackend(pt2)
-    assert b.metadata["models"] == "model,prompt,long_prompt" and b.long_prompt_min == qops._BF16_ROWS
-    _, index = package_index(pt2)
-    records = {}
-    for row in index:
-        records.setdefault(row[0], {})[row[2]] = row
-    added = [row for rec, row in records["long_prompt"].items() if rec not in records["model"]]
-    assert all(row[3] == "int32" and int(row[5].split(",")[0]) in (4, 8) for row in added), added  # shift amounts
     with zipfile.ZipFile(pt2) as z:  # its products are GEMMs (oneDNN's), not ATen's packed weight-only kernels
         code = {n.split("/")[-2]: z.read(n).decode() for n in z.namelist() if n.endswith(".wrapper.cpp")}
-    assert "aoti_torch_cpu_mm" in code["long_prompt"] and "pack_mm" not in code["long_prompt"]
-    assert "pack_mm" in code["prompt"]
+    if mode == "int8":
+        assert b.metadata["models"] == "model,prompt" and "pack_mm" not in code["prompt"]
+    else:
+        assert b.metadata["models"] == "model,prompt,long_prompt" and b.long_prompt_min == qops._BF16_ROWS
+        _, index = package_index(pt2)
+        records = {}
+        for row in index:
+            records.setdefault(row[0], {})[row[2]] = row
+        added = [row for rec, row in records["long_prompt"].items() if rec not in records["model"]]
+        assert all(row[3] == "int32" and int(row[5].split(",")[0]) in (4, 8) for row in added), added  # shifts
+        assert "aoti_torch_cpu_mm" in code["long_prompt"] and "pack_mm" not in code["long_prompt"]
+        assert "pack_mm" in code["prompt"]
     m = load_model(q)
     m.setup_caches(1, MAX_SEQ)
     T = qops._BF16_ROWS + 8
@@ -350,15 +357,12 @@ def test_long_prompt_model(env, runner, quantized, mode, monkeypatch):
     # "long_prompt" wrote
     for args, kw in (((x, pos), {"logits_at": torch.tensor([T - 1])}), ((x[:, :1], pos[:1] + T), {})):
         got, want, ref = b.forward(*args, **kw), m(*args, **kw), f(*args, **kw)
-        if mode == "int8":
-            torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
-        else:
-            err, eager_err = (got - ref).abs().max(), (want - ref).abs().max()
-            assert err <= 2 * eager_err, (err, eager_err)
+        err, eager_err = (got - ref).abs().max(), (want - ref).abs().max()
+        assert err <= 2 * eager_err, (err, eager_err)
     expect = generate_py(["--aoti_package", pt2], env["bpe"], LONG_PROMPT, 12)
     r = run([runner, pt2, "-z", env["bins"]["bpe"], "-i", LONG_PROMPT, "-n", 12, "-t", 0])
     assert r.returncode == 0 and r.stdout == expect, r.stderr
-    assert f'from {qops._BF16_ROWS} tokens "long_prompt"' in r.stderr
+    assert (f'from {qops._BF16_ROWS} tokens "long_prompt"' in r.stderr) == (mode != "int8")
 
 
 def test_broken_inputs(env, runner, tmp_path):
