@@ -30,9 +30,9 @@ Decoding modes (runner-aoti -M, generate.py / eval.py): a package holds more tha
     int8 / int4 kernels for its many-row products (qops.word_kernel_export("native"); 8da8w: torch._int_mm; 8da4w:
     the activations' int8 values through the int4 kernel). Weight-only int8 on a CPU with bfloat16 dot products
     instead multiplies by q as bfloat16 (exact; oneDNN's bfloat16 GEMM, 2.4x the int8 kernel's rate at 15 rows),
-    packed by oneDNN: that "prompt" keeps its constants in its own library, as a float one. A weight-only int4 or an 8da4w model exported on a CPU with
-    bfloat16 dot products adds "long_prompt" (same contract, lengths from long_prompt_min = qops._BF16_ROWS): the
-    decode words converted to bfloat16, oneDNN's bfloat16 GEMM.
+    packed by oneDNN: that "prompt" keeps its constants in its own library, as a float one. A weight-only int4 or an
+    8da4w model exported on a CPU with bfloat16 dot products adds "long_prompt" (same contract, lengths from
+    long_prompt_min = qops._BF16_ROWS): the decode words converted to bfloat16, oneDNN's bfloat16 GEMM.
 The models of such a package share their weights (except a float "prompt"): each is compiled without its constants
 (aot_inductor.package_constants_in_so=False) and the package holds every distinct constant once, as a record under
 data/weights/llama_flat/ (64-byte aligned, uncompressed) listed by that folder's `index` (one line per model and

@@ -223,10 +223,10 @@ def available_memory() -> Optional[int]:
 
 
 # Copies of weights in oneDNN's packed (blocked) layout for compiled prompts (model.pack_prompt_weights: float32
-# weights, and a bfloat16 copy of quantized ones, qops.QuantizedWeight.pack_prompt). Such a tensor is opaque: a
-# compiled graph cannot take it as an input, so the graph passes the weight (a quantized one's qdata) and an op looks
-# its copy up here: data_ptr -> (weak reference to that tensor, its version, the copy). A copy is freed with its
-# tensor and ignored once the tensor changes in place.
+# weights, and a bfloat16 copy of weight-only int8 ones, qops.QuantizedWeight.make_prompt_copy). Such a tensor is
+# opaque: a compiled graph cannot take it as an input, so the graph passes the weight (a quantized one's qdata) and an
+# op looks its copy up here: data_ptr -> (weak reference to that tensor, its version, the copy). A copy is freed with
+# its tensor and ignored once the tensor changes in place.
 _PACKED: dict = {}
 
 

@@ -104,7 +104,7 @@ _FAKE_QUANT_OP = torch.ops.llama_flat.fake_quant_per_token_int8
 def _linear_packed(x: Tensor, key: Tensor) -> Tensor:
     """x [M, K] bfloat16 @ the packed bfloat16 copy registered for key (a QuantizedWeight's qdata; make_prompt_copy)."""
     copy = packed_copy(key)
-    if copy is None:  # (a compiled graph takes this op only for a weight whose _prompt_packed is set: rebuild clears it)
+    if copy is None:  # (compiled graphs take this op only for a weight whose _prompt_packed is set; rebuild clears it)
         raise RuntimeError("a quantized weight changed in place after its prompt copy was made: call rebuild()")
     return torch.ops.mkldnn._linear_pointwise(x, copy, None, "none", [], "")
 
@@ -159,9 +159,10 @@ def group_sums(x: Tensor, G: int) -> Tensor:
 # model (--fast_prefill, more than one row by its contract) exports inside word_kernel_export("native"): the weight-only
 # products of many rows take native_linear's packed kernels, as eager and compiled prefill do (the word kernels redo
 # each row's arithmetic: a package prefilled at a third of llama.cpp's rate), int8's as q in bfloat16 (add_export_copy);
-# one row (the output projection) stays on the words. Its "long_prompt" model (lengths of _BF16_ROWS and more, on CPUs with bfloat16 dot products) exports
-# inside word_kernel_export("bf16"): those products take words_bf16_t and oneDNN's bfloat16 GEMM, as compiled prefill
-# does; its length's lower bound decides the choice at export time (a package's graph cannot branch on the length).
+# one row (the output projection) stays on the words. Its "long_prompt" model (lengths of _BF16_ROWS and more, on CPUs
+# with bfloat16 dot products) exports inside word_kernel_export("bf16"): those products take words_bf16_t and oneDNN's
+# bfloat16 GEMM, as compiled prefill does; its length's lower bound decides the choice at export time (a package's
+# graph cannot branch on the length).
 _WORD_KERNEL_EXPORT = None  # None, "words", "native" or "bf16": word_kernel_export's many_rows
 
 
@@ -406,7 +407,7 @@ class QuantizedWeight(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         if rows and self._prompt_copy_here():  # (int8)
             y = torch.ops.llama_flat.linear_packed(x2.to(torch.bfloat16), self.qdata)
-            y = y.to(x.dtype) * self.scales.to(x.dtype)
+            y = (y.float() * self.scales.float()).to(x.dtype)
         elif rows and (w := self._bf16_weight_t(x2)) is not None:
             y = torch.mm(x2.to(torch.bfloat16), w)
             y = (y.float() * self.scales.float() if self.bits == 8 else y).to(x.dtype)

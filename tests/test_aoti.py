@@ -317,11 +317,12 @@ def test_long_prompt_model(env, runner, quantized, mode, monkeypatch):
     compiled prefill runs them). It adds no weights to the package (only the shift amounts); the long prompt's last
     logits (int4 / 8da4w: weights rounded once to bfloat16; eager int4's packed kernel rounds its scales and offsets
     instead, eager 8da4w runs float32 products) are no further from the float32 product of the dequantized weights
-    than eager's are, up to a factor of 2 (int4, measured: 0.0043 against 0.0057 of 0.71); the cache it writes is the one "model" decodes from; the runner loads it and prints
-    what generate.py prints. A weight-only int8 package has no "long_prompt": its "prompt" runs that GEMM at every
-    length, on a bfloat16 copy of the integer weights (exact) packed by oneDNN, whose sums in another order than
-    eager's unpacked GEMM round some outputs to the neighbouring bfloat16 (measured 0.0032 from the float32 product
-    against eager's 0.0037 of 0.64; the step after it 0.0024 against 0.0023)."""
+    than eager's are, up to a factor of 2 (int4, measured: 0.0043 against 0.0057 of 0.71); the cache it writes is
+    the one "model" decodes from; the runner loads it and prints what generate.py prints. A weight-only int8 package
+    has no "long_prompt": its "prompt" runs that GEMM at every length, on a bfloat16 copy of the integer weights
+    (exact) packed by oneDNN, whose sums in another order than eager's unpacked GEMM round some outputs to the
+    neighbouring bfloat16 (measured 0.0032 from the float32 product against eager's 0.0037 of 0.64; the step after
+    it 0.0024 against 0.0023)."""
     import aoti_export
     import qops
     from model import load_model

@@ -390,7 +390,7 @@ def test_compiled_long_prefill_bfloat16_gemm(peaked, monkeypatch, mode):
     ATen's packed kernel: the prompt's last logits agree within bfloat16 rounding (int4's weights are rounded to it),
     and the greedy tokens match."""
     monkeypatch.setattr(qops, "_BF16_GEMM", True)
-    monkeypatch.setattr(engine, "available_memory", lambda: 0)  # no prompt copies (no memory for them): the graph's path
+    monkeypatch.setattr(engine, "available_memory", lambda: 0)  # no prompt copies (no memory for them)
     traced = []
     words = qops.QuantizedWeight.words_bf16_t
     monkeypatch.setattr(qops.QuantizedWeight, "words_bf16_t", lambda self: traced.append(1) or words(self))
