@@ -189,7 +189,7 @@ def export(checkpoint_path, output_path, max_seq_length: int = 1024, dtype: Opti
             # GEMM at every length, on a bfloat16 copy of its integer weights (qops.QuantizedWeight.add_export_copy)
             q, L = model.quantization, qops._BF16_ROWS
             bf16_copies = [lin.qweight.add_export_copy() for lin in model.layers.modules()
-                           if isinstance(lin, qops.QuantizedLinear) and lin.act is None]
+                           if isinstance(lin, qops.QuantizedLinear) and lin.prompt_copy_bytes()]
             if q and q.get("mode") in ("int4", "int4-gptq", "8da4w") and qops._BF16_GEMM and S > L:
                 prompts.append(("long_prompt", L, "bf16"))
                 meta["long_prompt_min"] = str(L)

@@ -378,7 +378,7 @@ class QuantizedWeight(nn.Module):
         constant of the package (2 bytes per weight; that model no longer reads qdata, 1 byte): 111 us for 15 rows of
         1536x576 against the packed int8 kernel's 194 (2 threads). A cast of qdata inside the graph would be folded by
         Inductor's freezing into a constant the shared package format cannot store (aoti_export.constant_table)."""
-        if self.bits == 8 and _BF16_GEMM and self.qdata.is_cpu:
+        if self.prompt_copy_bytes():
             self._int8_bf16_t = _static(self.qdata.t().to(torch.bfloat16).contiguous())
         return self._int8_bf16_t is not None
 

@@ -12,8 +12,8 @@ import common
 import engine
 import generate
 import gptq
-import qops
 import model as model_module
+import qops
 import quantize as Q
 from conftest import assert_clean_error, hf_to_model, run_cli, tiny_hf
 from model import checkpoint_state, load_model, save_checkpoint
