@@ -385,7 +385,9 @@ def cli(entry: Callable) -> None:
         entry()
     except KeyboardInterrupt:
         sys.exit(130)
-    except (FileNotFoundError, ValueError, NotImplementedError, ImportError, RuntimeError, OSError) as e:
-        if _terminated:  # the handler's SystemExit came back wrapped (e.g. "Error calling __set_name__" on 3.11)
-            sys.exit(128 + _terminated)
+    except Exception as e:
+        if _terminated:  # the handler's SystemExit came back wrapped: "Error calling __set_name__" on 3.11, or
+            sys.exit(128 + _terminated)  # re-raised as another library's error (seen once inside torch.export)
+        if not isinstance(e, (FileNotFoundError, ValueError, NotImplementedError, ImportError, RuntimeError, OSError)):
+            raise
         fail(first_line(e, 1000))
