@@ -386,8 +386,10 @@ def cli(entry: Callable) -> None:
     except KeyboardInterrupt:
         sys.exit(130)
     except Exception as e:
-        if _terminated:  # the handler's SystemExit came back wrapped: "Error calling __set_name__" on 3.11, or
-            sys.exit(128 + _terminated)  # re-raised as another library's error (seen once inside torch.export)
+        # after SIGTERM, the handler's SystemExit may come back wrapped: "Error calling __set_name__" on 3.11, or
+        # re-raised as another library's own error type (seen once inside torch.export)
+        if _terminated:
+            sys.exit(128 + _terminated)
         if not isinstance(e, (FileNotFoundError, ValueError, NotImplementedError, ImportError, RuntimeError, OSError)):
             raise
         fail(first_line(e, 1000))
