@@ -357,7 +357,6 @@ def test_sigterm_in_atomic_write_leaves_nothing(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-
 @pytest.mark.parametrize("moment", ["made", "removing"])
 def test_signal_at_the_temporary_folders_edges_leaves_nothing(tmp_path, monkeypatch, moment):
     """A signal's exception (KeyboardInterrupt here; cli's SystemExit alike) that lands the instant atomic_path's
@@ -385,6 +384,7 @@ def test_signal_at_the_temporary_folders_edges_leaves_nothing(tmp_path, monkeypa
             tmp.write_bytes(b"half")
             raise ValueError("the block failed")
     assert list(tmp_path.iterdir()) == []
+
 
 def _start(args, marker: str):
     """Popen a script (stdout and stderr merged); a thread collects lines and sets an event at `marker`."""
