@@ -58,8 +58,13 @@ from typing import Optional
 
 import torch
 
-from common import (INDUCTOR_CPU, ArgumentParser, atomic_path, check_device, checkpoint_file, cli, first_line,
-                    write_atomic)
+import torch_internals as TI
+from common import ArgumentParser, atomic_path, check_device, checkpoint_file, cli, first_line, write_atomic
+
+try:
+    import fast_cpu  # the CPU accelerator: without it a package reads its whole cache and Inductor's defaults
+except ImportError:
+    fast_cpu = None
 
 METADATA_VERSION = "1"
 LOOKAHEAD_HINT = 12  # tokens of a typical lookahead step's call: the length its kernels are tuned for
@@ -100,7 +105,7 @@ def export(checkpoint_path, output_path, max_seq_length: int = 1024, dtype: Opti
            tokenizer_path=None, so: bool = False, log=print, prefill_chunk: Optional[int] = None,
            lookahead: bool = False, fast_prefill: bool = False) -> Path:
     """Export and write the package atomically (common.atomic_path). Returns its path."""
-    from model import load_model
+    from quantize import load_model
     from torch.export import Dim
 
     check_device(device)
@@ -118,9 +123,10 @@ def export(checkpoint_path, output_path, max_seq_length: int = 1024, dtype: Opti
         raise ValueError(f"--prefill_chunk must be in 2..{max_seq_length} (the context), got {prefill_chunk}")
 
     model = load_model(checkpoint_path, device=device, dtype=torch_dtype)
-    model.export_attend_filled = True  # CPU: the layers read the filled cache slots only (model._attend_filled)
     with torch.device(device):
         model.setup_caches(1, max_seq_length)
+    if fast_cpu is not None:  # CPU: the layers read the filled cache slots only (fast_cpu.FilledSlots)
+        fast_cpu.speed_up(model, export=True)
     S = model.max_seq_length
     if S < max_seq_length:
         log(f"note: max_seq_length capped at the model's block_size, {S}")
@@ -208,8 +214,8 @@ def export(checkpoint_path, output_path, max_seq_length: int = 1024, dtype: Opti
         "compiling with AOT Inductor ...")
 
     configs = {"aot_inductor.metadata": meta}
-    if device == "cpu":
-        configs.update(INDUCTOR_CPU)
+    if device == "cpu" and fast_cpu is not None:
+        configs.update(fast_cpu.INDUCTOR_CPU)
     # atomic_path's temporary path already has the final name (the package's archive folder is named after the file)
     t0 = time.perf_counter()
     with atomic_path(output_path) as tmp:
@@ -218,12 +224,12 @@ def export(checkpoint_path, output_path, max_seq_length: int = 1024, dtype: Opti
             # to a JSON file beside it (<output>.json), written first so that a .so never lacks one
             configs.update({"aot_inductor.output_path": str(tmp), "aot_inductor.package_constants_in_so": True})
             with torch.no_grad():
-                path = torch._inductor.aot_compile(ep.module(), example, options=configs)
+                path = TI.aot_compile(ep.module(), example, options=configs)
             write_atomic(so_metadata_path(output_path), json.dumps(meta, indent=1))
             os.replace(path, tmp)
         elif len(programs) == 1:
             with torch.no_grad():
-                torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp), inductor_configs=configs)
+                TI.aoti_compile_and_package(ep, package_path=str(tmp), inductor_configs=configs)
         else:  # several models in one package, their constants once (package_shared)
             files = {}
             # each model's constants come out as a separate blob (binary_blob), which package_shared splits,
@@ -241,29 +247,11 @@ def export(checkpoint_path, output_path, max_seq_length: int = 1024, dtype: Opti
             for name, (prog, ex, kw) in programs.items():
                 log(f"  compiling {name} ...")
                 with torch.no_grad():
-                    files[name] = torch._inductor.aot_compile(prog.module(), ex, kw,
+                    files[name] = TI.aot_compile(prog.module(), ex, kw,
                                                               options=own if "prompt" in name else shared)
             package_shared(tmp, files, log)
     log(f"compiled in {time.perf_counter() - t0:.1f} s -> {output_path} ({output_path.stat().st_size / 1e6:.1f} MB)")
     return output_path
-
-
-def constant_table(wrapper_cpp) -> list[dict]:
-    """A compiled model's constants in the order of its weights blob, from the wrapper source AOT Inductor generates
-    (its constants_info_[i] lines: name, dtype, storage offset, data_size (64-byte aligned), shape, stride)."""
-    rows: dict[int, dict] = {}
-    for i, field, value in re.findall(r"constants_info_\[(\d+)\]\.(\w+) = (.*);", Path(wrapper_cpp).read_text()):
-        rows.setdefault(int(i), {})[field] = value
-    table = []
-    for i in sorted(rows):
-        r = rows[i]
-        if r.get("from_folded") != "false" or "layout_strided" not in r.get("layout", ""):
-            raise RuntimeError(f"{wrapper_cpp}: constant {r.get('name')} is folded or not strided (unsupported)")
-        dims = lambda v: [int(x) for x in v.strip("{}").split(",") if x.strip()]
-        table.append(dict(name=r["name"].strip('"'), dtype=re.search(r"dtype_(\w+)", r["dtype"])[1],
-                          offset=int(r["offset"]), nbytes=int(r["data_size"]), shape=dims(r["shape"]),
-                          stride=dims(r["stride"])))
-    return table
 
 
 def package_shared(path, files: dict, log=print) -> None:
@@ -272,10 +260,9 @@ def package_shared(path, files: dict, log=print) -> None:
     distinct one (by content) a record under SHARED_WEIGHTS, and the index that maps each model's constants to them.
     KV cache buffers are left out (the loader allocates one cache for all models). A model compiled with its
     constants inside its library ("prompt") has no blob and no index lines."""
-    from torch.export.pt2_archive._package import PT2ArchiveWriter
     records: dict[bytes, str] = {}  # content hash -> record name
     index, stored, total = [], 0, 0
-    with PT2ArchiveWriter(str(path)) as archive:
+    with TI.PT2ArchiveWriter(str(path)) as archive:
         for model, model_files in files.items():
             blob = next((f for f in model_files if isinstance(f, str) and f.endswith("_weights.blob")), None)
             wrapper = next(f for f in model_files if isinstance(f, str) and f.endswith(".wrapper.cpp"))
@@ -284,7 +271,7 @@ def package_shared(path, files: dict, log=print) -> None:
                     archive.write_file(f"data/aotinductor/{model}/{os.path.basename(f)}", f)
             if blob is None:
                 continue
-            table = constant_table(wrapper)
+            table = TI.constant_table(wrapper)
             with open(blob, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as data:
                 if sum(c["nbytes"] for c in table) != len(data):
                     raise RuntimeError(f"{blob}: {len(data)} bytes, its constants table says "
@@ -310,7 +297,7 @@ def package_shared(path, files: dict, log=print) -> None:
 def shared_constants(path, models) -> dict:
     """{model: {internal name: tensor}} for the models of a package written by package_shared: tensors over the
     package file's records (mapped copy-on-write: shared by every model, nothing copied)."""
-    reader = torch._C.PyTorchFileReader(str(path))
+    reader = TI.PyTorchFileReader(str(path))
     index = reader.get_record(f"{SHARED_WEIGHTS}/index").decode()
     with open(path, "rb") as fh:
         data = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
@@ -340,11 +327,7 @@ class _SoRunner:
     """A plain .so from --so, through the container runner (what aoti_load_package wraps for a .pt2)."""
 
     def __init__(self, path: Path, meta: dict):
-        dev = meta.get("device", "cpu")
-        if dev == "cuda":
-            self.runner = torch._C._aoti.AOTIModelContainerRunnerCuda(str(path), 1)
-        else:
-            self.runner = torch._C._aoti.AOTIModelContainerRunnerCpu(str(path), 1)
+        self.runner = TI.container_runner(str(path), meta.get("device", "cpu"))
         self.meta = meta
 
     def get_metadata(self):
@@ -388,9 +371,8 @@ class AOTIBackend:
             return
         if not zipfile.is_zipfile(path):
             raise ValueError(f"{path}: not an AOT Inductor package (not a .pt2 zip archive; truncated or wrong file?)")
-        from torch._inductor.package import load_package
         try:
-            meta = torch._C._aoti.AOTIModelPackageLoader.load_metadata_from_package(str(path), "model")
+            meta = TI.package_metadata(str(path), "model")
             models = (meta or {}).get("models", "model").split(",")
             need, flag = MODE_MODELS[mode]
             if need not in models:
@@ -398,7 +380,7 @@ class AOTIBackend:
                                   f"aoti_export.py {flag}")
             names = {"kv": ["model"] + [m for m in ("prompt", "long_prompt") if m in models],
                      "hybrid": ["prefill", "model"], "lookahead": ["lookahead"]}[mode]
-            loaded = [load_package(str(path), n) for n in names]
+            loaded = [TI.load_package(str(path), n) for n in names]
             self.runner = loaded[-1] if mode == "hybrid" else loaded[0]
             meta = self.runner.get_metadata()
         except LookupError as e:

@@ -428,7 +428,7 @@ def _weight_bytes(ck: str, dtype: Optional[str] = None) -> int:
     """Bytes of the weights one decode step reads: the checkpoint's tensors in the row's dtype (a tied embedding
     counted once, as the output projection; mmap, nothing is read unless the dtype changes)."""
     import engine
-    from model import load_model
+    from quantize import load_model
     return engine.weight_bytes(load_model(ck, dtype=getattr(torch, dtype) if dtype else None))
 
 

@@ -14,21 +14,11 @@ import signal
 import sys
 import tempfile
 import time
-import weakref
 from pathlib import Path
 from typing import Callable, Optional
 
 REPO = Path(__file__).resolve().parent
 DEFAULT_CHECKPOINT = REPO / "checkpoints" / "SmolLM2-135M-Instruct" / "model.pth"
-
-# Inductor on CPU (torch.compile and AOT Inductor alike): weights become constants (folded and pre-packed), and
-# matrix products may use Inductor's own C++ GEMM template (blocked, OpenMP-parallel over the output, epilogues
-# fused) instead of MKL's packed sgemm, which runs a one-row product (decode) on one thread whatever the thread count.
-# Autotuning times both where both apply; ATen stays a choice because some products (batched ones) have no template.
-# Floating-point contraction lets the C++ compiler fuse a multiply and an add into one FMA: quantize.py's decode
-# reductions (a product and a sum per weight) measured 1.34x (int4 g32) and 1.14x (int8) faster at 1 thread.
-INDUCTOR_CPU = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
-                "cpp.enable_floating_point_contract_flag": "fast"}
 
 # every file tokenizer.py reads beside a checkpoint; converters and exporters copy exactly these
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer.tiktoken", "tiktoken_config.json",
@@ -237,30 +227,16 @@ def available_memory() -> Optional[int]:
         return None
 
 
-# Copies of weights in oneDNN's packed (blocked) layout for compiled prompts (model.pack_prompt_weights: float32
-# weights, and a bfloat16 copy of weight-only int8 ones, qops.QuantizedWeight.make_prompt_copy). Such a tensor is
-# opaque: a compiled graph cannot take it as an input, so the graph passes the weight (a quantized one's qdata) and an
-# op looks its copy up here: data_ptr -> (weak reference to that tensor, its version, the copy). A copy is freed with
-# its tensor and ignored once the tensor changes in place.
-_PACKED: dict = {}
-
-
 def packed_copy(w):
-    """w's packed copy while it is current (w alive and not changed in place since), else None."""
-    entry = _PACKED.get(w.data_ptr())
-    if entry is None or (ref := entry[0]()) is None or ref._version != entry[1] or ref.shape != w.shape:
-        return None
-    return entry[2]
+    """w's packed copy (keep_packed_copy) while w has not changed in place since, else None. A copy in oneDNN's
+    packed layout is an opaque tensor that a compiled graph cannot take as an input: the graph passes w and an op
+    finds its copy here, hung on w itself (freed with it)."""
+    entry = getattr(w, "_packed_copy", None)
+    return entry[1] if entry is not None and entry[0] == w._version else None
 
 
 def keep_packed_copy(w, copy) -> None:
-    """Registers copy as w's packed copy (see _PACKED), freed when w is."""
-    key = w.data_ptr()
-
-    def drop(ref, key=key):  # w is gone: free its copy, unless the address holds a newer tensor's
-        if _PACKED.get(key, (None,))[0] is ref:
-            del _PACKED[key]
-    _PACKED[key] = (weakref.ref(w, drop), w._version, copy)
+    w._packed_copy = (w._version, copy)
 
 
 # ----------------------------------------------------------------------------------------------- command lines

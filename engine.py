@@ -15,8 +15,7 @@
 # The same prefill / decode / sampling code below then drives eager PyTorch, torch.compile, an AOT Inductor package,
 # an ExecuTorch .pte, ONNX Runtime and a Cloud AI 100 QPC.
 #
-# Deliberate lazy plugin imports (the only ones back to importers of this file): load_backend() imports the backend
-# classes of aoti_export / et_export / export_onnx / compile_qaic; TorchBackend.forward_masked imports speculative.py.
+# engine.py imports no exporter: each entry point picks its backend (backends.py) and hands it here.
 import contextlib
 import sys
 import time
@@ -28,9 +27,14 @@ from typing import Callable, Optional
 
 import torch
 
-import tp  # tensor parallelism under torchrun
-from common import DEFAULT_CHECKPOINT, INDUCTOR_CPU, REPO, ArgumentParser, available_memory
-from model import call_module, load_model, pack_prompt_weights
+from torch import Tensor, nn
+
+from model import Attention
+
+try:
+    import fast_cpu  # the CPU accelerator: delete it and everything runs the same tokens, slower
+except ImportError:
+    fast_cpu = None
 
 
 # ----------------------------------------------------------------------------------------------------------- sampling
@@ -59,9 +63,9 @@ def sample(logits: torch.Tensor, temperature: float = 0.0, top_k=None, top_p=Non
 
 # ----------------------------------------------------------------------------------------------------------- backends
 class TorchBackend:
-    """model.py's Transformer, eager or torch.compile'd: the decode step as one graph of the whole model, prompts
-    (and lookahead's masked steps) through Transformer.prompt_call, each block and the output projection compiled with
-    dynamic lengths."""
+    """model.py's Transformer, eager or torch.compile'd. On CPU, fast_cpu.speed_up swaps its faster modules in (with
+    --compile: the decode step as one frozen graph of the whole model, prompts and lookahead's masked steps through
+    compiled per-layer graphs); without fast_cpu.py the model runs as written and --compile compiles it whole."""
 
     prefill_chunk = None
     logits_at = True  # forward(..., logits_at=) computes only the named rows' logits (prefill's last tokens)
@@ -74,96 +78,70 @@ class TorchBackend:
         self.max_batch_size, self.max_seq_length = model.max_batch_size, model.max_seq_length
         self.vocab_size = model.config.vocab_size
         self.decode_fn = self.prefill_fn = model
+        fast = fast_cpu is not None and device.type == "cpu"
+        if fast:
+            fast_cpu.speed_up(model, compile=compile)
         if compile:
-            configure_inductor(device)
-            if device.type == "cuda":
-                self.decode_fn = torch.compile(model, mode="reduce-overhead", fullgraph=True)
-            else:  # CPU: a step's guards cost ~8% of a decode step (see input_guards_only)
-                self.decode_fn = torch.compile(model, fullgraph=True, options={"guard_filter_fn": input_guards_only})
-            # Prompts: one graph for every layer's block, compiled in seconds (SmolLM2: ~5 s, two length ranges, from
-            # a warm Inductor cache), where the whole model as one dynamic-length graph took ~1 min per length range
-            # even from a warm cache (Dynamo's trace and the freezing passes run in every process). The weights are
-            # graph inputs, not constants (_prompt_config). In-process, 2 threads, SmolLM2 int4 g32, 15 / 128 tokens:
-            # 30.6 / 113 ms; the whole model as one graph of weights as inputs 26.7 / 111 ms after a first call of
-            # 111 s; runs of 3 to 10 blocks per graph 29.4-30.7 ms after 11-26 s. The products use packed copies of
-            # the blocks' weights (pack_prompt_weights): float32 53 -> 41 ms at 15 tokens, int8 43 -> 28 ms.
-        model.prompt_call = torch.compile(call_module, dynamic=True, fullgraph=True) if compile else None
-        if compile and device.type == "cpu":  # the copies may take half of the memory that is free
-            free = available_memory()
-            size, made = pack_prompt_weights(model, None if free is None else free // 2)
-            if not made:
-                print(f"prompts run on the weights as stored: their packed copies ({size / 2**20:.0f} MB) would take "
-                      f"more than half of the free memory ({free / 2**20:.0f} MB)", file=sys.stderr)
+            self.decode_fn = (fast_cpu.compile_decode(model) if fast else
+                              torch.compile(model, mode="reduce-overhead" if device.type == "cuda" else None,
+                                            fullgraph=True))
         self._step_caches = []
 
     def forward(self, tokens, input_pos, batch_index=None, logits_at=None):
-        one = tokens.shape[1] == 1
         kw = {} if logits_at is None else {"logits_at": logits_at}
-        with torch.inference_mode(), (contextlib.nullcontext() if one else _prompt_config()):
-            fn = self.decode_fn if one else self.prefill_fn
+        with torch.inference_mode():
+            fn = self.decode_fn if tokens.shape[1] == 1 else self.prefill_fn
             return fn(tokens, input_pos, **kw) if batch_index is None else fn(tokens, input_pos, batch_index, **kw)
 
     def forward_masked(self, tokens, input_pos, mask):
         """speculative.py's lookahead contract (batch 1): token k of tokens [1, T] sits at position input_pos[k] and
         writes cache slot input_pos[0] + k; mask [1, 1, T, S] (additive) says what it attends to."""
-        from speculative import step_caches  # lazy plugin import (speculative.py imports this file's loop)
-        with torch.inference_mode(), _prompt_config(), step_caches(self.model, self._step_caches):
+        with torch.inference_mode(), step_caches(self.model, self._step_caches):
             return self.prefill_fn(tokens, input_pos, mask=mask.to(self.model.norm.weight.dtype))
 
 
-def _prompt_config():
-    """Inductor's settings for the calls of Transformer.prompt_call: no freezing (configure_inductor turns it on for
-    the decode step), which would make each layer's weights constants of its own graph, compiled once per layer."""
-    return torch._inductor.config.patch(freezing=False)
+class StepCache(nn.Module):
+    """The lookahead contract's cache (swapped in at model.py's kv_cache swap point, over the same buffers): one
+    sequence; a call's T keys/values go to the consecutive cache slots input_pos[0] .. input_pos[0] + T - 1, whatever
+    the tokens' own positions (the rotary embedding); the caller's mask says what each token attends to. With
+    consecutive positions (a prompt, a decode step) slots and positions coincide: it is the ordinary KV cache.
+    et_export.py / aoti_export.py export the `lookahead` program through this swap; TorchBackend runs it
+    (forward_masked)."""
+
+    def __init__(self, cache):
+        super().__init__()
+        if cache.k_cache.shape[0] != 1:
+            raise ValueError("lookahead decoding runs one sequence: the cache must hold batch 1")
+        self.register_buffer("k_cache", cache.k_cache, persistent=False)
+        self.register_buffer("v_cache", cache.v_cache, persistent=False)
+
+    def update(self, input_pos: Tensor, k: Tensor, v: Tensor, batch_index: Optional[Tensor] = None):
+        slots = input_pos[:1] + torch.arange(k.shape[2], device=input_pos.device)
+        self.k_cache.index_copy_(2, slots, k.contiguous())
+        self.v_cache.index_copy_(2, slots, v.contiguous())
+        return self.k_cache, self.v_cache
 
 
-def input_guards_only(entries) -> list[bool]:
-    """torch.compile's guard filter for decode and prefill: keep the guards on the call's inputs and on global state, and
-    the identity of the model's own tensors (its rope table: a new one for each model and each setup_caches, so a
-    draft model or a re-sized cache never runs another's graph); drop the ~7,000 on the attributes of its submodules
-    (structure, sizes, flags), which Dynamo would otherwise check on every call: 0.8 ms of a 10 ms int4 step at 1
-    thread. Safe because a TorchBackend never changes its model after compiling: the caches are made first, and
-    speculative.step_caches swaps them only around calls that pass a mask (a guarded input)."""
-    return [not e.name.startswith("self") or (e.guard_type == "ID_MATCH" and "_modules" not in e.name)
-            for e in entries]
-
-
-def configure_inductor(device: torch.device):
-    import torch._inductor.config as cfg
-    cfg.fx_graph_cache = True
-    # each compiled model is a cache entry of its own (input_guards_only keeps its identity): a process that builds
-    # several backends (a draft and a target, the tests) would hit Dynamo's default of 8 entries per code object
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-    torch._dynamo.config.capture_scalar_outputs = True  # model.py's number of filled cache slots (an unbacked size)
-    if device.type == "cpu":
-        for k, v in INDUCTOR_CPU.items():  # shared with aoti_export.py (common.py says why)
-            setattr(cfg, k, v)
-        cfg.cpp_wrapper = True    # C++ launcher: less Python per decode step
-    else:
-        cfg.coordinate_descent_tuning = True
-        cfg.triton.unique_kernel_names = True
-
-
-def load_backend(args, device, dtype, max_batch_size, max_seq_length):
-    """Pick the backend from the command line. Exported artifacts carry their own sizes and precision."""
-    mode = getattr(args, "mode", None) or ("lookahead" if getattr(args, "lookahead", None) else "kv")
-    if getattr(args, "aoti_package", None):
-        from aoti_export import AOTIBackend
-        return AOTIBackend(args.aoti_package, device=device, mode=mode)
-    if getattr(args, "pte", None):
-        from et_export import PTEBackend
-        return PTEBackend(args.pte, mode=mode)
-    if getattr(args, "onnx", None):
-        from export_onnx import OnnxBackend
-        return OnnxBackend(args.onnx, max_batch_size=max_batch_size)
-    if getattr(args, "qpc", None):
-        from compile_qaic import QpcBackend
-        return QpcBackend(args.qpc, device_group=args.device_group)
-    if tp.get_world_size() > 1:  # under torchrun: this rank's shard of every attention / feed-forward matrix
-        model = tp.load_model_tp(args.checkpoint_path, device=device, dtype=dtype)
-    else:
-        model = load_model(args.checkpoint_path, device=device, dtype=dtype)
-    return TorchBackend(model, max_batch_size, max_seq_length, compile=args.compile)
+@contextlib.contextmanager
+def step_caches(model, made: Optional[list] = None):
+    """Each layer's kv_cache -> a StepCache over the same buffers for the duration of the block (model.py's swap
+    point); put back on exit. `made`: a list that keeps the StepCaches between calls (a compiled caller sees the same
+    modules every time)."""
+    attns = [m for m in model.modules() if isinstance(m, Attention)]
+    orig = [a.kv_cache for a in attns]
+    if made is None or len(made) != len(orig) or any(s.k_cache is not c.k_cache for s, c in zip(made, orig)):
+        fresh = [StepCache(c) for c in orig]
+        if made is None:
+            made = fresh
+        else:
+            made[:] = fresh
+    for a, c in zip(attns, made):
+        a.kv_cache = c
+    try:
+        yield model
+    finally:
+        for a, c in zip(attns, orig):
+            a.kv_cache = c
 
 
 # ----------------------------------------------------------------------------------------------------------- the loop
@@ -393,30 +371,6 @@ def weight_bytes(model) -> int:
         seen.add(t.data_ptr())
         total += t.numel() * t.element_size()
     return total
-
-
-# ----------------------------------------------------------------------------------------------------------- flags
-def add_backend_args(p: ArgumentParser):
-    """The flags that pick and size a backend (load_backend); server.py takes the same."""
-    p.add_argument("--checkpoint_path", type=Path, default=None,
-                   help=f"model.pth from scripts/convert_checkpoint.py or quantize.py (default: {DEFAULT_CHECKPOINT.relative_to(REPO)}, prepared on first use)")
-    p.add_argument("--tokenizer_path", type=Path, default=None, help="default: the checkpoint's directory")
-    p.add_argument("--compile", action="store_true", help="torch.compile the decode step and the prompts' blocks")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "mps"])
-    p.add_argument("--threads", type=int, default=None,
-                   help="CPU threads (default: the cores not busy with other work; README: Threads)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--max_seq_length", type=int, default=None,
-                   help="KV cache length (default: prompt + new tokens; server.py: 2048)")
-    p.add_argument("--prefill_chunk", type=int, default=None, help="process prompts in fixed chunks of N tokens")
-    p.add_argument("--full_batch_size", type=int, default=None,
-                   help="continuous batching with N cache slots (more prompts/requests than slots: slots are refilled)")
-    p.add_argument("--aoti_package", "--dso", type=Path,
-                   help="run an AOT Inductor .pt2 (or a .so from aoti_export.py --so) from aoti_export.py")
-    p.add_argument("--pte", type=Path, help="run an ExecuTorch .pte from et_export.py")
-    p.add_argument("--onnx", type=Path, help="run an ONNX graph from export_onnx.py on ONNX Runtime")
-    p.add_argument("--qpc", type=Path, help="run a Cloud AI 100 QPC from compile_qaic.py")
-    p.add_argument("--device_group", default="0", help="Cloud AI 100 device ids for --qpc, e.g. 0,1")
 
 
 def check_vocab(tok, backend):

@@ -583,7 +583,7 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    from model import load_model
+    from quantize import load_model
     if args.max_seq_length < 2:
         raise ValueError("--max_seq_length must be at least 2")
     _backend_partitioners(args.backend)  # a missing vendor SDK is reported before the checkpoint is even read

@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 
 from common import ArgumentParser, check_device, cli, resolve_checkpoint, set_threads
-from engine import load_backend
+from backends import load_backend
 
 
 def check_windows(max_seq_length: int, stride: Optional[int], n_tokens: Optional[int] = None) -> None:

@@ -56,7 +56,8 @@ from torch import Tensor
 
 from common import (ArgumentParser, checkpoint_file, cli, copy_tokenizer_files, has_tokenizer, resolve_checkpoint,
                     temp_dir)
-from model import Transformer, load_model
+from model import Transformer
+from quantize import load_model
 
 FP16_MAX = float(np.finfo(np.float16).max)  # 65504
 

@@ -10,9 +10,9 @@ import torch
 
 import tp  # tensor parallelism under torchrun
 from common import ArgumentParser, check_device, cli, peak_memory_mb, resolve_checkpoint, set_threads
-from engine import (TorchBackend, add_backend_args, check_vocab, generate, generate_continuous, load_backend,
-                    weight_bytes)
-from model import load_model
+from backends import add_backend_args, load_backend
+from engine import TorchBackend, check_vocab, generate, generate_continuous, weight_bytes
+from quantize import load_model
 
 
 def parse_args(argv=None):

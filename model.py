@@ -1,68 +1,20 @@
-# Over 500 lines: the network (~450 lines: every family's blocks, float32's oneDNN product) plus load/save; the named
-# configs and the reading of each family's Hugging Face config.json live in model_configs.py (data about published
-# checkpoints).
-# One transformer for every supported family (Llama 2/3, Mistral/Codestral, Mixtral, TinyLlama, SmolLM2/3, Qwen2.5,
-# Qwen3, Gemma 1/2/3, Phi-3/Phi-4-mini, StarCoder2, GPT-2, GPT-J, Falcon, MPT, CodeGen2.5/XGen), gpt-fast style.
-# Families differ by ModelArgs fields that pick small named blocks (RMSNorm/LayerNorm with or without bias, gated/plain
-# MLP, MoEFeedForward, Rotary/NoRope, learned positions, ALiBi, a per-layer sliding window, soft-capped attention,
-# parallel attention + MLP), never by a class per model; checkpoint layouts are scripts/convert_checkpoint.py's
-# business.
-#
-# Conventions every stage relies on:
-#   * forward(idx[B,T], input_pos, batch_index=None, mask=None) -> logits[B,T,V] (float32 for a float model run in
-#     float32).
-#   * input_pos is [T] (every row at the same positions) or [B,T] (each row its own positions, -1 = padding).
-#   * The KV cache lives in buffers made by setup_caches(max_batch_size, max_seq_length). The attention mask is
-#     derived from the positions (a query at position p sees cache slots 0..p; in a layer with a sliding window W only
-#     slots p-W+1..p, as transformers does), so ordinary callers pass none and there is no data-dependent Python
-#     branching. The derived mask covers slots 0..(newest position) on CPU outside torch.export (the rest of the static
-#     cache is empty; Transformer._attend_filled), all max_seq_length slots elsewhere, and each layer attends over the
-#     slots its mask covers. A caller that lays out the cache itself passes `mask`: bool (True = may attend) or additive
-#     float, shape [B or 1, 1, T, S] with S the length of the cache the layers attend over; it replaces the derived
-#     mask in every layer, and sliding-window layers further hide slots j < p-W+1 (slots j >= max_seq_length, a
-#     caller's scratch space, are left as the caller says: they hold the newest tokens).
-#   * Rotary embedding uses the Hugging Face "half-split" layout (rotate_half) over the first rotary_dim dims of each
-#     head (partial rotary: the rest pass through, the tables hold cos 1 / sin 0 there); converters permute
-#     Meta/GGUF/llama2.c Q/K weights (adjacent-pair layout) into it. Rope tables are buffers `rope` (and `rope_local`
-#     for the sliding layers of Gemma 3, which use their own base) made by set_rope(); Phi-3's longrope picks its
-#     short or long factors from the table length (long when max_seq_length > original_max_position_embeddings: HF
-#     switches on the current sequence length, so the two agree for caches up to that length).
-#   * Gemma's RMSNorm (x * (1 + w)) is the plain RMSNorm with w + 1 stored by the converter (as llama.cpp does).
-#   * Positions without rotary (nope_layers = every layer): GPT-2's learned absolute embeddings
-#     (Transformer.pos_embeddings, indexed by input_pos, so padded rows and per-row positions work as with rotary)
-#     and MPT's ALiBi, an additive bias -slope_h * (query position - key position) folded into the derived attention
-#     mask of every layer, so every exporter that runs this forward gets it for free (a caller's mask is refused:
-#     its cache slots need not be positions, as in lookahead decoding).
-#     transformers' MPT biases by the key index only; the two differ by a constant per query row, which softmax
-#     ignores. GPT-J's interleaved rotary (rotate_every_two on rotary_dim) is turned into the half-split layout by
-#     permuting q/k weight rows at conversion (exact, no runtime cost), as for Meta/GGUF checkpoints.
-#   * Exports and decoding modes replace pieces through documented swap points, by assigning modules (never by
-#     patching functions): each layer's `attention.kv_cache` (a module with update(input_pos, k, v, batch_index) ->
-#     the keys/values to attend over), `attention.rope` (a module with forward(x, cos, sin); Rotary, or NoRope in a
-#     layer without positions) and the norm modules (attention_norm, ffn_norm, post_attention_norm, post_ffn_norm,
-#     norm, q_norm/k_norm: RMSNorm or nn.LayerNorm; ffn_norm is None in a parallel block with one norm), which may
-#     be replaced by any module computing the same function. One callable too: `Transformer.prompt_call(module,
-#     *args, **kwargs)`, through which forward calls each block and the output projection of a prompt (T > 1) outside
-#     torch.compile and torch.export (engine.TorchBackend sets a torch.compile'd one: every layer runs one graph,
-#     compiled in seconds, where a dynamic-length graph of the whole model took minutes). load_model() keeps the
-#     quantization recipe on the model as `model.quantization`.
-#   * Mixture of experts (Mixtral) is computed densely: every expert (nn.Linear, so quantize.py and every exporter take
-#     it as is) runs on every token and is weighted by the renormalised top-k routing weights, zero elsewhere. Exact
-#     and free of data-dependent control flow, at n_experts / n_experts_per_tok times the MLP FLOPs and weight reads
-#     of a gather of the chosen experts (what a fast decode would want; that needs stacked expert weights and their
-#     quantized forms). The router is not an nn.Linear, so quantization keeps it float (as llama.cpp does).
+# model.py: one transformer for every supported family (Llama 2/3, Mistral, Mixtral, SmolLM2/3, Qwen2.5/3, Gemma 1/2/3,
+# Phi-3/4-mini, StarCoder2, GPT-2, GPT-J, Falcon, MPT, CodeGen2.5/XGen), gpt-fast style, plus load/save.
+# A family is a set of ModelArgs fields that pick small named blocks (norms, gated or plain MLP, MoE, rotary / none /
+# learned positions / ALiBi, sliding windows, soft caps, parallel blocks); never a class per model. The network and
+# nothing else: faster kernels, packed weights and compiled callers are modules that fast_cpu.py swaps in at the swap
+# points Transformer's docstring lists; quantize.py swaps in quantized linears the same way.
 import json
 import math
 from dataclasses import asdict, dataclass, fields
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
-from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from common import atomic_path, checkpoint_file, keep_packed_copy, packed_copy
+from common import atomic_path, checkpoint_file
 from model_configs import hf_config_fields, transformer_configs  # noqa: F401  (re-exported: model.transformer_configs)
 
 
@@ -189,76 +141,6 @@ class KVCache(nn.Module):
         return self.k_cache[slots], self.v_cache[slots]
 
 
-# float32 products on CPU through oneDNN: ATen's F.linear calls MKL's sgemm there, which ran 1.5-2.2x slower than
-# oneDNN's on the project's AMD machine (2 threads: 1x576 @ 576x49152 9.7 against 4.4 ms, 15 rows of 576x1536 338
-# against 200 us, 128 rows 1504 against 1082 us), the weights as they are. Inductor lowers oneDNN's
-# op for frozen weights only, so a compiled graph whose weights are inputs (torch.compile's prompts) calls it through
-# an opaque custom op.
-_ONEDNN_F32 = torch.backends.mkldnn.is_available()
-# A weight in oneDNN's packed (blocked) layout made products of 15 rows ~25% faster than the plain one (128 rows: ~7%;
-# the same values: one row gains nothing), so pack_prompt_weights gives a compiled model's blocks a packed copy for
-# their prompts: 53 -> 41 ms for SmolLM2's 15-token prompt, at the cost of a second copy of those weights (+430 MB).
-# The graph passes the weight and the op looks its copy up (common.packed_copy: a packed tensor is opaque to it).
-
-
-def _linear_onednn(x: Tensor, w: Tensor, b: Optional[Tensor]) -> Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
-
-
-def _linear_onednn_op(x: Tensor, w: Tensor, b: Optional[Tensor]) -> Tensor:
-    if x.numel() > x.shape[-1] and (packed := packed_copy(w)) is not None:
-        w = packed
-    return _linear_onednn(x, w, b)
-
-
-def pack_prompt_weights(model: nn.Module, budget: Optional[int] = None) -> tuple[int, bool]:
-    """Give the weights of model's blocks (not the output projection: a prompt needs one row of it) packed copies for
-    the products of compiled prompts: float32 weights in oneDNN's layout (above), weight-only int8 ones as bfloat16
-    (qops.QuantizedLinear.pack_prompt). Returns the copies' bytes and whether they were made: none are where they
-    would take more than budget bytes (a prompt's products then run on the weights as they are)."""
-    todo = []
-    for mod in model.layers.modules():
-        if hasattr(mod, "pack_prompt"):  # a qops.QuantizedLinear (model.py does not import qops.py)
-            size = mod.prompt_copy_bytes()
-        elif type(mod) is Linear and _ONEDNN_F32 and mod.weight.dtype == torch.float32 and mod.weight.is_cpu:
-            size = mod.weight.numel() * 4
-        else:
-            continue
-        todo.append((mod, size))
-    total = sum(size for _, size in todo)
-    if budget is not None and total > budget:
-        return total, False
-    for mod, _ in todo:
-        if hasattr(mod, "pack_prompt"):
-            mod.pack_prompt()
-        elif packed_copy(w := mod.weight) is None:  # (row hints of 15, 64, 128: as fast; 1 row: no gain)
-            keep_packed_copy(w, torch.ops.mkldnn._reorder_linear_weight(w.detach(), 64))
-    return total, True
-
-
-if not hasattr(torch.ops.llama_flat, "linear_onednn"):
-    _LIB = torch.library.Library("llama_flat", "FRAGMENT")
-    _LIB.define("linear_onednn(Tensor x, Tensor w, Tensor? b) -> Tensor")
-    _LIB.impl("linear_onednn", _linear_onednn_op, "CPU")
-    torch.library.register_fake("llama_flat::linear_onednn", lib=_LIB)(
-        lambda x, w, b: x.new_empty((*x.shape[:-1], w.shape[0])))
-
-
-class Linear(nn.Linear):
-    """nn.Linear; float32 on CPU through oneDNN (_ONEDNN_F32) in eager runs and in compiled graphs whose weights are
-    inputs (torch.compile's prompts, compiled without freezing). Not in compiled decode (Inductor's own kernels on
-    frozen weights) nor under torch.export / ONNX tracing (a portable aten.linear)."""
-
-    def forward(self, x: Tensor) -> Tensor:
-        if (_ONEDNN_F32 and x.dtype == torch.float32 and x.device.type == "cpu" and not torch.jit.is_tracing()
-                and not torch.compiler.is_exporting()):
-            if not torch.compiler.is_compiling():
-                return _linear_onednn(x, self.weight, self.bias)
-            if not torch._inductor.config.freezing:
-                return torch.ops.llama_flat.linear_onednn(x, self.weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
-
-
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-5):
         super().__init__()
@@ -368,33 +250,39 @@ class NoRope(nn.Module):
         return x
 
 
-def softcapped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, cap: float) -> Tensor:
-    """softmax(cap * tanh(q k^T * scale / cap) + mask) v (Gemma 2), grouped-query without copying the cache:
-    q [B, H, T, D], k/v [B, Hkv, S, D], mask additive or bool [B or 1, 1 or H, T, S] -> [B, H, T, D]."""
-    B, H, T, D = q.shape
-    Hkv = k.shape[1]
-    # (with one KV head, AOT Inductor's frozen graph of this broadcast reads the cache as it was at export: the
-    # families' chimera has two; torch.compile, ONNX and eager are exact with one)
-    qg = q.view(B, Hkv, H // Hkv, T, D)                                     # query heads grouped by their KV head
-    s = torch.matmul(qg, k.unsqueeze(2).transpose(-1, -2)) * scale         # [B, Hkv, r, T, S]
-    s = torch.tanh(s / cap) * cap
-    m = mask.unsqueeze(1) if mask.shape[1] == 1 else mask.view(mask.shape[0], Hkv, H // Hkv, *mask.shape[2:])
-    s = s.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else s + m
-    p = torch.softmax(s.float(), dim=-1).to(q.dtype)
-    return torch.matmul(p, v.unsqueeze(2)).view(B, H, T, D)
+class SDPA(nn.Module):
+    """Attention.attend (a swap point): softmax(q k^T * scale + mask) v with F.scaled_dot_product_attention;
+    grouped-query attention shares each KV head among its queries without copying the cache (enable_gqa).
+    q [B, H, T, D], k/v [B, Hkv, S, D], mask bool (True = may attend) or additive, [B or 1, 1 or H, T, S]."""
+
+    def __init__(self, scale: Optional[float], gqa: bool):
+        super().__init__()
+        self.scale, self.gqa = scale, gqa
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=self.gqa)
 
 
-def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: Optional[float], gqa: bool) -> Tensor:
-    """F.scaled_dot_product_attention. On CPU, bfloat16 / float16 attention runs in float32: ATen's half-precision CPU
-    kernel does its products with MKL's half-precision GEMV, per call 3.2x (bfloat16) and 5.2x (float16) slower than
-    the float32 kernel with the casts included, for one query of SmolLM2's 9 heads over 256 cache slots (2 threads,
-    AMD EPYC with AVX-512 BF16; 1.37x / 2.8x faster for 33 queries, 0.78x / 3.1x for 8). Not under torch.export, whose
-    graphs ExecuTorch's passes match on the cache tensors themselves (a bfloat16 AOT Inductor package keeps ATen's)."""
-    if q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16) and not torch.compiler.is_exporting():
-        m = mask.float() if mask is not None and mask.is_floating_point() else mask
-        y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=m, scale=scale, enable_gqa=gqa)
-        return y.to(q.dtype)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+class SoftcapAttention(nn.Module):
+    """Attention.attend of Gemma 2: softmax(cap * tanh(q k^T * scale / cap) + mask) v, grouped-query without copying
+    the cache (query heads viewed grouped by their KV head). Same shapes as SDPA."""
+
+    def __init__(self, scale: float, cap: float):
+        super().__init__()
+        self.scale, self.cap = scale, cap
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+        B, H, T, D = q.shape
+        Hkv = k.shape[1]
+        # (with one KV head, AOT Inductor's frozen graph of this broadcast reads the cache as it was at export: the
+        # families' chimera has two; torch.compile, ONNX and eager are exact with one)
+        qg = q.view(B, Hkv, H // Hkv, T, D)
+        s = torch.matmul(qg, k.unsqueeze(2).transpose(-1, -2)) * self.scale        # [B, Hkv, r, T, S]
+        s = torch.tanh(s / self.cap) * self.cap
+        m = mask.unsqueeze(1) if mask.shape[1] == 1 else mask.view(mask.shape[0], Hkv, H // Hkv, *mask.shape[2:])
+        s = s.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else s + m
+        p = torch.softmax(s.float(), dim=-1).to(q.dtype)
+        return torch.matmul(p, v.unsqueeze(2)).view(B, H, T, D)
 
 
 class Attention(nn.Module):
@@ -402,13 +290,17 @@ class Attention(nn.Module):
         super().__init__()
         self.n_head, self.n_kv, self.head_dim = args.n_head, args.n_local_heads, args.head_dim
         total = (self.n_head + 2 * self.n_kv) * self.head_dim
-        self.wqkv = Linear(args.dim, total, bias=args.attn_bias)
-        self.wo = Linear(self.n_head * self.head_dim, args.dim, bias=args.attn_out_bias)
+        self.wqkv = nn.Linear(args.dim, total, bias=args.attn_bias)
+        self.wo = nn.Linear(self.n_head * self.head_dim, args.dim, bias=args.attn_out_bias)
         self.q_norm = RMSNorm(self.head_dim, args.norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, args.norm_eps) if args.qk_norm else None
         nope = layer in (args.nope_layers or ())
         self.rope = NoRope() if nope else Rotary(args.rotary_dim if args.rotary_dim != args.head_dim else None)
-        self.scale, self.softcap, self.clip_qkv = args.attn_scale, args.attn_softcap, args.clip_qkv
+        if args.attn_softcap:
+            self.attend = SoftcapAttention(args.attn_scale or self.head_dim ** -0.5, args.attn_softcap)
+        else:
+            self.attend = SDPA(args.attn_scale, self.n_kv != self.n_head)
+        self.clip_qkv = args.clip_qkv
         self.kv_cache: Optional[KVCache] = None  # set by setup_caches()
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, input_pos: Tensor, batch_index: Optional[Tensor] = None,
@@ -426,14 +318,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rope(q, cos, sin), self.rope(k, cos, sin)
         k, v = self.kv_cache.update(input_pos, k.transpose(1, 2), v.transpose(1, 2), batch_index)  # [B, n_kv, S, D]
-        # the slots the mask covers (Transformer._attend_filled); export_onnx.py's trace has fixed shapes
-        if not torch.jit.is_tracing() and not statically_known_true(mask.shape[-1] == k.shape[2]):
-            k, v = k[:, :, :mask.shape[-1]], v[:, :, :mask.shape[-1]]
-        if self.softcap:
-            scale = self.scale if self.scale is not None else self.head_dim ** -0.5
-            y = softcapped_attention(q.transpose(1, 2), k, v, mask, scale, self.softcap)
-        else:  # grouped-query attention without copying the cache (enable_gqa shares each KV head among its queries)
-            y = sdpa(q.transpose(1, 2), k, v, mask, self.scale, self.n_kv != self.n_head)
+        y = self.attend(q.transpose(1, 2), k, v, mask)
         return self.wo(y.transpose(1, 2).reshape(B, T, q_size))
 
 
@@ -443,9 +328,9 @@ class FeedForward(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.act = args.mlp_act
-        self.w1 = Linear(args.dim, args.intermediate_size, bias=args.mlp_bias)
-        self.w3 = Linear(args.dim, args.intermediate_size, bias=args.mlp_bias) if args.mlp_gated else None
-        self.w2 = Linear(args.intermediate_size, args.dim, bias=args.mlp_bias)
+        self.w1 = nn.Linear(args.dim, args.intermediate_size, bias=args.mlp_bias)
+        self.w3 = nn.Linear(args.dim, args.intermediate_size, bias=args.mlp_bias) if args.mlp_gated else None
+        self.w2 = nn.Linear(args.intermediate_size, args.dim, bias=args.mlp_bias)
 
     def forward(self, x: Tensor) -> Tensor:
         h = ACTIVATIONS[self.act](self.w1(x))
@@ -515,6 +400,29 @@ class TransformerBlock(nn.Module):
 
 
 class Transformer(nn.Module):
+    """forward(idx [B, T], input_pos, batch_index=None, mask=None, logits_at=None) -> float32 logits [B, T, V].
+
+    Positions: input_pos is [T] (every row at the same positions) or [B, T] (each row its own; -1 = padding, whose
+    outputs nobody reads). The KV cache lives in buffers made by setup_caches(max_batch_size, max_seq_length); the
+    attention mask is derived from the positions (a query at position p sees slots 0..p, in a sliding-window layer
+    p-W+1..p, as transformers does), so callers pass none and nothing branches on data. A caller that lays out the
+    cache itself passes `mask` (bool, True = may attend, or additive float; [B or 1, 1, T, S]): it replaces the derived
+    mask in every layer, and sliding layers further hide slots j < p-W+1 (slots j >= max_seq_length, a caller's
+    scratch space, are left as the caller says). Rotary uses the Hugging Face half-split layout over the first
+    rotary_dim dims of each head (converters permute Meta / GGUF / llama2.c / GPT-J q/k rows into it); GPT-2's learned
+    positions are indexed by input_pos; MPT's ALiBi is folded into the derived mask (a caller's mask is refused).
+
+    Swap points: modules assigned in place of these compute the same function (never patched functions):
+      * every nn.Linear (attention.wqkv / wo, feed_forward.w1 / w2 / w3, experts, output) and tok_embeddings:
+        quantize.py's QuantizedLinear / QuantizedEmbedding, fast_cpu.py's oneDNN linear, tp.py's shards;
+      * attention.kv_cache: update(input_pos, k, v, batch_index) -> the keys / values to attend over;
+      * attention.rope: forward(x, cos, sin) (Rotary, or NoRope in a layer without positions);
+      * attention.attend: forward(q, k, v, mask) -> [B, H, T, D] (SDPA or SoftcapAttention); it may attend over the
+        first mask.shape[-1] slots only;
+      * the norms (attention_norm, ffn_norm, post_*_norm, norm, q_norm / k_norm);
+      * cache_len: forward(positions, S) -> the number of cache slots the derived mask covers (FullCache: all S);
+      * layers[i] and output as whole modules (fast_cpu.py runs prompts through compiled copies of them)."""
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.config = args
@@ -524,7 +432,8 @@ class Transformer(nn.Module):
         self.alibi = alibi_slopes(args) if args.alibi else None
         self.layers = nn.ModuleList(TransformerBlock(args, i) for i in range(args.n_layer))
         self.norm = make_norm(args, args.dim)
-        self.output = Linear(args.dim, args.vocab_size, bias=args.output_bias)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=args.output_bias)
+        self.cache_len = FullCache()
         self.max_batch_size = -1
         self.max_seq_length = -1
         self.quantization: Optional[dict] = None  # the recipe quantize.py applied (load_model sets it); None = float
@@ -555,36 +464,13 @@ class Transformer(nn.Module):
             self.register_buffer("rope_local", precompute_rope(self.config, seq_len, dtype, local=True).to(device),
                                  persistent=False)
 
-    prompt_call = None  # swap point (see the top of this file): None calls the modules as they are
-
-    export_attend_filled = False  # under torch.export: aoti_export.py sets it (AOT Inductor takes the dynamic size)
-
-    def _attend_filled(self, idx: Tensor) -> bool:
-        """Whether the layers attend over the cache slots up to the newest position only (the derived mask's length;
-        Attention cuts the keys to it) rather than all max_seq_length slots, most of them still empty while decoding:
-        reading the static cache whole cost SmolLM2 half its compiled decode speed at 2048 slots (the server's and
-        chat's context; bench.py's `compile int4 g32 ctx2048` row, README). On CPU, eager and torch.compile
-        (the length is a data-dependent size there: Dynamo must capture scalar outputs, engine.configure_inductor);
-        under torch.export only where the exporter says so (export_attend_filled: AOT Inductor; ExecuTorch, ONNX and
-        Cloud AI 100 need fixed shapes); not on GPUs (CUDA graphs need fixed shapes too)."""
-        if idx.device.type != "cpu":
-            return False
-        if torch.jit.is_tracing():  # export_onnx.py
-            return False
-        if torch.compiler.is_exporting():
-            return self.export_attend_filled
-        return not torch.compiler.is_compiling() or torch._dynamo.config.capture_scalar_outputs
-
     def forward(self, idx: Tensor, input_pos: Tensor, batch_index: Optional[Tensor] = None,
                 mask: Optional[Tensor] = None, logits_at: Optional[Tensor] = None) -> Tensor:
-        """idx [B, T]; input_pos [T] or [B, T] (-1 = padding); batch_index [B] (or [B, 1]): cache slot of each row;
-        mask [B or 1, 1, T, S] (bool, True = may attend, or additive float): replaces the position-derived mask.
-        Returns logits [B, T, V]; with logits_at [B] (an index along T per row), only those rows' logits, [B, 1, V]:
-        a prompt needs only its last token's, and the output projection is ~20% of a small model's prefill."""
+        """batch_index [B] (or [B, 1]): the cache slot of each row (continuous batching). logits_at [B] (an index
+        along T per row): only those rows' logits, [B, 1, V] (a prompt needs its last token's only)."""
         assert self.max_seq_length > 0, "call setup_caches() first"
         cfg = self.config
         B, T = idx.shape
-        S = self.max_seq_length
         pos = input_pos.clamp(min=0)  # padding positions (-1) compute garbage that nobody reads, without NaNs
         rows = 1 if pos.dim() == 1 else B
 
@@ -601,25 +487,8 @@ class Transformer(nn.Module):
         if self.pos_embeddings is not None:  # GPT-2: + the embedding of each token's position
             x = x + self.pos_embeddings(pos)
         q_pos = pos.view(rows, 1, T, 1)
-        masks = {}
-        if mask is None and S > 1 and self._attend_filled(idx):  # slots 0..newest position only (_attend_filled)
-            last = pos.max().clamp(min=1).item()  # at least 2 slots (the mask hides the second at position 0): a
-            torch._check(last >= 1)               # compiled graph cannot tell a size of 1 (broadcast) from others
-            torch._check(last < S)
-            S = last + 1
-        if mask is None:  # a query at position p sees cache slots 0..p (sliding: p-W+1..p)
-            slot = torch.arange(S, device=idx.device).view(1, 1, 1, S)
-            allowed = slot <= q_pos
-            masks[False] = torch.zeros(allowed.shape, dtype=x.dtype, device=x.device).masked_fill(~allowed, float("-inf"))
-            if cfg.sliding_window:
-                allowed = allowed & (slot > q_pos - cfg.sliding_window)
-                masks[True] = torch.zeros(allowed.shape, dtype=x.dtype, device=x.device).masked_fill(~allowed, float("-inf"))
-        else:  # the caller's mask; sliding layers also hide cache slots (= positions) left of the window
-            masks[False] = mask
-            if cfg.sliding_window:
-                slot = torch.arange(mask.shape[-1], device=idx.device).view(1, 1, 1, -1)
-                keep = (slot > q_pos - cfg.sliding_window) | (slot >= S)
-                masks[True] = mask & keep if mask.dtype == torch.bool else mask.masked_fill(~keep, float("-inf"))
+        S = self.cache_len(pos, self.max_seq_length) if mask is None else self.max_seq_length
+        masks = self.masks(q_pos, S, x.dtype) if mask is None else self.caller_masks(mask, q_pos)
         if self.alibi is not None:  # MPT: -slope_h * (query position - key position) on every score
             if mask is not None:  # its cache slots need not be positions (lookahead's speculative tokens)
                 raise ValueError("ALiBi (MPT) needs the position of every key, which a caller's mask does not give "
@@ -627,23 +496,40 @@ class Transformer(nn.Module):
             dist = (q_pos - torch.arange(S, device=idx.device).view(1, 1, 1, S)).to(x.dtype)  # [rows, 1, T, S]
             bias = -torch.tensor(self.alibi, dtype=x.dtype, device=x.device).view(1, -1, 1, 1) * dist  # [rows,H,T,S]
             masks = {k: m + bias for k, m in masks.items()}
-        call = call_module
-        if T > 1 and self.prompt_call is not None and not torch.compiler.is_compiling():
-            call = self.prompt_call
         for layer in self.layers:
             cos, sin = ropes[layer.local_rope]
-            x = call(layer, x, cos, sin, input_pos, batch_index=batch_index, mask=masks[layer.sliding])
+            x = layer(x, cos, sin, input_pos, batch_index=batch_index, mask=masks[layer.sliding])
         if logits_at is not None:
             x = x.gather(1, logits_at.view(B, 1, 1).expand(B, 1, x.shape[-1]))
-        logits = call(self.output, self.norm(x))
+        logits = self.output(self.norm(x))
         if cfg.final_softcap:
             logits = torch.tanh(logits / cfg.final_softcap) * cfg.final_softcap
         return logits.float()
 
+    def masks(self, q_pos: Tensor, S: int, dtype) -> dict:
+        """The derived additive masks over S slots: {False: causal, True: causal within the sliding window}."""
+        slot = torch.arange(S, device=q_pos.device).view(1, 1, 1, S)
+        allowed = {False: slot <= q_pos}
+        if self.config.sliding_window:
+            allowed[True] = allowed[False] & (slot > q_pos - self.config.sliding_window)
+        return {k: torch.zeros(a.shape, dtype=dtype, device=q_pos.device).masked_fill(~a, float("-inf"))
+                for k, a in allowed.items()}
 
-def call_module(module: nn.Module, *args, **kwargs):
-    """Transformer.forward's default way to call its blocks (see prompt_call)."""
-    return module(*args, **kwargs)
+    def caller_masks(self, mask: Tensor, q_pos: Tensor) -> dict:
+        """A caller's mask; sliding layers also hide cache slots (= positions) left of the window."""
+        masks = {False: mask}
+        if self.config.sliding_window:
+            slot = torch.arange(mask.shape[-1], device=mask.device).view(1, 1, 1, -1)
+            keep = (slot > q_pos - self.config.sliding_window) | (slot >= self.max_seq_length)
+            masks[True] = mask & keep if mask.dtype == torch.bool else mask.masked_fill(~keep, float("-inf"))
+        return masks
+
+
+class FullCache(nn.Module):
+    """Transformer.cache_len (a swap point): the layers attend over all S slots of the static cache."""
+
+    def forward(self, positions: Tensor, S: int) -> int:
+        return S
 
 
 def _json_object(value, key: str, path) -> dict:
@@ -657,12 +543,14 @@ def _json_object(value, key: str, path) -> dict:
     return obj
 
 
-def load_model(checkpoint_path, device="cpu", dtype: Optional[torch.dtype] = None) -> Transformer:
+def load_model(checkpoint_path, device="cpu", dtype: Optional[torch.dtype] = None,
+               quantized: Optional[Callable] = None) -> Transformer:
     """Load a checkpoint written by scripts/convert_checkpoint.py or quantize.py, safely (weights_only, mmap).
 
     The file carries its own config under "_config" (a JSON string of ModelArgs) and, when quantized, its recipe
-    under "_quantization" (JSON, applied by quantize.py before the weights are assigned): no flag, no filename
-    parsing. Older files without "_config" fall back to config.json beside them, then to the directory's name."""
+    under "_quantization" (JSON, applied by `quantized` before the weights are assigned: quantize.load_model passes
+    quantize.apply_recipe), so no flag and no filename parsing. Older files without "_config" fall back to
+    config.json beside them, then to the directory's name."""
     path = checkpoint_file(checkpoint_path)
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint not found: {path}")
@@ -682,9 +570,10 @@ def load_model(checkpoint_path, device="cpu", dtype: Optional[torch.dtype] = Non
     recipe = None if recipe is None else _json_object(recipe, "_quantization", path)
     with torch.device("meta"):
         model = Transformer(args)
-    if recipe:
-        import quantize  # only quantized checkpoints need it
-        model = quantize.apply_recipe(model, recipe)
+    if recipe:  # quantized(model, recipe) swaps in the quantized modules (quantize.load_model passes its own)
+        if quantized is None:
+            raise ValueError(f"checkpoint {path} is quantized ({recipe.get('mode')}): load it with quantize.load_model")
+        model = quantized(model, recipe)
     model.quantization = recipe or None
     if args.tie_embeddings:
         sd.pop("output.weight", None)

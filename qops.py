@@ -25,25 +25,16 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+import torch_internals as TI
 from common import keep_packed_copy, packed_copy
 
 # Under torch.compile with freezing, Inductor folds every computation that depends only on weights into a new constant.
 # The nibble unpacking (>> 4, & 15) must stay in the kernel, or the packed int4 weights would be folded into two bytes
-# per value. These ops do not occur in model.py's float graph.
-try:
-    from torch._inductor.constant_folding import add_dont_constant_fold as _add_dont_fold
-    for _op in ("bitwise_right_shift.Tensor_Scalar", "__rshift__.Scalar", "bitwise_and.Scalar", "__and__.Scalar",
-                "bitwise_right_shift.Tensor", "__rshift__.Tensor"):  # (the last two: words_bf16_t's shifts)
-        _name, _overload = _op.split(".")
-        _add_dont_fold(getattr(getattr(torch.ops.aten, _name), _overload))
-except (ImportError, AttributeError):  # pragma: no cover - older/newer torch without this hook: still correct
-    pass
-# An Inductor prim that materializes its input (a copy when the strides differ, else the buffer as is): see fused_linear.
-try:
-    import torch._inductor.inductor_prims  # noqa: F401  (registers torch.ops.prims.inductor_force_stride_order)
-    _FORCE_STRIDE = torch.ops.prims.inductor_force_stride_order
-except (ImportError, AttributeError):  # pragma: no cover - still correct without it, slower
-    _FORCE_STRIDE = None
+# per value (the last two: words_bf16_t's shifts). These ops do not occur in model.py's float graph.
+TI.dont_constant_fold(*(getattr(getattr(torch.ops.aten, op.split(".")[0]), op.split(".")[1]) for op in (
+    "bitwise_right_shift.Tensor_Scalar", "__rshift__.Scalar", "bitwise_and.Scalar", "__and__.Scalar",
+    "bitwise_right_shift.Tensor", "__rshift__.Tensor")))
+_FORCE_STRIDE = TI.force_stride_order()  # materializes its input (a copy when the strides differ): see fused_linear
 
 
 # ----------------------------------------------------------------------------------------------------------- layouts
@@ -196,8 +187,7 @@ def _compiled_single_row(x: Tensor) -> bool:
 def _static(t: Tensor) -> Tensor:
     """Marks a plain tensor attribute's sizes static for torch.compile: in a dynamic graph (compiled prefill) they
     would be symbols, and Inductor's C++ wrapper then miscompiles the output strides of the word kernels."""
-    torch._dynamo.mark_static(t)
-    return t
+    return TI.mark_static(t)
 
 
 def _int4_words_bf16_t(w: Tensor, st: Tensor, zt: Optional[Tensor]) -> Tensor:
@@ -386,7 +376,7 @@ class QuantizedWeight(nn.Module):
         """Whether products run on make_prompt_copy's copy (torch.ops.llama_flat.linear_packed): inside a compiled
         prompt (no freezing, not export) of a weight that has one."""
         return (self._prompt_packed and torch.compiler.is_compiling() and not torch.compiler.is_exporting()
-                and not torch._inductor.config.freezing)
+                and not TI.freezing())
 
     @property
     def weight_only(self) -> bool:

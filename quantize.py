@@ -27,7 +27,8 @@
 #
 # Storage: plain int8 / uint8 / float tensors (torch.load(weights_only=True)). int4 is packed two per byte: in each
 # group of G, byte j holds element j (high nibble) and j + G/2 (low). Scales and zeros are in the model's float dtype.
-# The file stores its recipe; model.load_model() calls apply_recipe() on a meta-device model, then assigns the weights.
+# The file stores its recipe; load_model() below has model.load_model() call apply_recipe() on a meta-device model,
+# then assign the weights.
 #
 # Kernels (eager, packed CPU, bfloat16 GEMM, compiled decode, export forms): qops.py, beside the layouts they read.
 import sys
@@ -40,6 +41,8 @@ import torch.nn as nn
 from torch import Tensor
 
 from common import GROUPSIZES, ArgumentParser, check_device, checkpoint_file, cli, default_checkpoint
+from model import checkpoint_state, save_checkpoint
+from model import load_model as load_float_or_hooked
 from qops import QuantizedEmbedding, QuantizedLinear, QuantizedWeight, _int4_values
 
 MODES = ("int8", "int4", "8da4w", "8da8w", "int4-gptq")
@@ -292,9 +295,13 @@ def parse_args(argv=None):
     return args
 
 
+def load_model(checkpoint_path, device="cpu", dtype=None):
+    """model.load_model for any checkpoint: a quantized one gets its recipe's modules (apply_recipe)."""
+    return load_float_or_hooked(checkpoint_path, device, dtype, quantized=apply_recipe)
+
+
 def main(argv=None):
     args = parse_args(argv)
-    from model import load_model, checkpoint_state, save_checkpoint
     ck = checkpoint_file(args.checkpoint_path or default_checkpoint())
     t0 = time.perf_counter()
     model = load_model(ck, device=args.device)

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 import engine as E
+from backends import add_backend_args, load_backend
 from common import REPO, ArgumentParser, check_device, cli, resolve_checkpoint, set_threads
 
 DEFAULT_CONTEXT = 2048
@@ -142,7 +143,7 @@ class Server:
         self.device, self.threads = torch.device(args.device), args.threads
         self.tok = load_tokenizer(args.tokenizer_path)
         max_seq = args.max_seq_length or DEFAULT_CONTEXT
-        self.backend = E.load_backend(args, self.device, getattr(torch, args.dtype), slots_wanted or 4, max_seq)
+        self.backend = load_backend(args, self.device, getattr(torch, args.dtype), slots_wanted or 4, max_seq)
         E.check_vocab(self.tok, self.backend)
         # continuous batching needs rows mapped to cache slots (a QPC compiled without --full_batch_size has none)
         batches = "batch_index" in inspect.signature(self.backend.forward).parameters and \
@@ -374,7 +375,7 @@ def make_app(srv: Server):
 # ------------------------------------------------------------------------------------------------- CLI
 def parse_args(argv=None):
     p = ArgumentParser(description="OpenAI-compatible server (chat, completions, a chat page) on any backend.")
-    E.add_backend_args(p)
+    add_backend_args(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0 = pick a free port (printed)")
     return p.parse_args(argv)

@@ -50,7 +50,7 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor, nn
 
-from engine import Emitter, logits_to_probs, prefill
+from engine import Emitter, StepCache, logits_to_probs, prefill, step_caches  # noqa: F401
 
 
 # ----------------------------------------------------------------------------------------------------------- helpers
@@ -243,54 +243,12 @@ def speculative_generate(target_backend, draft_backend, prompt_ids, max_new_toke
 
 
 # ----------------------------------------------------------------------------------------------------------- lookahead
-class StepCache(nn.Module):
-    """The lookahead contract's cache (swapped in at model.py's kv_cache swap point, over the same buffers): one
-    sequence; a call's T keys/values go to the consecutive cache slots input_pos[0] .. input_pos[0] + T - 1, whatever
-    the tokens' own positions (the rotary embedding); the caller's mask says what each token attends to. With
-    consecutive positions (a prompt, a decode step) slots and positions coincide: it is the ordinary KV cache.
-    et_export.py / aoti_export.py export the `lookahead` program through this swap; TorchBackend runs it."""
-
-    def __init__(self, cache):
-        super().__init__()
-        if cache.k_cache.shape[0] != 1:
-            raise ValueError("lookahead decoding runs one sequence: the cache must hold batch 1")
-        self.register_buffer("k_cache", cache.k_cache, persistent=False)
-        self.register_buffer("v_cache", cache.v_cache, persistent=False)
-
-    def update(self, input_pos: Tensor, k: Tensor, v: Tensor, batch_index: Optional[Tensor] = None):
-        slots = input_pos[:1] + torch.arange(k.shape[2], device=input_pos.device)
-        self.k_cache.index_copy_(2, slots, k.contiguous())
-        self.v_cache.index_copy_(2, slots, v.contiguous())
-        return self.k_cache, self.v_cache
-
-
 def check_step_contract(config) -> None:
     """The lookahead contract puts a step's guesses in cache slots that are not their positions; a model whose
     attention depends on the key's position beyond its rotary embedding (ALiBi: MPT) cannot take them."""
     if config is not None and getattr(config, "alibi", False):
         raise ValueError("lookahead decoding needs keys whose position is in the rotary embedding: ALiBi models (MPT) "
                          "bias the scores by cache slot, so they cannot run the lookahead program")
-
-
-@contextlib.contextmanager
-def step_caches(model, made: Optional[list] = None):
-    """Each layer's kv_cache -> a StepCache over the same buffers for the duration of the block (model.py's swap
-    point); put back on exit. `made`: a list that keeps the StepCaches between calls (a compiled caller sees the same
-    modules every time)."""
-    orig = [layer.attention.kv_cache for layer in model.layers]
-    if made is None or len(made) != len(orig) or any(s.k_cache is not c.k_cache for s, c in zip(made, orig)):
-        fresh = [StepCache(c) for c in orig]
-        if made is None:
-            made = fresh
-        else:
-            made[:] = fresh
-    for layer, c in zip(model.layers, made):
-        layer.attention.kv_cache = c
-    try:
-        yield model
-    finally:
-        for layer, c in zip(model.layers, orig):
-            layer.attention.kv_cache = c
 
 
 def causal_mask(positions, S: int) -> Tensor:

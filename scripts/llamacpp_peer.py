@@ -35,7 +35,7 @@ def _hf_to_meta(w: np.ndarray, n_head: int) -> np.ndarray:
 
 def write(args):
     import gguf
-    from model import load_model
+    from quantize import load_model
     m = load_model(args.checkpoint_path, dtype=torch.float32)
     if m.quantization:
         raise ValueError("write a float checkpoint: the GGUF quantization is done here")

@@ -115,7 +115,7 @@ def test_metadata_and_atomic_write(env):
 def test_backend_greedy_equals_eager(env):
     from aoti_export import AOTIBackend
     from generate import TorchBackend, generate
-    from model import load_model
+    from quantize import load_model
     cpu = torch.device("cpu")
     prompts = [[1, 5, 9, 300, 17], [7]]
     for p in prompts:
@@ -135,7 +135,7 @@ def test_fast_prefill_prompt_model(env):
     """--fast_prefill adds "prompt": the last position's logits of a prompt, from weights of its own (the package's
     index lists only "model"'s), writing the cache that "model" then decodes from."""
     from aoti_export import AOTIBackend
-    from model import load_model
+    from quantize import load_model
     b = AOTIBackend(env["pt2"])
     assert b.metadata["models"] == "model,prompt" and b.logits_at and b.prompt_runner is not None
     _, index = package_index(env["pt2"])
@@ -247,7 +247,7 @@ def test_quantized_checkpoint(env, runner, quantized):
     # what it adds is ATen's blocked int4 layout of each linear, packed weights and bfloat16 scales / offsets, for
     # the many-row products (quantize.py), as eager prefill runs them
     from generate import TorchBackend, generate
-    from model import load_model
+    from quantize import load_model
     from qops import QuantizedLinear
     reader, index = package_index(pt2)
     records, dtypes = {}, {row[2]: row[3] for row in index}
@@ -283,7 +283,7 @@ def test_quantized_package_keeps_integer_weights(env, quantized, mode):
     import qops
     from aoti_export import AOTIBackend
     from generate import TorchBackend, generate
-    from model import load_model
+    from quantize import load_model
     q, pt2 = quantized(mode)
     reader, index = package_index(pt2)
     stored = {row[2]: (row[3], reader.get_record_size(row[2])) for row in index}
@@ -325,7 +325,7 @@ def test_long_prompt_model(env, runner, quantized, mode, monkeypatch):
     it 0.0024 against 0.0023)."""
     import aoti_export
     import qops
-    from model import load_model
+    from quantize import load_model
     monkeypatch.setattr(qops, "_BF16_GEMM", True)  # (the eager models below: int8's bfloat16 GEMM)
     q, pt2 = quantized(mode)
     b = aoti_export.AOTIBackend(pt2)

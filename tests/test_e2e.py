@@ -44,7 +44,7 @@ def test_default_model_greedy_matches_transformers_gguf(default_model):
     assert r.stdout.rstrip("\n") == expected
     assert "decode" in r.stderr and "achieved bandwidth" in r.stderr
 
-    from model import load_model  # and the logits themselves
+    from quantize import load_model  # and the logits themselves
     m = load_model(ck)
     m.setup_caches(1, 32)
     with torch.no_grad():

@@ -9,7 +9,8 @@ import torch
 from conftest import hf_greedy, run_cli
 
 from engine import TorchBackend, generate
-from model import ModelArgs, load_model, transformer_configs
+from model import ModelArgs, transformer_configs
+from quantize import load_model
 
 WINDOW = 8
 VOCAB = 320  # = conftest.make_bpe_tokenizer's vocabulary, so test_families_backends can use these models with it

@@ -21,7 +21,8 @@ from test_families import VOCAB, assert_greedy_batch_matches, assert_logits_matc
 from test_families_backends import MAX_SEQ, PROMPTS, backend_tokens, eager_tokens
 
 from engine import TorchBackend, generate
-from model import ModelArgs, Transformer, load_model
+from model import ModelArgs, Transformer
+from quantize import load_model
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "scripts"))
 import convert_checkpoint  # noqa: E402

@@ -1,5 +1,6 @@
 # generate.py: the loop against transformers' greedy decoding, sampling rules, --compile, the CLI and its errors.
 import gc
+import weakref
 import os
 
 import pytest
@@ -8,8 +9,8 @@ from conftest import assert_clean_error, hf_greedy, run_cli
 
 import common
 import engine
-import model as model_module
-from model import load_model
+import fast_cpu
+from quantize import load_model
 from tokenizer import load_tokenizer
 
 
@@ -55,37 +56,41 @@ def test_compile_matches_eager(tiny_checkpoint, cpu):
     assert got1 == want[:1]
 
 
-@pytest.mark.skipif(not model_module._ONEDNN_F32, reason="PyTorch built without oneDNN")
+@pytest.mark.skipif(not fast_cpu.ONEDNN, reason="PyTorch built without oneDNN")
 def test_compiled_prompts_use_packed_weights(tiny_checkpoint, cpu, monkeypatch):
-    """--compile gives each block's float32 weights a oneDNN-packed copy that the compiled prompts multiply by (rows >
-    1 only), a copy that stops being used once its weight changes in place and is freed with the model."""
+    """--compile gives each block's float32 weights a oneDNN-packed copy (fast_cpu.pack_prompt_weights, hung on the
+    weight) that the compiled prompts multiply by (rows > 1 only), a copy that stops being used once its weight
+    changes in place and is freed with the model."""
     d, _ = tiny_checkpoint
+    want_model = load_model(d / "model.pth")
     model = load_model(d / "model.pth")
     compiled = engine.TorchBackend(model, 1, 48, compile=True)
     blocks = [m.weight for m in model.layers.modules() if isinstance(m, torch.nn.Linear)]
-    entries = {w.data_ptr(): common._PACKED.get(w.data_ptr()) for w in blocks}
-    assert all(e is not None and e[0]() is w for w, e in zip(blocks, entries.values()))
-    assert model.output.weight.data_ptr() not in common._PACKED  # a prompt needs one row of it
+    copies = [weakref.ref(common.packed_copy(w)) for w in blocks]
+    assert all(c() is not None for c in copies)
+    assert common.packed_copy(model.output.inner.weight) is None  # a prompt needs one row of it
     used = []
-    plain = model_module._linear_onednn
-    monkeypatch.setattr(model_module, "_linear_onednn", lambda x, w, b: used.append(w.is_mkldnn) or plain(x, w, b))
+    plain = fast_cpu._linear_onednn
+    monkeypatch.setattr(fast_cpu, "_linear_onednn", lambda x, w, b: used.append(w.is_mkldnn) or plain(x, w, b))
     ids, pos = torch.tensor([[5, 17, 33, 2, 90, 7, 8]]), torch.arange(7)
-    want = engine.TorchBackend(load_model(d / "model.pth"), 1, 48).forward(ids, pos)
+    want = engine.TorchBackend(want_model, 1, 48).forward(ids, pos)
     used.clear()  # (eager calls it too, with the plain weights)
     got = compiled.forward(ids, pos)
     assert used.count(True) == len(blocks) and used.count(False) == 1  # (the output projection: plain)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     with torch.no_grad():  # an in-place change: the compiled prompt reads the new weight, not the stale copy
-        model.layers[0].feed_forward.w2.weight.mul_(3)
+        model.layers[0].inner.feed_forward.w2.weight.mul_(3)
+        want_model.layers[0].feed_forward.w2.weight.mul_(3)
     used.clear()
     got = compiled.forward(ids, pos)
     assert used.count(True) == len(blocks) - 1 and used.count(False) == 2
     assert (got - want).abs().max() > 1e-2
-    ref = engine.TorchBackend(model, 1, 48).forward(ids, pos)
+    ref = engine.TorchBackend(want_model, 1, 48).forward(ids, pos)
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
     del compiled, model, ref, blocks
+    torch._dynamo.reset()  # (the compiled callers' caches hold the model's tensors)
     gc.collect()
-    assert all(common._PACKED.get(k) is not e for k, e in entries.items())
+    assert all(c() is None for c in copies)
 
 
 def test_compiled_bfloat16_tracks_float32(tiny_checkpoint, cpu):

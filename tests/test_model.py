@@ -1,10 +1,10 @@
 # model.py against Hugging Face transformers (an implementation nobody here wrote), on tiny random configs.
 import pytest
 import torch
-from conftest import hf_greedy, hf_to_model, tiny_hf
+from conftest import REPO, hf_greedy, hf_to_model, tiny_hf
 
 from engine import TorchBackend, generate
-from model import ModelArgs, Transformer, transformer_configs
+from model import Attention, ModelArgs, Transformer, transformer_configs
 
 ARCHS = [("llama", {}), ("llama", {"tie": True}), ("mistral", {}), ("qwen2", {}), ("qwen3", {}),
          ("llama", {"rope_scaling": dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
@@ -142,7 +142,7 @@ def test_mask_argument_over_a_swapped_longer_cache():
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compile"])
 def test_cpu_attends_over_the_filled_cache_slots_only(compiled, one_thread):
-    """On CPU the layers read cache slots 0..newest position (Transformer._attend_filled), not the whole static cache:
+    """On CPU the layers read cache slots 0..newest position (fast_cpu.FilledSlots), not the whole static cache:
     NaN in the slots past it must not reach the logits (read and masked, 0 * NaN would), eager and torch.compile, and
     the logits still match transformers'."""
     hf = tiny_hf("llama", seed=5)
@@ -151,11 +151,56 @@ def test_cpu_attends_over_the_filled_cache_slots_only(compiled, one_thread):
     ids = torch.randint(0, 256, (1, 20), generator=torch.Generator().manual_seed(2))
     ref = hf(ids).logits
     got = [backend.forward(ids[:, :12], torch.arange(12))[:, -1]]
-    for layer in model.layers:
-        for c in (layer.attention.kv_cache.k_cache, layer.attention.kv_cache.v_cache):
+    for attn in (m for m in model.modules() if isinstance(m, Attention)):
+        for c in (attn.kv_cache.k_cache, attn.kv_cache.v_cache):
             c[:, :, 12:] = float("nan")
     for t in range(12, 20):  # each decode step overwrites its own slot first
         got.append(backend.forward(ids[:, t:t + 1], torch.tensor([t]))[:, -1])
     got = torch.stack(got, 1)
     assert torch.isfinite(got).all()
     assert (got - ref[:, 11:20]).abs().max() <= 1e-4
+
+
+def test_model_py_is_the_network_only():
+    """model.py holds the network: no custom ops, compiler settings, compile/export branches or data-dependent
+    sizes (fast_cpu.py's modules bring those in at the swap points)."""
+    src = (REPO / "model.py").read_text()
+    for banned in ("torch.ops", "torch.library", "_inductor", "is_compiling", "is_exporting", "is_tracing", ".item()",
+                   "packed_copy", "import quantize", "import qops", "import fast_cpu"):
+        assert banned not in src, banned
+
+
+def test_plain_torch_compile_matches_eager(one_thread):
+    """torch.compile(model) of model.py as written (no accelerator) gives eager's greedy tokens."""
+    hf = tiny_hf("llama", seed=3)
+    eager, plain = hf_to_model(hf), hf_to_model(hf)
+    for m in (eager, plain):
+        m.setup_caches(1, 48)
+    compiled = torch.compile(plain, fullgraph=True)
+
+    class Bare:  # a backend over a callable (engine.py's contract)
+        max_batch_size, max_seq_length, prefill_chunk = 1, 48, None
+
+        def __init__(self, fn):
+            self.fn = fn
+
+        def forward(self, tokens, input_pos):
+            with torch.inference_mode():
+                return self.fn(tokens, input_pos)
+
+    want, _ = generate(Bare(eager), [[1, 7, 42, 9]], 20, torch.device("cpu"))
+    got, _ = generate(Bare(compiled), [[1, 7, 42, 9]], 20, torch.device("cpu"))
+    assert got == want and len(want[0]) == 20
+
+
+def test_without_the_accelerator_the_tokens_are_the_same(monkeypatch, one_thread):
+    """engine.py without fast_cpu.py (as if the file were deleted): the same greedy tokens as with it, eager and
+    --compile."""
+    import engine
+    hf = tiny_hf("llama", seed=4)
+    prompts = [[3, 14, 15, 92, 65], [2, 7]]
+    cpu = torch.device("cpu")
+    fast = [generate(TorchBackend(hf_to_model(hf), 2, 48, compile=c), prompts, 16, cpu)[0] for c in (False, True)]
+    monkeypatch.setattr(engine, "fast_cpu", None)
+    plain = [generate(TorchBackend(hf_to_model(hf), 2, 48, compile=c), prompts, 16, cpu)[0] for c in (False, True)]
+    assert fast[0] == fast[1] == plain[0] == plain[1]

@@ -21,7 +21,7 @@ import compile_qaic  # noqa: E402
 import export_onnx  # noqa: E402
 import engine  # noqa: E402
 from compile_qaic import QpcBackend  # noqa: E402
-from model import load_model  # noqa: E402
+from quantize import load_model  # noqa: E402
 from test_onnx import make_checkpoint  # noqa: E402
 
 pytest.importorskip("onnxruntime")

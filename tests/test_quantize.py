@@ -12,11 +12,12 @@ import common
 import engine
 import generate
 import gptq
-import model as model_module
+import fast_cpu
 import qops
 import quantize as Q
 from conftest import assert_clean_error, hf_to_model, run_cli, tiny_hf
-from model import checkpoint_state, load_model, save_checkpoint
+from model import checkpoint_state, save_checkpoint
+from quantize import load_model
 
 CPU = torch.device("cpu")
 SCHEMES = {  # name: (scheme, activation quantization)
@@ -337,7 +338,7 @@ def test_compile_matches_eager(peaked):
 
 @pytest.mark.parametrize("output", ["int8", "int4-g32"])
 def test_compiled_prefill_matches_eager(peaked, monkeypatch, output):
-    """--compile's prompts: each block and the output projection through Transformer.prompt_call, compiled with dynamic
+    """--compile's prompts: each block and the output projection through fast_cpu.CompiledPrompt, compiled with dynamic
     lengths as one graph for every layer (weights as inputs, not frozen constants: no graph per layer); the output
     projection runs for the last token only, through the same word kernels as decode (int8 or int4). The prompt's
     last logits and the greedy tokens match eager."""
@@ -384,13 +385,13 @@ def test_eager_int8_long_product_bfloat16_gemm(monkeypatch):
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_compiled_long_prefill_bfloat16_gemm(peaked, monkeypatch, mode):
     """--compile's prompts of qops._BF16_ROWS tokens or more, on a CPU with bfloat16 dot products, where the weights
-    have no prompt copies (model.pack_prompt_weights): the weights go to bfloat16 in a generated kernel (words_bf16_t)
+    have no prompt copies (fast_cpu.pack_prompt_weights): the weights go to bfloat16 in a generated kernel (words_bf16_t)
     for oneDNN's bfloat16 GEMM. Forced on here, so that any CPU runs it
     (oneDNN converts where the instructions are missing). Eager int8 casts qdata for the same GEMM, eager int4 keeps
     ATen's packed kernel: the prompt's last logits agree within bfloat16 rounding (int4's weights are rounded to it),
     and the greedy tokens match."""
     monkeypatch.setattr(qops, "_BF16_GEMM", True)
-    monkeypatch.setattr(engine, "available_memory", lambda: 0)  # no prompt copies (no memory for them)
+    monkeypatch.setattr(fast_cpu, "available_memory", lambda: 0)  # no prompt copies (no memory for them)
     traced = []
     words = qops.QuantizedWeight.words_bf16_t
     monkeypatch.setattr(qops.QuantizedWeight, "words_bf16_t", lambda self: traced.append(1) or words(self))
@@ -463,7 +464,8 @@ def test_compiled_int8_prompts_use_bfloat16_copies(peaked, monkeypatch, capsys):
     be = generate.TorchBackend(m, 1, 64, compile=True)
     blocks = [mod.qweight for mod in m.layers.modules() if isinstance(mod, qops.QuantizedLinear)]
     assert blocks and all(w._prompt_packed and common.packed_copy(w.qdata) is not None for w in blocks)
-    assert not m.output.qweight._prompt_packed and common.packed_copy(m.output.qweight.qdata) is None
+    out = m.output.inner.qweight  # (the compiled prompt caller wraps the output projection)
+    assert not out._prompt_packed and common.packed_copy(out.qdata) is None
     looked_up = []
     lookup = qops.packed_copy
     monkeypatch.setattr(qops, "packed_copy", lambda w: looked_up.append(1) or lookup(w))
@@ -474,7 +476,7 @@ def test_compiled_int8_prompts_use_bfloat16_copies(peaked, monkeypatch, capsys):
         torch.testing.assert_close(last, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
         assert generate.generate(be, [p], 8, CPU)[0] == tokens
     assert counters["stats"]["unique_graphs"] - graphs == 3  # decode, one block graph for both lengths, the output
-    w2 = m.layers[0].feed_forward.w2.qweight
+    w2 = m.layers[0].inner.feed_forward.w2.qweight
     w2.rebuild()
     looked_up.clear()
     last = engine.prefill(be, [PROMPT], CPU)[0]
@@ -483,10 +485,10 @@ def test_compiled_int8_prompts_use_bfloat16_copies(peaked, monkeypatch, capsys):
     for mode in ("int4", "8da4w", "8da8w"):
         m2 = copy.deepcopy(peaked)
         Q.quantize_model(m2, mode, 32, log=False)
-        assert model_module.pack_prompt_weights(m2) == (0, True)
+        assert fast_cpu.pack_prompt_weights(m2) == (0, True)
     m2 = copy.deepcopy(peaked)
     Q.quantize_model(m2, "int8", log=False)
-    monkeypatch.setattr(engine, "available_memory", lambda: 0)
+    monkeypatch.setattr(fast_cpu, "available_memory", lambda: 0)
     capsys.readouterr()
     generate.TorchBackend(m2, 1, 64, compile=True)
     assert "would take more than half of the free memory" in capsys.readouterr().err

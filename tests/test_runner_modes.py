@@ -127,7 +127,7 @@ def test_perplexity_is_the_same_in_every_mode(arts, one_thread):
     from aoti_export import AOTIBackend
     from et_export import PTEBackend
     from generate import TorchBackend
-    from model import load_model
+    from quantize import load_model
     from tokenizer import load_tokenizer
     ids = load_tokenizer(arts["bpe"]).encode(" ".join(PROMPTS) * 4)[:150]
     cpu = torch.device("cpu")

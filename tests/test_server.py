@@ -345,7 +345,7 @@ class NoSlots:
 
 
 def test_engine_one_slot_without_batch_index_and_mixed_sampling(tiny, cpu):
-    from model import load_model
+    from quantize import load_model
     _, d = tiny
     model = load_model(d / "model.pth")
     prompts = [[5, 17, 33, 2, 90], [7, 8, 9], [100, 3]]

@@ -1,0 +1,212 @@
+# fast_cpu.py: the CPU accelerator. speed_up(model) assigns faster modules at model.py's swap points (oneDNN float32
+# products, attention over the filled cache slots only, float32 attention for half-precision models) and, for
+# torch.compile, compiled per-layer prompt callers with oneDNN-packed prompt weights; it owns every Inductor setting.
+# engine.py and aoti_export.py call it. Delete this file and everything still runs: the same tokens, slower.
+import sys
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+import torch_internals as TI
+from common import available_memory, keep_packed_copy, packed_copy
+from model import SDPA, Attention, Transformer
+
+# Inductor on CPU (torch.compile and AOT Inductor alike): weights become constants (folded and pre-packed), and
+# matrix products may use Inductor's own C++ GEMM template (blocked, OpenMP-parallel over the output, epilogues
+# fused) instead of MKL's packed sgemm, which runs a one-row product (decode) on one thread whatever the thread count.
+# Autotuning times both where both apply; ATen stays a choice because some products (batched ones) have no template.
+# Floating-point contraction lets the C++ compiler fuse a multiply and an add into one FMA: the quantized decode
+# reductions (a product and a sum per weight) measured 1.34x (int4 g32) and 1.14x (int8) faster at 1 thread.
+INDUCTOR_CPU = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
+                "cpp.enable_floating_point_contract_flag": "fast"}
+ONEDNN = torch.backends.mkldnn.is_available()
+
+
+def configure_inductor() -> None:
+    """Settings for torch.compile on CPU: INDUCTOR_CPU, the C++ launcher (less Python per decode step), a cache entry
+    per compiled model (a process that builds a draft and a target, or the tests, would hit Dynamo's default of 8),
+    and scalar outputs captured (FilledSlots' number of filled slots is a data-dependent size)."""
+    TI.set_inductor({**INDUCTOR_CPU, "fx_graph_cache": True, "cpp_wrapper": True})
+    TI.dynamo_config.recompile_limit = max(TI.dynamo_config.recompile_limit, 64)
+    TI.dynamo_config.capture_scalar_outputs = True
+
+
+def input_guards_only(entries) -> list[bool]:
+    """torch.compile's guard filter for the decode step: keep the guards on the call's inputs and on global state,
+    and the identity of the model's own tensors (its rope table: a new one for each model and each setup_caches, so
+    a draft model or a re-sized cache never runs another's graph); drop the ~7,000 on the attributes of its
+    submodules, which Dynamo would otherwise check on every call (0.8 ms of a 10 ms int4 step at 1 thread). Safe
+    because a TorchBackend never changes its model after compiling (speculative.step_caches swaps the caches only
+    around calls that pass a mask, which run through the prompt callers)."""
+    return [not e.name.startswith("self") or (e.guard_type == "ID_MATCH" and "_modules" not in e.name)
+            for e in entries]
+
+
+def compile_decode(model: nn.Module):
+    """The decode step as one graph of the whole model, its weights frozen into constants."""
+    configure_inductor()
+    return torch.compile(model, fullgraph=True, options={"guard_filter_fn": input_guards_only})
+
+
+# ----------------------------------------------------------------------------------------------------------- products
+# ATen's F.linear calls MKL's sgemm for float32 on CPU, 1.5-2.2x slower than oneDNN's on the project's AMD machine
+# (2 threads: 1x576 @ 576x49152 9.7 against 4.4 ms, 15 rows of 576x1536 338 against 200 us). Inductor lowers oneDNN's
+# op for frozen weights only, so a compiled prompt (weights as graph inputs) calls it through an opaque op, which
+# multiplies by the weight's oneDNN-packed copy where pack_prompt_weights made one (15-row products ~25% faster).
+def _linear_onednn(x: Tensor, w: Tensor, b: Optional[Tensor]) -> Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+
+
+def _linear_onednn_op(x: Tensor, w: Tensor, b: Optional[Tensor]) -> Tensor:
+    if x.numel() > x.shape[-1] and (packed := packed_copy(w)) is not None:
+        w = packed
+    return _linear_onednn(x, w, b)
+
+
+if not hasattr(torch.ops.llama_flat, "linear_onednn"):
+    _LIB = torch.library.Library("llama_flat", "FRAGMENT")
+    _LIB.define("linear_onednn(Tensor x, Tensor w, Tensor? b) -> Tensor")
+    _LIB.impl("linear_onednn", _linear_onednn_op, "CPU")
+    torch.library.register_fake("llama_flat::linear_onednn", lib=_LIB)(
+        lambda x, w, b: x.new_empty((*x.shape[:-1], w.shape[0])))
+
+
+class OneDNNLinear(nn.Linear):
+    """nn.Linear, float32 on CPU through oneDNN: eager, and compiled graphs whose weights are inputs (prompts, through
+    the opaque op). Compiled decode (frozen weights: Inductor's own kernels) and exports keep F.linear."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.dtype == torch.float32 and x.is_cpu and not torch.compiler.is_exporting():
+            if not torch.compiler.is_compiling():
+                return _linear_onednn(x, self.weight, self.bias)
+            if not TI.freezing():
+                return torch.ops.llama_flat.linear_onednn(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+
+def pack_prompt_weights(model: Transformer, budget: Optional[int] = None) -> tuple[int, bool]:
+    """Give the weights of the blocks (not the output projection: a prompt needs one row of it) packed copies for the
+    products of compiled prompts: float32 weights in oneDNN's layout, weight-only int8 ones as bfloat16
+    (qops.QuantizedLinear.pack_prompt). A copy hangs on its weight (common.keep_packed_copy): freed with it, ignored
+    once the weight changes in place. Returns the copies' bytes and whether they were made: none are where they
+    would take more than budget bytes (a prompt's products then run on the weights as they are)."""
+    todo = []
+    for mod in model.layers.modules():
+        if hasattr(mod, "pack_prompt"):  # a qops.QuantizedLinear
+            todo.append((mod, mod.prompt_copy_bytes()))
+        elif isinstance(mod, OneDNNLinear) and mod.weight.dtype == torch.float32:
+            todo.append((mod, mod.weight.numel() * 4))
+    total = sum(size for _, size in todo)
+    if budget is not None and total > budget:
+        return total, False
+    for mod, _ in todo:
+        if hasattr(mod, "pack_prompt"):
+            mod.pack_prompt()
+        elif packed_copy(w := mod.weight) is None:  # (row hints of 15, 64, 128: as fast; 1 row: no gain)
+            keep_packed_copy(w, torch.ops.mkldnn._reorder_linear_weight(w.detach(), 64))
+    return total, True
+
+
+# ----------------------------------------------------------------------------------------------------------- attention
+class FilledSlots(nn.Module):
+    """Transformer.cache_len: the layers attend over slots 0..newest position only, not the whole static cache, most
+    of it still empty while decoding (reading it whole cost SmolLM2 half its compiled decode speed at 2048 slots:
+    bench.py's `compile int4 g32 ctx2048` row). At least 2 slots: a compiled graph cannot tell a size of 1
+    (broadcast) from the others. A data-dependent size: torch.compile must capture scalar outputs."""
+
+    def forward(self, positions: Tensor, S: int):
+        if S <= 1:
+            return S
+        last = positions.max().clamp(min=1).item()
+        torch._check(last >= 1)
+        torch._check(last < S)
+        return last + 1
+
+
+class FilledSlotsAttention(nn.Module):
+    """Attention.attend over the slots the mask covers (FilledSlots), the model's own attend module inside. On CPU,
+    bfloat16 / float16 SDPA runs in float32: ATen's half-precision CPU kernel does its products with MKL's half
+    GEMV, 3.2x (bfloat16) and 5.2x (float16) slower per call than the float32 kernel with the casts included (one
+    query of SmolLM2's 9 heads over 256 slots, 2 threads). Not under torch.export (a package keeps ATen's)."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+        S = mask.shape[-1]
+        k, v = k[:, :, :S], v[:, :, :S]
+        sdpa = self.inner
+        if isinstance(sdpa, SDPA) and q.dtype in (torch.bfloat16, torch.float16) and not torch.compiler.is_exporting():
+            m = mask.float() if mask.is_floating_point() else mask
+            y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=m, scale=sdpa.scale,
+                                               enable_gqa=sdpa.gqa)
+            return y.to(q.dtype)
+        return sdpa(q, k, v, mask)
+
+
+# ----------------------------------------------------------------------------------------------------------- prompts
+def _call(module: nn.Module, *args, **kwargs):
+    return module(*args, **kwargs)
+
+
+class CompiledPrompt(nn.Module):
+    """layers[i] / output of a compiled model: outside torch.compile (prompts and lookahead's masked steps; the decode
+    step is one compiled graph of the whole model), the module runs through `run`, one torch.compile'd graph with
+    dynamic lengths shared by every layer (its weights are graph inputs, not constants), compiled in seconds where a
+    dynamic-length graph of the whole model took about a minute per length range. In-process, 2 threads, SmolLM2
+    int4 g32, 15 / 128 tokens: 30.6 / 113 ms; the whole model as one graph 26.7 / 111 ms after a first call of 111 s."""
+
+    def __init__(self, inner: nn.Module, run):
+        super().__init__()
+        self.inner, self.run = inner, run
+        self.sliding, self.local_rope = getattr(inner, "sliding", False), getattr(inner, "local_rope", False)
+
+    def forward(self, *args, **kwargs):
+        if torch.compiler.is_compiling():
+            return self.inner(*args, **kwargs)
+        with TI.no_freezing():
+            return self.run(self.inner, *args, **kwargs)
+
+
+# ----------------------------------------------------------------------------------------------------------- entry
+def speed_up(model: Transformer, compile: bool = False, export: bool = False) -> Transformer:
+    """Assign the faster modules (in place; returns the model). On CPU only (elsewhere the model is left as is):
+      * cache_len -> FilledSlots and each attention.attend -> FilledSlotsAttention;
+      * export (aoti_export.py): nothing more; Inductor's own kernels take the products;
+      * else float nn.Linear -> OneDNNLinear, and with compile the layers and the output projection run prompts
+        through CompiledPrompt, the blocks' weights get packed prompt copies (pack_prompt_weights) unless they would
+        take more than half of the free memory (one line on stderr says so).
+    Call it once the model is loaded and its caches are set up; a model given to it is for running, not saving (the
+    compiled callers wrap layers[i] and output)."""
+    if model.norm.weight.device.type != "cpu":
+        return model
+    if not isinstance(model.cache_len, FilledSlots):
+        model.cache_len = FilledSlots()
+    for attn in (m for m in model.modules() if isinstance(m, Attention)):
+        if not isinstance(attn.attend, FilledSlotsAttention):
+            attn.attend = FilledSlotsAttention(attn.attend)
+    if export:
+        return model
+    if ONEDNN:
+        for parent in list(model.modules()):
+            for name, child in list(parent.named_children()):
+                if type(child) is nn.Linear:
+                    fast = OneDNNLinear(child.in_features, child.out_features, bias=child.bias is not None,
+                                        device="meta")
+                    fast.weight, fast.bias = child.weight, child.bias
+                    setattr(parent, name, fast)
+    if compile and not isinstance(model.output, CompiledPrompt):
+        configure_inductor()
+        run = torch.compile(_call, dynamic=True, fullgraph=True)
+        model.layers = nn.ModuleList(CompiledPrompt(layer, run) for layer in model.layers)
+        model.output = CompiledPrompt(model.output, run)
+        free = available_memory()
+        size, made = pack_prompt_weights(model, None if free is None else free // 2)
+        if not made:
+            print(f"prompts run on the weights as stored: their packed copies ({size / 2**20:.0f} MB) would take "
+                  f"more than half of the free memory ({free / 2**20:.0f} MB)", file=sys.stderr)
+    return model

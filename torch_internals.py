@@ -1,0 +1,97 @@
+# torch_internals.py: every use of PyTorch's private APIs in one place (Inductor's and Dynamo's settings, AOT
+# Inductor's package internals, the C++ wrapper source it generates), written against torch 2.13. Importing this file
+# checks the version once; a torch upgrade that moves one of these names breaks here and nowhere else.
+import contextlib
+import re
+from pathlib import Path
+
+import torch
+
+TESTED = "2.13"
+if not torch.__version__.startswith(TESTED + "."):
+    raise ImportError(f"torch_internals.py uses private APIs of torch {TESTED}; this is torch {torch.__version__} "
+                      f"(pip install torch=={TESTED}.0, or check the names in torch_internals.py)")
+
+import torch._dynamo  # noqa: E402
+import torch._inductor.config as inductor_config  # noqa: E402
+from torch.export.pt2_archive._package import PT2ArchiveWriter  # noqa: E402,F401  (aoti_export.package_shared)
+
+dynamo_config = torch._dynamo.config
+aot_compile = torch._inductor.aot_compile
+aoti_compile_and_package = torch._inductor.aoti_compile_and_package
+PyTorchFileReader = torch._C.PyTorchFileReader
+
+
+def set_inductor(settings: dict) -> None:
+    """Assign Inductor settings (dotted names reach sub-configs: "cpp.enable_floating_point_contract_flag")."""
+    for name, value in settings.items():
+        cfg, *path, last = [inductor_config, *name.split(".")]
+        for part in path:
+            cfg = getattr(cfg, part)
+        setattr(cfg, last, value)
+
+
+def freezing() -> bool:
+    """Whether the graph being compiled takes its weights as constants (Inductor's freezing)."""
+    return bool(inductor_config.freezing)
+
+
+def no_freezing():
+    """A context in which torch.compile traces and compiles with the weights as graph inputs."""
+    return inductor_config.patch(freezing=False)
+
+
+def mark_static(t):
+    """Marks a plain tensor attribute's sizes static for torch.compile (returns it)."""
+    torch._dynamo.mark_static(t)
+    return t
+
+
+def dont_constant_fold(*ops) -> None:
+    """Keeps Inductor's freezing from folding these ATen ops (e.g. nibble shifts) into new constants."""
+    with contextlib.suppress(ImportError, AttributeError):
+        from torch._inductor.constant_folding import add_dont_constant_fold
+        for op in ops:
+            add_dont_constant_fold(op)
+
+
+def force_stride_order():
+    """Inductor's prim that materializes its input in a buffer of its own (None where it is missing)."""
+    try:
+        import torch._inductor.inductor_prims  # noqa: F401  (registers the prim)
+        return torch.ops.prims.inductor_force_stride_order
+    except (ImportError, AttributeError):
+        return None
+
+
+def load_package(path: str, model: str):
+    from torch._inductor.package import load_package as load
+    return load(path, model)
+
+
+def package_metadata(path: str, model: str) -> dict:
+    return torch._C._aoti.AOTIModelPackageLoader.load_metadata_from_package(path, model)
+
+
+def container_runner(path: str, device: str):
+    """The runner of a plain AOT Inductor .so (what a package's loader wraps)."""
+    cls = torch._C._aoti.AOTIModelContainerRunnerCuda if device == "cuda" else torch._C._aoti.AOTIModelContainerRunnerCpu
+    return cls(path, 1)
+
+
+def constant_table(wrapper_cpp) -> list[dict]:
+    """A compiled model's constants in the order of its weights blob, from the wrapper source AOT Inductor generates
+    (its constants_info_[i] lines: name, dtype, storage offset, data_size (64-byte aligned), shape, stride)."""
+    rows: dict[int, dict] = {}
+    for i, field, value in re.findall(r"constants_info_\[(\d+)\]\.(\w+) = (.*);", Path(wrapper_cpp).read_text()):
+        rows.setdefault(int(i), {})[field] = value
+    table = []
+    for i in sorted(rows):
+        r = rows[i]
+        if r.get("from_folded") != "false" or "layout_strided" not in r.get("layout", ""):
+            raise RuntimeError(f"{wrapper_cpp}: constant {r.get('name')} is folded or not strided (unsupported)")
+        dims = lambda v: [int(x) for x in v.strip("{}").split(",") if x.strip()]
+        table.append(dict(name=r["name"].strip('"'), dtype=re.search(r"dtype_(\w+)", r["dtype"])[1],
+                          offset=int(r["offset"]), nbytes=int(r["data_size"]), shape=dims(r["shape"]),
+                          stride=dims(r["stride"])))
+    return table
