@@ -10,9 +10,9 @@ import torch.nn.functional as F
 
 import common
 import engine
+import fast_cpu
 import generate
 import gptq
-import fast_cpu
 import qops
 import quantize as Q
 from conftest import assert_clean_error, hf_to_model, run_cli, tiny_hf
