@@ -49,7 +49,6 @@ import hashlib
 import json
 import mmap
 import os
-import re
 import sys
 import time
 import zipfile

@@ -381,6 +381,9 @@ def cli(entry: Callable) -> None:
         # re-raised as another library's own error type (seen once inside torch.export)
         if _terminated:
             sys.exit(128 + _terminated)
+        if isinstance(e, ModuleNotFoundError) and e.name:
+            fail(f"{Path(sys.argv[0]).name} needs the package {e.name.split('.')[0]!r}, which is not installed: "
+                 "pip install -r requirements.txt (requirements-core.txt has the plain PyTorch paths only)")
         if not isinstance(e, (FileNotFoundError, ValueError, NotImplementedError, ImportError, RuntimeError, OSError)):
             raise
         fail(first_line(e, 1000))

@@ -17,12 +17,10 @@
 #
 # engine.py imports no exporter: each entry point picks its backend (backends.py) and hands it here.
 import contextlib
-import sys
 import time
 from collections import deque
 from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
 from typing import Callable, Optional
 
 import torch
@@ -38,27 +36,44 @@ except ImportError:
 
 
 # ----------------------------------------------------------------------------------------------------------- sampling
-def logits_to_probs(logits: torch.Tensor, temperature: float, top_k: Optional[int], top_p: Optional[float]):
-    logits = logits / max(temperature, 1e-5)
-    if top_k is not None and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if top_p is not None and top_p < 1.0:
-        sorted_probs, idx = torch.sort(probs, dim=-1, descending=True)
-        drop = sorted_probs.cumsum(-1) - sorted_probs > top_p  # keep the smallest prefix whose mass reaches top_p
-        probs = probs.scatter(-1, idx, sorted_probs.masked_fill(drop, 0.0))
-        probs = probs / probs.sum(-1, keepdim=True)
-    return probs
+@dataclass(frozen=True)
+class Sampling:
+    """How each next token is chosen: one object through the loop, the Engine's requests, speculative.py and the
+    server. temperature 0 is greedy (argmax); otherwise the logits / temperature keep the top_k likeliest tokens and
+    the smallest set whose probability reaches top_p, and `generator` draws on the CPU, so that a seed gives the same
+    text on every device and backend."""
+    temperature: float = 0.0
+    top_k: Optional[int] = None
+    top_p: Optional[float] = None
+    generator: Optional[torch.Generator] = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [..., V] -> the distribution tokens are drawn from."""
+        logits = logits / max(self.temperature, 1e-5)
+        if self.top_k is not None and self.top_k < logits.shape[-1]:
+            kth = torch.topk(logits, self.top_k, dim=-1).values[..., -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        probs = torch.softmax(logits, dim=-1)
+        if self.top_p is not None and self.top_p < 1.0:
+            sorted_probs, idx = torch.sort(probs, dim=-1, descending=True)
+            drop = sorted_probs.cumsum(-1) - sorted_probs > self.top_p  # the smallest prefix whose mass reaches top_p
+            probs = probs.scatter(-1, idx, sorted_probs.masked_fill(drop, 0.0))
+            probs = probs / probs.sum(-1, keepdim=True)
+        return probs
+
+    def sample(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [B, V] -> token ids [B]."""
+        if self.greedy:
+            return logits.argmax(-1)
+        probs = self.probs(logits.float().cpu())
+        return torch.multinomial(probs, 1, generator=self.generator).squeeze(-1).to(logits.device)
 
 
-def sample(logits: torch.Tensor, temperature: float = 0.0, top_k=None, top_p=None, generator=None) -> torch.Tensor:
-    """logits [B, V] -> token ids [B]. temperature 0 is greedy. Sampling runs on the CPU with a seeded generator so a
-    seed gives the same text on every device and backend."""
-    if temperature <= 0:
-        return logits.argmax(-1)
-    probs = logits_to_probs(logits.float().cpu(), temperature, top_k, top_p)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1).to(logits.device)
+GREEDY = Sampling()
 
 
 # ----------------------------------------------------------------------------------------------------------- backends
@@ -229,9 +244,9 @@ class Emitter:
                     decode_tok_s=(n - firsts) / decode_s if decode_s > 0 and n > firsts else 0.0)
 
 
-def generate(backend, prompts: list[list[int]], max_new_tokens: int, device, *, temperature=0.0, top_k=None,
-             top_p=None, stop_ids=(), generator=None, on_token: Optional[Callable[[int, int], None]] = None,
-             start_pos: int = 0, prefill_chunk: Optional[int] = None):
+def generate(backend, prompts: list[list[int]], max_new_tokens: int, device, *, sampling: Sampling = GREEDY,
+             stop_ids=(), on_token: Optional[Callable[[int, int], None]] = None, start_pos: int = 0,
+             prefill_chunk: Optional[int] = None):
     """Generate for a batch of prompts. Returns (new token ids per prompt, Emitter.stats()).
     on_token(row, token) is called for every kept token as it is produced (for streaming)."""
     B = len(prompts)
@@ -244,7 +259,7 @@ def generate(backend, prompts: list[list[int]], max_new_tokens: int, device, *, 
     emit = Emitter(B, max_new_tokens, stop_ids, on_token, device)
     keep = lambda ids: [emit.put(b, [t]) for b, t in enumerate(ids.tolist())]
     logits = prefill(backend, prompts, device, chunk=prefill_chunk or backend.prefill_chunk, start_pos=start_pos)
-    nxt = sample(logits, temperature, top_k, top_p, generator)
+    nxt = sampling.sample(logits)
     keep(nxt)
     shared = len(set(lens)) == 1
     steps = 0
@@ -253,7 +268,7 @@ def generate(backend, prompts: list[list[int]], max_new_tokens: int, device, *, 
             break
         ip = torch.tensor([lens[0] + i] if shared else [[n + i] for n in lens], device=device)
         logits = backend.forward(nxt.view(B, 1), ip)
-        nxt = sample(logits[:, -1], temperature, top_k, top_p, generator)
+        nxt = sampling.sample(logits[:, -1])
         keep(nxt)
         steps += 1
     return emit.out, emit.stats(sum(lens) - B * start_pos, steps)
@@ -265,10 +280,7 @@ class Request:
     Emitter's put; server.py adds stop strings); its sampling; on_end("stop" | "length" | "cancelled") at its end."""
     ids: list
     keep: Callable[[list], bool]
-    temperature: float = 0.0
-    top_k: Optional[int] = None
-    top_p: Optional[float] = None
-    generator: Optional[torch.Generator] = None
+    sampling: Sampling = GREEDY
     on_end: Optional[Callable[[str], None]] = None
 
 
@@ -318,8 +330,7 @@ class Engine:
 
     def _sample(self, logits, reqs) -> list[int]:
         greedy = logits.argmax(-1).tolist()
-        return [g if r.temperature <= 0 else
-                int(sample(logits[b:b + 1], r.temperature, r.top_k, r.top_p, r.generator)[0])
+        return [g if r.sampling.greedy else int(r.sampling.sample(logits[b:b + 1])[0])
                 for b, (g, r) in enumerate(zip(greedy, reqs))]
 
     def step(self):
@@ -346,15 +357,15 @@ class Engine:
 
 
 def generate_continuous(backend, prompts: list[list[int]], max_new_tokens: int, device, full_batch_size: int, *,
-                        temperature=0.0, top_k=None, top_p=None, stop_ids=(), generator=None,
-                        on_token: Optional[Callable[[int, int], None]] = None, prefill_chunk: Optional[int] = None):
+                        sampling: Sampling = GREEDY, stop_ids=(), on_token: Optional[Callable[[int, int], None]] = None,
+                        prefill_chunk: Optional[int] = None):
     """Continuous batching of a fixed list of prompts on an Engine with full_batch_size slots. Returns (new token ids
     per prompt, Emitter.stats(): the first tokens come after the first full_batch_size prompts' prefill; later
     prefills fall in decode_s)."""
     engine = Engine(backend, device, full_batch_size, prefill_chunk)
     emit = Emitter(len(prompts), max_new_tokens, stop_ids, on_token, device)
     for i, p in enumerate(prompts):
-        engine.add(Request(p, partial(emit.put, i), temperature, top_k, top_p, generator))
+        engine.add(Request(p, partial(emit.put, i), sampling))
     while engine.busy():
         engine.step()
     return emit.out, emit.stats(sum(map(len, prompts)), engine.steps,

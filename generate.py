@@ -11,7 +11,7 @@ import torch
 import tp  # tensor parallelism under torchrun
 from common import ArgumentParser, check_device, cli, peak_memory_mb, resolve_checkpoint, set_threads
 from backends import add_backend_args, load_backend
-from engine import TorchBackend, check_vocab, generate, generate_continuous, weight_bytes
+from engine import Sampling, TorchBackend, check_vocab, generate, generate_continuous, weight_bytes
 from quantize import load_model
 
 
@@ -39,8 +39,8 @@ def parse_args(argv=None):
 
 def make_decode_mode(args, n_prompts: int):
     """Speculative (--draft_checkpoint_path) or lookahead (--lookahead) decoding from speculative.py, or None.
-    Checks the flags. Returns fn(backend, draft, ids, sampling) -> (outputs, stats) that also prints the acceptance
-    statistics."""
+    Checks the flags. Returns fn(backend, draft, ids, run) -> (outputs, stats) that also prints the acceptance
+    statistics; run: the keyword arguments of engine.generate (sampling, stop_ids, on_token, prefill_chunk)."""
     if not (args.draft_checkpoint_path or args.lookahead):
         return None
     import speculative as S  # lazy plugin import (speculative.py imports engine.py, not this file)
@@ -51,15 +51,15 @@ def make_decode_mode(args, n_prompts: int):
     S.check_speculate_k(args.speculate_k)  # also sizes the cache below, whichever mode
     spec = S.parse_lookahead_spec(args.lookahead, args.temperature) if args.lookahead else None
 
-    def run(backend, draft, ids, sampling):
-        sampling = {k: v for k, v in sampling.items() if k != "prefill_chunk"}
+    def run(backend, draft, ids, kw):
+        kw = {k: v for k, v in kw.items() if k != "prefill_chunk"}
         device = torch.device(args.device)
         if spec:
             out, st = S.lookahead_generate(backend, ids[0], args.max_new_tokens, device, *spec,
-                                           stop_ids=sampling["stop_ids"], on_token=sampling["on_token"])
+                                           stop_ids=kw["stop_ids"], on_token=kw["on_token"])
         else:
             out, st = S.speculative_generate(backend, draft, ids[0], args.max_new_tokens, device, args.speculate_k,
-                                             **sampling)
+                                             **kw)
         if not args.quiet:
             print(S.format_stats(st), file=sys.stderr)
         return [out], st
@@ -124,15 +124,14 @@ def main(argv=None) -> list[dict]:
         if decoder is not None:
             print(prompts[0], end="", flush=True)
         on_token = (lambda b, t: print(decoder.put(t), end="", flush=True)) if decoder else None
-        sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                        stop_ids=() if args.ignore_eos else tok.stop_ids,
-                        generator=gen, on_token=on_token, prefill_chunk=args.prefill_chunk)
+        kw = dict(sampling=Sampling(args.temperature, args.top_k, args.top_p, gen),
+                  stop_ids=() if args.ignore_eos else tok.stop_ids, on_token=on_token, prefill_chunk=args.prefill_chunk)
         if args.full_batch_size:
-            out, st = generate_continuous(backend, ids, args.max_new_tokens, device, args.full_batch_size, **sampling)
+            out, st = generate_continuous(backend, ids, args.max_new_tokens, device, args.full_batch_size, **kw)
         elif decode_mode is not None:
-            out, st = decode_mode(backend, draft, ids, sampling)
+            out, st = decode_mode(backend, draft, ids, kw)
         else:
-            out, st = generate(backend, ids, args.max_new_tokens, device, **sampling)
+            out, st = generate(backend, ids, args.max_new_tokens, device, **kw)
         if i < 0:
             log(f"compiled and warmed up in {st['ttft_s'] + st['decode_s']:.1f} s")
             continue
@@ -193,8 +192,8 @@ def chat(args, tok, device, dtype):
             if len(ids) + 1 >= backend.max_seq_length:
                 raise ValueError(f"message of {len(ids)} tokens does not fit the context of {backend.max_seq_length}")
         decoder = tok.stream()
-        out, st = generate(backend, [ids[common:]], args.max_new_tokens, device, temperature=args.temperature,
-                           top_k=args.top_k, top_p=args.top_p, stop_ids=tok.stop_ids, generator=gen,
+        out, st = generate(backend, [ids[common:]], args.max_new_tokens, device,
+                           sampling=Sampling(args.temperature, args.top_k, args.top_p, gen), stop_ids=tok.stop_ids,
                            on_token=lambda b, t: print(decoder.put(t), end="", flush=True), start_pos=common)
         print(decoder.flush(), flush=True)
         # the cache now holds the prompt and every reply token except the last sampled one

@@ -1,7 +1,149 @@
-# ModelArgs' named configs and its reading of Hugging Face config.json files, kept apart from model.py's network (the
-# table and the per-family mapping are data about published checkpoints, not part of the computation). model.py
-# re-exports transformer_configs and calls hf_config_fields() from ModelArgs.from_name / ModelArgs.from_hf_config.
-# Over 300 lines: one mapping per family (Llama-style, GPT-2, GPT-J, Falcon, MPT) and every named config.
+# model_configs.py: what a model is, apart from model.py's network: ModelArgs (every family's fields), the rope
+# scaling rules those fields name, each family's reading of a Hugging Face config.json, and the named configs of
+# published checkpoints. model.py re-exports ModelArgs and transformer_configs.
+import math
+from dataclasses import dataclass, fields
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class ModelArgs:
+    block_size: int = 2048            # maximum context the model was trained for
+    vocab_size: int = 32000
+    n_layer: int = 32
+    n_head: int = 32
+    dim: int = 4096
+    intermediate_size: Optional[int] = None
+    n_local_heads: int = -1           # number of KV heads (grouped-query attention); -1 = n_head
+    head_dim: Optional[int] = None    # default dim // n_head (Qwen3, Gemma set it explicitly)
+    rope_base: float = 10000.0
+    norm_eps: float = 1e-5
+    # rope scaling: Llama-3.1 keys (factor, low_freq_factor, high_freq_factor, original_max_position_embeddings), or
+    # {"rope_type": "linear", "factor"} (Gemma 3 global layers), or {"rope_type": "longrope", "short_factor",
+    # "long_factor", "original_max_position_embeddings", "attention_factor"} (Phi-3 128k, Phi-4-mini)
+    rope_scaling: Optional[dict] = None
+    tie_embeddings: bool = False
+    attn_bias: bool = False           # bias on q/k/v projections (Qwen2, StarCoder2)
+    qk_norm: bool = False             # RMSNorm on each head of q and k before rotary (Qwen3, Gemma 3)
+    # family blocks; the defaults are Llama's
+    norm_type: str = "rms"            # "rms" | "layer" (LayerNorm with bias: StarCoder2)
+    mlp_act: str = "silu"             # "silu" | "gelu_tanh" (Gemma, StarCoder2) | "gelu" (exact erf GELU)
+    mlp_gated: bool = True            # act(w1 x) * w3 x (Llama, Gemma) or plain act(w1 x) (StarCoder2)
+    mlp_bias: bool = False            # biases on the MLP linears (StarCoder2)
+    attn_out_bias: bool = False       # bias on the output projection (StarCoder2)
+    embed_scale: bool = False         # embeddings * sqrt(dim), rounded to the model dtype (Gemma)
+    sandwich_norm: bool = False       # extra norms on the attention and MLP outputs (Gemma 2/3)
+    attn_scale: Optional[float] = None    # softmax scale; default head_dim ** -0.5 (Gemma 2/3: query_pre_attn_scalar)
+    attn_softcap: Optional[float] = None  # scores = cap * tanh(scores / cap) before the mask (Gemma 2)
+    final_softcap: Optional[float] = None  # the same on the output logits (Gemma 2)
+    sliding_window: Optional[int] = None  # a query sees the last sliding_window tokens, itself included
+    sliding_layers: Optional[list] = None  # layer indices with the window; None = every layer (when sliding_window)
+    rope_local_base: Optional[float] = None  # rope base of the sliding layers, unscaled (Gemma 3); None = rope_base
+    rotary_dim: Optional[int] = None  # partial rotary: first rotary_dim dims of each head (Phi-4-mini); None = head_dim
+    nope_layers: Optional[list] = None  # layer indices without rotary embedding (SmolLM3)
+    n_experts: int = 0                # mixture of experts (Mixtral): 0 = one dense MLP
+    n_experts_per_tok: int = 2
+    norm_bias: bool = True            # LayerNorm's bias (MPT has none)
+    learned_pos: bool = False         # + a learned embedding of each token's position (GPT-2: with nope_layers = all)
+    alibi: bool = False               # ALiBi bias on the attention scores (MPT: with nope_layers = all)
+    alibi_bias_max: float = 8.0       # ALiBi slopes (alibi_slopes: MPT's formula)
+    clip_qkv: Optional[float] = None  # q, k, v clamped to [-clip_qkv, clip_qkv] (MPT)
+    parallel_attn: bool = False       # x + attn(norm(x)) + mlp(norm'(x)) (GPT-J, Falcon) instead of one after the other
+    parallel_norms: int = 1           # parallel blocks: 1 = norm' is norm (GPT-J, Falcon-7B), 2 = ffn_norm (Falcon-40B)
+    output_bias: bool = False         # bias on the output layer (GPT-J)
+    family: str = ""                  # the Hugging Face model_type it came from, for messages ("" = not recorded)
+
+    def __post_init__(self):
+        if self.n_local_heads == -1:
+            self.n_local_heads = self.n_head
+        if self.head_dim is None:
+            self.head_dim = self.dim // self.n_head
+        if self.rotary_dim is None:
+            self.rotary_dim = self.head_dim
+        if self.intermediate_size is None:  # Llama's rule: 2/3 * 4 * dim rounded up to a multiple of 256
+            hidden = int(2 * (4 * self.dim) / 3)
+            self.intermediate_size = 256 * ((hidden + 255) // 256)
+        if self.n_head % self.n_local_heads:
+            raise ValueError(f"n_head ({self.n_head}) must be a multiple of n_local_heads ({self.n_local_heads})")
+        if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
+            raise ValueError(f"rotary_dim {self.rotary_dim} must be even and in 2..head_dim ({self.head_dim})")
+        if self.norm_type not in ("rms", "layer") or self.mlp_act not in ("silu", "gelu_tanh", "gelu"):
+            raise ValueError(f"unknown norm_type {self.norm_type!r} or mlp_act {self.mlp_act!r}")
+        if self.parallel_norms not in (1, 2):
+            raise ValueError(f"parallel_norms must be 1 or 2, not {self.parallel_norms}")
+
+    def is_sliding(self, layer: int) -> bool:
+        return bool(self.sliding_window) and (self.sliding_layers is None or layer in self.sliding_layers)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelArgs":
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+    @classmethod
+    def from_name(cls, name: str) -> "ModelArgs":
+        if name in transformer_configs:
+            return cls(**transformer_configs[name])
+        # fuzzy match on a checkpoint directory name such as "Llama-2-7b-chat-hf": longest known name it contains
+        hits = [k for k in transformer_configs if k.lower() in name.lower()]
+        if not hits:
+            raise ValueError(f"unknown model name {name!r}; known: {', '.join(transformer_configs)}")
+        return cls(**transformer_configs[max(hits, key=len)])
+
+    @classmethod
+    def from_hf_config(cls, c: dict) -> "ModelArgs":
+        """Build from a Hugging Face config.json (model_configs.hf_config_fields: every supported family's keys). A
+        feature model.py does not implement raises ValueError naming it (never a silent approximation)."""
+        return cls(**hf_config_fields(c))
+
+
+def rope_frequencies(args: ModelArgs, device=None, local: bool = False, seq_len: int = 0) -> Tensor:
+    """Inverse frequencies [rotary_dim / 2]. local: the sliding layers' own base (Gemma 3), unscaled."""
+    d = args.rotary_dim
+    base = args.rope_local_base if local and args.rope_local_base else args.rope_base
+    inv_freq = 1.0 / (base ** (torch.arange(0, d, 2, device=device, dtype=torch.int64).float() / d))
+    s = None if local and args.rope_local_base else args.rope_scaling
+    kind = s and s.get("rope_type", "llama3")
+    if kind == "linear":
+        inv_freq = inv_freq / s["factor"]
+    elif kind == "longrope":  # Phi-3: per-frequency divisors, long ones past the pretraining context
+        long = seq_len > s["original_max_position_embeddings"]
+        ext = torch.tensor(s["long_factor" if long else "short_factor"], dtype=torch.float32, device=device)
+        inv_freq = 1.0 / (ext * base ** (torch.arange(0, d, 2, device=device, dtype=torch.int64).float() / d))
+    elif kind == "llama3":  # Llama-3.1 frequency-dependent scaling
+        old = s["original_max_position_embeddings"]
+        low_wl, high_wl = old / s["low_freq_factor"], old / s["high_freq_factor"]
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (old / wavelen - s["low_freq_factor"]) / (s["high_freq_factor"] - s["low_freq_factor"])
+        scaled = torch.where(wavelen > low_wl, inv_freq / s["factor"], inv_freq)
+        mid = (1 - smooth) * inv_freq / s["factor"] + smooth * inv_freq
+        inv_freq = torch.where((wavelen >= high_wl) & (wavelen <= low_wl), mid, scaled)
+    elif kind:
+        raise ValueError(f"unsupported rope scaling {s}")
+    return inv_freq
+
+
+def longrope_attention_factor(args: ModelArgs) -> float:
+    s = args.rope_scaling or {}
+    if s.get("rope_type") != "longrope":
+        return 1.0
+    if s.get("attention_factor") is not None:
+        return float(s["attention_factor"])
+    orig = s["original_max_position_embeddings"]
+    factor = s.get("factor") or args.block_size / orig
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
+
+
+# Every supported family: Hugging Face model_type -> its transformers class. The one table of family names
+# (scripts/convert_checkpoint.py reads it; hf_config_fields refuses a model_type that is not here).
+FAMILIES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM",
+            "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "gemma": "GemmaForCausalLM",
+            "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM", "gemma3": "Gemma3ForCausalLM",
+            "phi3": "Phi3ForCausalLM", "smollm3": "SmolLM3ForCausalLM", "starcoder2": "Starcoder2ForCausalLM",
+            "gpt2": "GPT2LMHeadModel", "gptj": "GPTJForCausalLM", "falcon": "FalconForCausalLM", "mpt": "MptForCausalLM"}
 
 
 def _rope(c: dict, mt: str):
@@ -121,6 +263,8 @@ def hf_config_fields(c: dict) -> dict:
     GPTJForCausalLM, FalconForCausalLM, MptForCausalLM. A feature model.py does not implement raises ValueError
     naming the family and the feature (never a silent approximation)."""
     mt = c.get("model_type", "")
+    if mt not in FAMILIES:
+        raise ValueError(f"unsupported model_type {mt!r} (supported: {', '.join(FAMILIES)})")
     if mt in CLASSIC:
         return CLASSIC[mt](c)
     family = {"gemma3_text": "gemma3", "gemma3": "gemma3"}.get(mt, mt)

@@ -89,7 +89,7 @@ class Job:
         self.stopped = self.ended = False
         self.failed: str = ""
         gen = torch.Generator().manual_seed(random.randrange(2**63) if seed is None else seed)
-        self.request = E.Request(ids, self.keep, temperature, None, top_p, gen, self.end)
+        self.request = E.Request(ids, self.keep, E.Sampling(temperature, None, top_p, gen), self.end)
         self.prompt_tokens = len(ids)
 
     @property

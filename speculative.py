@@ -44,13 +44,12 @@
 #   * lookahead: keep the step small, since a forward of T tokens costs more than one of 1 token (about 1.6x at
 #     T = 6 and 2x at T = 16 in eager float32): e.g. 5,1,2 on text that repeats (code, edits, lists), where most
 #     hits come from the pool's n-grams of the prompt and of the text so far; on free prose few guesses hit.
-import contextlib
 from typing import Callable, Optional
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
-from engine import Emitter, StepCache, logits_to_probs, prefill, step_caches  # noqa: F401
+from engine import GREEDY, Emitter, Sampling, StepCache, prefill, step_caches  # noqa: F401
 
 
 # ----------------------------------------------------------------------------------------------------------- helpers
@@ -122,14 +121,12 @@ def _check_full_logits(backend, name):
 
 @torch.no_grad()
 def speculative_generate(target_backend, draft_backend, prompt_ids, max_new_tokens: int, device, k: int,
-                         temperature: float = 0.0, top_k: Optional[int] = None, top_p: Optional[float] = None,
-                         stop_ids=(), generator: Optional[torch.Generator] = None,
-                         on_token: Optional[Callable[[int, int], None]] = None):
+                         sampling: Sampling = GREEDY, stop_ids=(), on_token: Optional[Callable[[int, int], None]] = None):
     """Speculative decoding of one prompt (batch 1). Returns (new token ids, stats).
 
     target_backend / draft_backend follow engine.py's backend protocol; the target must return [1, T, V] logits.
-    temperature 0: the output is the target's greedy output. Otherwise the standard accept / resample rule on
-    logits_to_probs(temperature, top_k, top_p) of both models keeps the target's distribution. on_token(0, token)
+    Greedy sampling: the output is the target's greedy output. Otherwise the standard accept / resample rule on
+    sampling.probs() of both models keeps the target's distribution. on_token(0, token)
     streams the kept tokens. stats: accepted_hist[n] = verification steps that kept n draft tokens, mean_accepted,
     acceptance_rate (kept / proposed draft tokens), tokens_per_step (new tokens per target forward), timings."""
     check_speculate_k(k)
@@ -148,15 +145,15 @@ def speculative_generate(target_backend, draft_backend, prompt_ids, max_new_toke
     if L >= S:
         raise ValueError(f"prompt of {L} tokens does not fit the context of {S} tokens")
     max_new_tokens = min(max_new_tokens, S - L)
-    greedy = temperature <= 0
+    greedy = sampling.greedy
     draft_one_by_one = bool(getattr(draft_backend, "prefill_chunk", None)) or \
         getattr(draft_backend, "decode_fn", None) is not getattr(draft_backend, "prefill_fn", None)
 
     def probs(logits):  # [n, V] -> [n, V] on the CPU (sampling is done there, with the seeded generator)
-        return logits_to_probs(logits.float().cpu(), temperature, top_k, top_p)
+        return sampling.probs(logits.float().cpu())
 
     def draw(p):  # p [V] -> int
-        return int(torch.multinomial(p, 1, generator=generator))
+        return int(torch.multinomial(p, 1, generator=sampling.generator))
 
     def draft_feed(tokens: list[int], start: int) -> Tensor:  # the draft's logits [V] after the last of tokens
         if len(tokens) == 1 or draft_one_by_one:
@@ -215,7 +212,7 @@ def speculative_generate(target_backend, draft_backend, prompt_ids, max_new_toke
             last = target_ids[n]
         else:
             ps = probs(tl)
-            u = torch.rand(kk, generator=generator).tolist()
+            u = torch.rand(kk, generator=sampling.generator).tolist()
             last = None
             while n < kk:
                 d, p, q = drafts[n], ps[n], qs[n]
@@ -328,8 +325,8 @@ def step_inputs(seq: list[int], committed: int, levels: list[list[int]], cands: 
 
 @torch.no_grad()
 def lookahead_generate(backend, prompt_ids, max_new_tokens: int, device, ngram: int, window: int, gcap: int,
-                       stop_ids=(), on_token: Optional[Callable[[int, int], None]] = None, temperature: float = 0.0,
-                       prompt_ngrams: bool = True):
+                       stop_ids=(), on_token: Optional[Callable[[int, int], None]] = None,
+                       sampling: Sampling = GREEDY, prompt_ngrams: bool = True):
     """Lookahead decoding of one prompt (batch 1), greedy, lossless. Returns (new token ids, stats).
 
     ngram N >= 2 (n-gram size: a step keeps up to N tokens), window W >= 1 (lookahead columns), gcap G >= 1 (n-grams
@@ -338,7 +335,7 @@ def lookahead_generate(backend, prompt_ids, max_new_tokens: int, device, ngram: 
     exported with --lookahead). prompt_ngrams also seeds the pool with the prompt's and the accepted text's n-grams.
     The first guesses are the prompt's last W tokens (runner-common/lookahead.h does the same, so both take the same
     steps). stats: mean_accepted (tokens per forward), accepted_hist[n] = steps that kept n tokens, steps_with_hit."""
-    check_lookahead(ngram, window, gcap, temperature)
+    check_lookahead(ngram, window, gcap, sampling.temperature)
     _check_int("max_new_tokens", max_new_tokens, 0)
     prompt = _one_prompt(prompt_ids)
     masked = getattr(backend, "forward_masked", None)

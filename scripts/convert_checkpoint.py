@@ -29,16 +29,11 @@ sys.path.insert(0, str(REPO))
 from common import ArgumentParser, cli, copy_tokenizer_files, write_atomic  # noqa: E402
 from gguf_tokenizer import save_tokenizer_from_gguf  # noqa: E402  (scripts/, beside this file)
 from model import ModelArgs, Transformer, save_checkpoint  # noqa: E402
+from model_configs import FAMILIES  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-HF_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-            "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM", "SmolLM3ForCausalLM",
-            "Starcoder2ForCausalLM", "GPT2LMHeadModel", "GPTJForCausalLM", "FalconForCausalLM", "MptForCausalLM")
-HF_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM",
-                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "gemma": "GemmaForCausalLM",
-                  "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
-                  "smollm3": "SmolLM3ForCausalLM", "starcoder2": "Starcoder2ForCausalLM", "gpt2": "GPT2LMHeadModel",
-                  "gptj": "GPTJForCausalLM", "falcon": "FalconForCausalLM", "mpt": "MptForCausalLM"}
+HF_MODEL_TYPES = FAMILIES  # model_type -> transformers class (model_configs.py: the one table)
+HF_ARCHS = tuple(dict.fromkeys(FAMILIES.values()))
 
 # canonical tensor -> source name ("{0}" = layer index, "{1}" = expert index)
 _L = "model.layers.{0}."

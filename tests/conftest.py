@@ -140,3 +140,20 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+# The quick tier (`python -m pytest -q tests -m quick`, a few minutes on 2 cores): model, tokenizer, generate,
+# quantize and convert on tiny models, without torch.compile, exports or the default model's download.
+QUICK_FILES = ("test_model.py", "test_tokenizer.py", "test_generate.py", "test_quantize.py", "test_convert.py")
+NOT_QUICK = ("compile", "accelerator", "xnnpack", "gptq_model", "prepare_default", "real_smollm2", "speed",
+             "bad_input_gives", "cli_errors")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "quick: the edit loop's tier (tests/conftest.py QUICK_FILES)")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.fspath.basename in QUICK_FILES and not any(w in item.name for w in NOT_QUICK):
+            item.add_marker(pytest.mark.quick)

@@ -55,7 +55,7 @@ def _write_tokenizer(d: Path):
 
 
 def _greedy(backend, n=12, prompt=PROMPT):
-    out, _ = engine.generate(backend, [list(prompt)], n, CPU, temperature=0.0)
+    out, _ = engine.generate(backend, [list(prompt)], n, CPU)
     return out[0]
 
 

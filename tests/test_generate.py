@@ -132,19 +132,20 @@ def test_prefill_chunks_and_continuous_batching_equal_plain(tiny_checkpoint, cpu
 
 def test_sampling_rules():
     logits = torch.tensor([[2.0, 1.0, 0.5, -1.0, -3.0]])
-    assert engine.sample(logits, 0.0).item() == 0
-    p = engine.logits_to_probs(logits, 1.0, top_k=2, top_p=None)
+    S = engine.Sampling
+    assert S().sample(logits).item() == 0
+    p = S(1.0, top_k=2).probs(logits)
     assert (p[0, 2:] == 0).all() and torch.allclose(p.sum(), torch.tensor(1.0))
     full = torch.softmax(logits, -1)[0]
-    p = engine.logits_to_probs(logits, 1.0, top_k=None, top_p=0.7)  # smallest prefix reaching 0.7: the top two
+    p = S(1.0, top_p=0.7).probs(logits)  # smallest prefix reaching 0.7: the top two
     assert full[0] < 0.7 <= full[0] + full[1]
     assert (p[0, 2:] == 0).all() and torch.allclose(p[0, :2], full[:2] / full[:2].sum())
     # a seeded generator reproduces the draw; frequencies follow the distribution
-    draws = [engine.sample(logits, 1.0, None, None, torch.Generator().manual_seed(s)).item() for s in range(2000)]
+    draws = [S(1.0, generator=torch.Generator().manual_seed(s)).sample(logits).item() for s in range(2000)]
     freq = torch.bincount(torch.tensor(draws), minlength=5).float() / len(draws)
     assert (freq - full).abs().max() < 0.04
     g1, g2 = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
-    assert engine.sample(logits.repeat(4, 1), 0.8, 3, 0.9, g1).tolist() == engine.sample(logits.repeat(4, 1), 0.8, 3, 0.9, g2).tolist()
+    assert S(0.8, 3, 0.9, g1).sample(logits.repeat(4, 1)).tolist() == S(0.8, 3, 0.9, g2).sample(logits.repeat(4, 1)).tolist()
 
 
 def test_seed_makes_sampling_reproducible(tiny_checkpoint):

@@ -162,7 +162,7 @@ def test_bad_combinations(llama, cpu):
     _, model = llama
     b = engine.TorchBackend(model, 1, 64)
     with pytest.raises(ValueError, match="greedy only"):
-        SP.lookahead_generate(b, PROMPTS[0], 10, cpu, 4, 3, 3, temperature=0.8)
+        SP.lookahead_generate(b, PROMPTS[0], 10, cpu, 4, 3, 3, sampling=engine.Sampling(0.8))
     with pytest.raises(ValueError, match="attention mask.*--lookahead"):
         SP.lookahead_generate(NoModel(), PROMPTS[0], 10, cpu, 4, 3, 3)
     for n, w, g in [(1, 3, 3), (4, 0, 3), (4, 3, 0), (2.5, 3, 3)]:

@@ -204,3 +204,10 @@ def test_without_the_accelerator_the_tokens_are_the_same(monkeypatch, one_thread
     monkeypatch.setattr(engine, "fast_cpu", None)
     plain = [generate(TorchBackend(hf_to_model(hf), 2, 48, compile=c), prompts, 16, cpu)[0] for c in (False, True)]
     assert fast[0] == fast[1] == plain[0] == plain[1]
+
+
+def test_unknown_model_type_is_refused():
+    """A config.json of a family model.py does not implement is refused by name, not read with Llama's rules."""
+    cfg = tiny_hf("llama").config.to_dict()
+    with pytest.raises(ValueError, match="unsupported model_type 'bloom'"):
+        ModelArgs.from_hf_config({**cfg, "model_type": "bloom"})

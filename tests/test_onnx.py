@@ -166,7 +166,7 @@ def test_logits_close_to_pytorch(exported, ckpt):
 
 
 def _greedy(backend, prompts, n=8, **kw):
-    out, _ = engine.generate(backend, prompts, n, torch.device("cpu"), temperature=0.0, **kw)
+    out, _ = engine.generate(backend, prompts, n, torch.device("cpu"), **kw)
     return out
 
 
@@ -196,7 +196,7 @@ def test_continuous_batching_more_prompts_than_slots(exported, exported_cb, ckpt
     want = [_greedy(torch_backend(ckpt, 1), [p], n)[0] for p in prompts]
     for path in (exported_cb[0], exported[0]):  # batch_index in the graph / emulated by OnnxBackend
         backend = OnnxBackend(path, max_batch_size=2)
-        got, stats = engine.generate_continuous(backend, prompts, n, torch.device("cpu"), 2, temperature=0.0)
+        got, stats = engine.generate_continuous(backend, prompts, n, torch.device("cpu"), 2)
         assert got == want, path
         assert stats["new_tokens"] == sum(map(len, want))
 

@@ -367,14 +367,14 @@ def test_qpc_backend_logic_matches_pytorch(graphs, ckpt, tmp_path, compiler):
     assert (backend.prefill_chunk, backend.max_seq_length, backend.max_batch_size) == (4, 32, 2)
     prompts = [[5, 17, 42, 99, 7, 250], [27, 18, 300]]
     ref = engine.TorchBackend(load_model(ckpt), 2, 32)
-    want, _ = engine.generate(ref, prompts, 8, torch.device("cpu"), temperature=0.0)
-    got, _ = engine.generate(backend, prompts, 8, torch.device("cpu"), temperature=0.0)
+    want, _ = engine.generate(ref, prompts, 8, torch.device("cpu"))
+    got, _ = engine.generate(backend, prompts, 8, torch.device("cpu"))
     assert got == want
     assert backend.session.runs[:2] == [(2, 4), (2, 4)] and set(backend.session.runs[2:]) == {(2, 1)}
     # one prompt on the batch-2 QPC: the missing row rides along as padding
-    one, _ = engine.generate(backend, prompts[:1], 5, torch.device("cpu"), temperature=0.0)
+    one, _ = engine.generate(backend, prompts[:1], 5, torch.device("cpu"))
     ref1 = engine.TorchBackend(load_model(ckpt), 1, 32)
-    assert one == engine.generate(ref1, prompts[:1], 5, torch.device("cpu"), temperature=0.0)[0]
+    assert one == engine.generate(ref1, prompts[:1], 5, torch.device("cpu"))[0]
     with pytest.raises(ValueError, match="without --full_batch_size"):
         backend.forward(torch.tensor([[1]]), torch.tensor([[3]]), batch_index=torch.tensor([[1]]))
 
@@ -382,8 +382,7 @@ def test_qpc_backend_logic_matches_pytorch(graphs, ckpt, tmp_path, compiler):
     backend = QpcBackend(cache, device_group="0", session=FakeDeviceSession(graphs[1], cache))
     assert backend.max_batch_size == 2 and backend.prefill_chunk == 4
     prompts = [[3, 1, 4, 1, 5], [27, 18], [100, 200, 300, 12, 13, 14, 15, 16, 17], [9]]
-    want = [engine.generate(engine.TorchBackend(load_model(ckpt), 1, 32), [p], 6, torch.device("cpu"),
-                              temperature=0.0)[0][0] for p in prompts]
-    got, _ = engine.generate_continuous(backend, prompts, 6, torch.device("cpu"), 2, temperature=0.0)
+    want = [engine.generate(engine.TorchBackend(load_model(ckpt), 1, 32), [p], 6, torch.device("cpu"))[0][0] for p in prompts]
+    got, _ = engine.generate_continuous(backend, prompts, 6, torch.device("cpu"), 2)
     assert got == want
     assert set(backend.session.runs) == {(1, 4), (2, 1)}  # prefill batch 1, decode full_batch_size

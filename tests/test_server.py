@@ -357,8 +357,8 @@ def test_engine_one_slot_without_batch_index_and_mixed_sampling(tiny, cpu):
     emit = engine.Emitter(6, 10, (), None, cpu)
     for i in range(6):
         hot = i % 2 == 1
-        eng.add(engine.Request(prompts[i // 2], lambda t, i=i: emit.put(i, t), 1.5 if hot else 0.0,
-                               generator=torch.Generator().manual_seed(i)))
+        eng.add(engine.Request(prompts[i // 2], lambda t, i=i: emit.put(i, t),
+                               engine.Sampling(1.5 if hot else 0.0, generator=torch.Generator().manual_seed(i))))
     while eng.busy():
         eng.step()
     assert emit.out[0::2] == want

@@ -126,7 +126,7 @@ class TableBackend:
 
     def exact_joint(self, prompt, temperature, top_k, top_p):
         """P(t1, t2, t3, t4) of sampling four tokens after the prompt, by enumeration."""
-        probs = lambda logits: engine.logits_to_probs(logits, temperature, top_k, top_p)
+        probs = engine.Sampling(temperature, top_k, top_p).probs
         p1 = probs(self.table[prompt[-2], prompt[-1]])              # [a]
         p2 = probs(self.table[prompt[-1]])                          # [a, b]
         p3 = probs(self.table)                                      # [x, y, next]
@@ -146,8 +146,8 @@ def test_sampling_keeps_the_target_distribution(cpu, temperature, top_k, top_p, 
     for i in range(runs):
         # k = 2: the first token from the target's prefill, then a round drafting 2 that yields t2 (draft kept or
         # resampled), t3 (likewise) and t4 (the bonus token when both were kept, else from the next round)
-        out, st = SP.speculative_generate(target, draft, prompt, 4, cpu, 2, temperature=temperature, top_k=top_k,
-                                          top_p=top_p, generator=torch.Generator().manual_seed(i))
+        sampling = engine.Sampling(temperature, top_k, top_p, torch.Generator().manual_seed(i))
+        out, st = SP.speculative_generate(target, draft, prompt, 4, cpu, 2, sampling)
         counts[tuple(out)] += 1
         hist = [a + b for a, b in zip(hist, st["accepted_hist"])]
     assert min(hist) > runs / 20, hist  # rejected first, rejected second, both kept (bonus): all ran many times
@@ -177,13 +177,13 @@ def test_sampling_on_a_real_model_keeps_the_first_speculated_token_distribution(
     db = backend(hf_to_model(tiny_hf("llama", seed=22, vocab_size=V)), 16)
     prompt, runs = [3, 1, 4, 1, 5], 600
     with torch.no_grad():
-        p1 = engine.logits_to_probs(hf_t(torch.tensor([prompt])).logits[0, -1], 1.0, None, None)
-        p2 = engine.logits_to_probs(hf_t(torch.tensor([prompt + [a] for a in range(V)])).logits[:, -1], 1.0, None, None)
+        p1 = engine.Sampling(1.0).probs(hf_t(torch.tensor([prompt])).logits[0, -1])
+        p2 = engine.Sampling(1.0).probs(hf_t(torch.tensor([prompt + [a] for a in range(V)])).logits[:, -1])
     ref = (p1[:, None] * p2).sum(0)
     counts = torch.zeros(V)
     for i in range(runs):
-        out, _ = SP.speculative_generate(tb, db, prompt, 2, cpu, 1, temperature=1.0,
-                                         generator=torch.Generator().manual_seed(i))
+        out, _ = SP.speculative_generate(tb, db, prompt, 2, cpu, 1,
+                                         engine.Sampling(1.0, generator=torch.Generator().manual_seed(i)))
         counts[out[1]] += 1
     tv = 0.5 * float((counts / runs - ref).abs().sum())
     assert tv < 0.08, tv  # sampling noise alone: about 0.03 at 600 runs
@@ -191,8 +191,8 @@ def test_sampling_on_a_real_model_keeps_the_first_speculated_token_distribution(
 
 def test_sampling_is_reproducible_with_a_seed(models, cpu):
     tb, db = backend(models["target"]), backend(models["noisy"])
-    run = lambda s: SP.speculative_generate(tb, db, PROMPTS[0], 30, cpu, 3, temperature=0.9, top_k=20,
-                                            generator=torch.Generator().manual_seed(s))[0]
+    run = lambda s: SP.speculative_generate(tb, db, PROMPTS[0], 30, cpu, 3,
+                                            engine.Sampling(0.9, 20, generator=torch.Generator().manual_seed(s)))[0]
     assert run(5) == run(5)
     assert run(5) != run(6)
 
