@@ -1,14 +1,14 @@
 # compile_qaic.py: a checkpoint to text on Qualcomm Cloud AI 100 in one command (QEfficient's cloud/infer.py, flat):
 # the export_onnx.py graph (exported if needed), the compiler inputs, the QPC from the SDK's compiler (qaic-compile on
 # current SDKs, qaic-exec on older ones; reused while compiler, version, flags and graph are the same), then --prompt
-# runs it on the card (qaic_runtime.QpcBackend). docs/cloud_ai_100.md: which SDK gets which exact command.
+# runs it on the card (onnx_backends.QpcBackend). docs/cloud_ai_100.md: which SDK gets which exact command.
 #
 #     python compile_qaic.py --checkpoint_path checkpoints/SmolLM2-135M-Instruct/model.pth --num_cores 14 \
 #         --prompt "My name is|The capital of France is" [--mxfp6] [--mxint8] [--sub_functions] [--device_group 0,1]
 #     python compile_qaic.py --checkpoint_path ... --num_cores 14 --dry_run   # any machine: inputs + the command
 #     python generate.py --qpc out/qpc_14cores_1bs_32pl_128cl_-1mos_1devices_fp16 --device_group 0 --prompt "a|b"
 #
-# Imports common.py, export_onnx.py and qaic_runtime.py (QpcBackend is re-exported for engine.py); engine.py and
+# Imports common.py, export_onnx.py and onnx_backends.py (QpcBackend is re-exported for engine.py); engine.py and
 # tokenizer.py only to generate text.
 import argparse
 import functools
@@ -26,7 +26,7 @@ from typing import Optional
 
 import export_onnx
 from common import ArgumentParser, checkpoint_file, cli, first_line, resolve_checkpoint, write_atomic
-from qaic_runtime import DONE_FILE, QpcBackend, check_runtime, parse_device_group, read_specializations  # noqa: F401
+from onnx_backends import DONE_FILE, QpcBackend, check_runtime, parse_device_group, read_specializations  # noqa: F401
 
 SDK_EXEC = "/opt/qti-aic/exec"
 APPS_VERSION_FILE = "/opt/qti-aic/versions/apps.xml"  # the Apps SDK's version file (QEfficient reads base_version)
@@ -129,7 +129,8 @@ class CompileOptions:
         object.__setattr__(self, "device_group", tuple(parse_device_group(self.device_group)))
         if min(self.num_cores, self.batch_size, self.prompt_len, self.ctx_len) < 1 or \
                 (self.full_batch_size is not None and self.full_batch_size < 1):
-            raise ValueError("--num_cores, --batch_size, --prompt_len, --ctx_len and --full_batch_size must be positive")
+            raise ValueError("--num_cores, --batch_size, --prompt_len, --ctx_len and --full_batch_size must be "
+                             "positive")
         if self.prompt_len > self.ctx_len:
             raise ValueError(f"--prompt_len {self.prompt_len} is longer than --ctx_len {self.ctx_len}")
         if self.full_batch_size is not None and self.batch_size != 1:
@@ -155,7 +156,8 @@ class CompileOptions:
     def dir_name(self) -> str:
         """The cache directory's name: the shapes and options (the record inside decides whether a QPC is reused)."""
         name = (f"qpc_{self.num_cores}cores_{self.batch_size}bs_{self.prompt_len}pl_{self.ctx_len}cl_{self.mos}mos_"
-                f"{len(self.device_group)}devices_{'mxfp6' if self.mxfp6 else 'fp16'}{'_mxint8' if self.mxint8 else ''}")
+                f"{len(self.device_group)}devices_{'mxfp6' if self.mxfp6 else 'fp16'}")
+        name += "_mxint8" if self.mxint8 else ""
         name += f"_{self.full_batch_size}fbs" if self.full_batch_size else ""
         name += f"_{self.mdts_mos}mdtsmos" if self.mdts_mos > 0 else ""
         return name + ("_subfn" if self.sub_functions else "") + (f"_{self.aic_hw_version}" if
@@ -291,7 +293,8 @@ def compile_qpc(onnx_path, output_dir, opts: CompileOptions, compiler: Compiler,
     onnx_path = Path(onnx_path).resolve()
     meta, info = export_onnx.read_metadata(onnx_path), graph_info(onnx_path)
     if meta.get("max_ctx_len") and opts.ctx_len > meta["max_ctx_len"]:
-        raise ValueError(f"--ctx_len {opts.ctx_len} exceeds what {onnx_path} supports ({meta['max_ctx_len']} positions)")
+        raise ValueError(f"--ctx_len {opts.ctx_len} exceeds what {onnx_path} supports "
+                         f"({meta['max_ctx_len']} positions)")
     if not info["kv"]:
         raise ValueError(f"{onnx_path} has no past_* inputs: not a retained-state graph from export_onnx.py")
     why = _mismatch(info, opts)

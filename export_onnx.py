@@ -30,6 +30,7 @@ from torch import Tensor
 from common import (ArgumentParser, checkpoint_file, cli, copy_tokenizer_files, has_tokenizer, resolve_checkpoint,
                     temp_dir)
 from model import Transformer, load_model
+from onnx_backends import OnnxBackend, json_metadata  # noqa: F401 (engine.py takes OnnxBackend from here)
 
 FP16_MAX = float(np.finfo(np.float16).max)  # 65504
 
@@ -107,27 +108,25 @@ def retained_state(model: Transformer, continuous_batching: bool, rope_len: int,
     default rope_len), and put the model's own modules back on exit: the network is model.py's, nothing is copied
     (the wrapper uses the model's weight tensors) and afterwards the model runs eagerly as before (the self-check's
     reference)."""
-    tables = ("rope", "rope_local")
-    saved = ([layer.attention.kv_cache for layer in model.layers], model.output,
-             {t: getattr(model, t) for t in tables if hasattr(model, t)}, model.max_batch_size, model.max_seq_length)
+    tables = {t: getattr(model, t) for t in ("rope", "rope_local") if hasattr(model, t)}
+    saved = ([layer.attention.kv_cache for layer in model.layers], model.output, model.max_batch_size,
+             model.max_seq_length)
     caches = [RetainedStateKVCache() for _ in model.layers]
     for layer, cache in zip(model.layers, caches):
         layer.attention.kv_cache = cache
-    model.output = LastPositionHead(model.output)
+    model.output, model.max_batch_size = LastPositionHead(model.output), -1
     model.set_rope(rope_len, torch.float32, longrope_len=longrope_len)
-    model.max_batch_size = -1
     try:
         yield RetainedStateWrapper(model, continuous_batching, caches).eval()
     finally:
         for layer, cache in zip(model.layers, saved[0]):
             layer.attention.kv_cache = cache
-        model.output = saved[1]
-        for t in tables:
+        model.output, model.max_batch_size, model.max_seq_length = saved[1:]
+        for t in ("rope", "rope_local"):
             if hasattr(model, t):
                 delattr(model, t)
-        for t, v in saved[2].items():
+        for t, v in tables.items():
             model.register_buffer(t, v, persistent=False)
-        model.max_batch_size, model.max_seq_length = saved[3], saved[4]
 
 
 # ------------------------------------------------------------------------------------------------- names and shapes
@@ -146,14 +145,11 @@ def io_spec(n_layer: int, continuous_batching: bool):
     dynamic axes)."""
     inputs = ["input_ids", "position_ids"] + (["batch_index"] if continuous_batching else []) + kv_names(n_layer)
     outputs = ["logits"] + [n + "_RetainedState" for n in kv_names(n_layer)]
-    rows = "full_batch_size" if continuous_batching else "batch_size"
+    rows = {0: "full_batch_size" if continuous_batching else "batch_size", 2: "ctx_len"}
     axes = {"input_ids": {0: "batch_size", 1: "seq_len"}, "position_ids": {0: "batch_size", 1: "seq_len"},
-            "logits": {0: "batch_size"}}
-    if continuous_batching:
-        axes["batch_index"] = {0: "batch_size"}
-    for n in kv_names(n_layer):
-        axes[n] = axes[n + "_RetainedState"] = {0: rows, 2: "ctx_len"}
-    return inputs, outputs, axes
+            "logits": {0: "batch_size"}, "batch_index": {0: "batch_size"}}
+    axes.update((n, rows) for n in inputs[2:] + outputs[1:] if n != "batch_index")
+    return inputs, outputs, {n: axes[n] for n in inputs + outputs}
 
 
 # ------------------------------------------------------------------------------------------------- fp16 clipping
@@ -164,9 +160,7 @@ def _all_tensors(graph):
             if attr.HasField("t"):
                 yield attr.t
             yield from attr.tensors
-            if attr.HasField("g"):
-                yield from _all_tensors(attr.g)
-            for g in attr.graphs:
+            for g in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
                 yield from _all_tensors(g)
 
 
@@ -189,22 +183,11 @@ def clip_to_fp16_range(model_proto) -> int:
 
 
 # ------------------------------------------------------------------------------------------------- metadata
-def _json_values(pairs) -> dict:
-    """metadata_props (key, value) pairs -> dict; values are JSON (strings that are not stay strings)."""
-    meta = {}
-    for k, v in pairs:
-        try:
-            meta[k] = json.loads(v)
-        except json.JSONDecodeError:
-            meta[k] = v
-    return meta
-
-
 def read_metadata(onnx_path) -> dict:
     """The export metadata of a graph written by this script (from its metadata_props)."""
     import onnx
     m = onnx.load(str(onnx_path), load_external_data=False)
-    return _json_values((p.key, p.value) for p in m.metadata_props)
+    return json_metadata((p.key, p.value) for p in m.metadata_props)
 
 
 def _load_tokenizer(ck_dir: Path):
@@ -317,9 +300,8 @@ def _torch_export(wrapper, example, path: Path, kind: ExportKind) -> int:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         if not kind.dynamo:
-            extra = {}
-            if kind.sub_functions:
-                extra["export_modules_as_functions"] = {type(layer) for layer in wrapper.model.layers}
+            blocks = {type(b) for b in wrapper.model.layers}  # model.py's block class
+            extra = {"export_modules_as_functions": blocks} if kind.sub_functions else {}
             torch.onnx.register_custom_op_symbolic("aten::scaled_dot_product_attention", _sdpa_symbolic, kind.opset)
             # function export leaves hooks on every module (they print while the model runs on): put back the old
             hooks = [(d, dict(d)) for m in wrapper.modules() for d in (m._forward_hooks, m._forward_pre_hooks)]
@@ -334,9 +316,6 @@ def _torch_export(wrapper, example, path: Path, kind: ExportKind) -> int:
                     d.clear()
                     d.update(old)
             return kind.opset
-        if kind.sub_functions:
-            raise ValueError("--sub_functions needs the TorchScript exporter (QEfficient's subfunction export); "
-                             "leave out --dynamo")
         from torch.export import Dim
         dims = {"batch_size": Dim("batch_size", min=1, max=4096), "seq_len": Dim("seq_len", min=1, max=1 << 20),
                 "ctx_len": Dim("ctx_len", min=2, max=1 << 20), "full_batch_size": Dim("full_batch_size", min=1, max=4096)}
@@ -390,10 +369,8 @@ def export(checkpoint_path, output_dir, *, ctx_len: Optional[int] = None, max_ct
         if sub_functions and not functions:
             raise RuntimeError("the exporter wrote no ONNX functions for the decoder layers")
         clipped = clip_to_fp16_range(proto)
-        for o in proto.graph.output:  # shape inference cannot tell that the gathered position axis is 1
-            if o.name == "logits":
-                dims = o.type.tensor_type.shape.dim
-                dims[0].dim_param, dims[1].dim_value = "batch_size", 1
+        dims = proto.graph.output[0].type.tensor_type.shape.dim  # logits: shape inference cannot tell that the
+        dims[0].dim_param, dims[1].dim_value = "batch_size", 1   # gathered position axis is 1
         # the tokenizer travels with the graph: --tokenizer_path <output_dir> works
         has_tok = bool(copy_tokenizer_files(ck_file.parent, tmp))
         tok_info = dict(bos_id=None, eos_id=None, stop_ids=[]) if tok is None else dict(
@@ -418,7 +395,8 @@ def export(checkpoint_path, output_dir, *, ctx_len: Optional[int] = None, max_ct
         os.chmod(tmp / "model.onnx.data", 0o644)
         log(f"exported {ck_file} -> {output_dir / 'model.onnx'} ({meta['exporter']} exporter, opset {used_opset}, "
             f"{cfg.n_layer} layers{' as calls of ' + ', '.join(functions) if functions else ''}, ctx_len {ctx} "
-            f"(dynamic, <= {max_ctx}){', full_batch_size %d' % full_batch_size if cb else ''}; {clipped} float values clipped to the fp16 range) in {time.perf_counter() - t0:.1f} s")
+            f"(dynamic, <= {max_ctx}){', full_batch_size %d' % full_batch_size if cb else ''}; {clipped} float "
+            f"values clipped to the fp16 range) in {time.perf_counter() - t0:.1f} s")
         if check:
             t1 = time.perf_counter()
             log("checking the graph on ONNX Runtime against model.py ...")
@@ -443,23 +421,17 @@ def self_check(onnx_path, model: Transformer, steps: int = 4, atol: float = 1e-4
     V = model.config.vocab_size
     ort_b = OnnxBackend(onnx_path, max_batch_size=2)
     room = max(3, ort_b.max_seq_length - steps - 1)  # prompt + decode steps fit the context
-    prompts = None
-    if tokenizer is not None:
-        try:
-            prompts = [tokenizer.encode("The capital of France is Paris, and the capital of Italy is")[:room],
-                       tokenizer.encode("Hello, my name is")[:room - 1]]
-        except Exception:
-            prompts = None
+    try:
+        prompts = [tokenizer.encode("The capital of France is Paris, and the capital of Italy is")[:room],
+                   tokenizer.encode("Hello, my name is")[:room - 1]]
+    except Exception:  # no tokenizer (None), or one that fails on plain text
+        prompts = None
     if not prompts or min(map(len, prompts)) == 0 or max(map(max, prompts)) >= V or len(prompts[0]) == len(prompts[1]):
         g = torch.Generator().manual_seed(0)
         prompts = [torch.randint(0, V, (min(7, room),), generator=g).tolist(),
                    torch.randint(0, V, (min(4, room - 1),), generator=g).tolist()]
     model.setup_caches(2, ort_b.max_seq_length)
-
-    def eager(tokens, pos):
-        with torch.inference_mode():
-            return model(tokens, pos)
-
+    eager = torch.inference_mode()(lambda tokens, pos: model(tokens, pos))
     B, T = 2, max(len(p) for p in prompts)
     tokens = torch.zeros(B, T, dtype=torch.long)
     pos = torch.full((B, T), -1, dtype=torch.long)
@@ -491,82 +463,6 @@ def self_check(onnx_path, model: Transformer, steps: int = 4, atol: float = 1e-4
                 decode_steps=len(diffs) - 1, summary=summary)
 
 
-# ------------------------------------------------------------------------------------------------- the backend
-class OnnxBackend:
-    """generate.py backend running an export_onnx.py graph on ONNX Runtime (CPU).
-
-    The KV cache lives here as numpy arrays [slots, n_kv_heads, ctx_len, head_dim] per layer; each call feeds them as
-    past_* inputs and keeps the *_RetainedState outputs for the next call. forward(tokens [B, T], input_pos [T] or
-    [B, T], batch_index=None or [B] / [B, 1]) returns logits [B, 1, V] (each row's last valid position).
-    batch_index maps rows to cache slots (continuous batching); it works with both graph kinds: a graph exported with
-    --full_batch_size takes it as an input, for the other kind the rows' slots are gathered and scattered here."""
-
-    prefill_chunk = None  # the graph takes any seq_len
-
-    def __init__(self, path, max_batch_size: int = 1, ctx_len: Optional[int] = None, threads: Optional[int] = None):
-        import onnxruntime as ort
-        path = Path(path)
-        if path.is_dir():
-            path = path / "model.onnx"
-        if not path.is_file():
-            raise FileNotFoundError(f"ONNX graph not found: {path}")
-        so = ort.SessionOptions()
-        so.log_severity_level = 3
-        if threads:
-            so.intra_op_num_threads = threads
-        self.session = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
-        self.meta = _json_values(self.session.get_modelmeta().custom_metadata_map.items())
-        inputs = {i.name: i for i in self.session.get_inputs()}
-        self.kv_names = [n for n in inputs if n.startswith("past_")]
-        if not self.kv_names or "input_ids" not in inputs or "position_ids" not in inputs:
-            raise ValueError(f"{path} is not a graph from export_onnx.py (needs input_ids, position_ids, past_*)")
-        self.continuous_batching = "batch_index" in inputs
-        self.output_names = ["logits"] + [n + "_RetainedState" for n in self.kv_names]
-        shape = inputs[self.kv_names[0]].shape  # [rows, n_kv_heads, ctx_len, head_dim]
-        max_ctx = self.meta.get("max_ctx_len")
-        self.max_seq_length = int(ctx_len or self.meta.get("ctx_len") or 2048)
-        if max_ctx and self.max_seq_length > max_ctx:
-            raise ValueError(f"ctx_len {self.max_seq_length} exceeds the graph's rotary table ({max_ctx} positions)")
-        self.max_batch_size = int(max_batch_size)
-        self.vocab_size = self.meta.get("vocab_size")
-        tdir = self.meta.get("tokenizer_dir")
-        self.tokenizer_dir = None if not tdir else (path.parent if tdir == "." else Path(tdir))
-        n_kv, head_dim = int(shape[1]), int(shape[3])
-        self.past = [np.zeros((self.max_batch_size, n_kv, self.max_seq_length, head_dim), np.float32)
-                     for _ in self.kv_names]
-
-    def forward(self, tokens, input_pos, batch_index=None):
-        tokens = np.ascontiguousarray(torch.as_tensor(tokens).cpu().numpy(), dtype=np.int64)
-        B, T = tokens.shape
-        pos = torch.as_tensor(input_pos).cpu().numpy().astype(np.int64)
-        pos = np.ascontiguousarray(np.broadcast_to(pos, (B, T)) if pos.ndim == 1 else pos)
-        if pos.shape != (B, T):
-            raise ValueError(f"input_pos {tuple(pos.shape)} does not match tokens {(B, T)}")
-        if pos.max() >= self.max_seq_length:
-            raise ValueError(f"position {int(pos.max())} is outside the context of {self.max_seq_length} tokens")
-        slots = None
-        if batch_index is not None:
-            slots = torch.as_tensor(batch_index).cpu().numpy().astype(np.int64).reshape(B)
-            if slots.min() < 0 or slots.max() >= self.max_batch_size:
-                raise ValueError(f"batch_index {slots.tolist()} outside the {self.max_batch_size} cache slots")
-        elif B > self.max_batch_size:
-            raise ValueError(f"{B} rows but the backend holds at most {self.max_batch_size} sequences")
-        feed = {"input_ids": tokens, "position_ids": pos}
-        if self.continuous_batching:  # the graph scatters into the slots itself: hand it every slot
-            feed["batch_index"] = (np.arange(B, dtype=np.int64) if slots is None else slots).reshape(B, 1)
-        if self.continuous_batching or (slots is None and B == self.max_batch_size):
-            feed.update(zip(self.kv_names, self.past))
-            out = self.session.run(self.output_names, feed)
-            self.past = out[1:]
-        else:  # a subset of the rows, or rows mapped to slots: gather them, run, scatter the result back
-            rows = np.arange(B) if slots is None else slots
-            feed.update((n, p[rows]) for n, p in zip(self.kv_names, self.past))
-            out = self.session.run(self.output_names, feed)
-            for p, new in zip(self.past, out[1:]):
-                p[rows] = new
-        return torch.from_numpy(out[0])
-
-
 # ------------------------------------------------------------------------------------------------- CLI
 def parse_args(argv=None):
     p = ArgumentParser(description="Export a model.py checkpoint to one ONNX graph (prefill + decode, "
@@ -574,18 +470,15 @@ def parse_args(argv=None):
     p.add_argument("--checkpoint_path", type=Path, default=None,
                    help="model.pth from scripts/convert_checkpoint.py (default: the SmolLM2-135M-Instruct checkpoint)")
     p.add_argument("--output_dir", type=Path, default=Path("out"), help="where model.onnx (+ .data) go (default: out)")
-    p.add_argument("--ctx_len", type=int, default=None,
-                   help="context length recorded as the default for runners (the axis stays dynamic); default "
-                        "min(1024, max_ctx_len)")
+    p.add_argument("--ctx_len", type=int, default=None, help="context length recorded as the default for runners "
+                   "(the axis stays dynamic); default min(1024, max_ctx_len)")
     p.add_argument("--max_ctx_len", type=int, default=None,
                    help="longest context the graph supports (rotary table size); default the model's block_size")
-    p.add_argument("--full_batch_size", type=int, default=None,
-                   help="continuous batching: add a batch_index input mapping rows to cache slots")
+    p.add_argument("--full_batch_size", type=int, default=None, help="continuous batching: a batch_index input")
     p.add_argument("--opset", type=int, default=17)
     kind = p.add_mutually_exclusive_group()  # subfunction export is the TorchScript exporter's
-    kind.add_argument("--dynamo", action="store_true", help="use the dynamo exporter (opset >= 18) instead of TorchScript")
-    kind.add_argument("--sub_functions", action="store_true",
-                   help="each decoder layer as a call of one ONNX function (for qaic-compile -sub-functions)")
+    kind.add_argument("--dynamo", action="store_true", help="the dynamo exporter (opset >= 18), not TorchScript")
+    kind.add_argument("--sub_functions", action="store_true", help="decoder layers as calls of one ONNX function")
     p.add_argument("--skip_check", action="store_true", help="do not run the ONNX Runtime self-check")
     p.add_argument("--atol", type=float, default=1e-3, help="self-check: largest allowed |logits difference|")
     return p.parse_args(argv)

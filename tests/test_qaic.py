@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import compile_qaic  # noqa: E402
 import export_onnx  # noqa: E402
 import engine  # noqa: E402
-import qaic_runtime  # noqa: E402
+import onnx_backends  # noqa: E402
 from compile_qaic import QpcBackend  # noqa: E402
 from export_onnx import OnnxBackend  # noqa: E402
 from model import load_model  # noqa: E402
@@ -565,7 +565,7 @@ def test_one_command_checkpoint_to_text(ckpt, tmp_path, compiler, monkeypatch, c
         done = json.loads((Path(qpc_path).parent / "qpc_done.json").read_text())
         assert json.loads((Path(qpc_path) / "programqpc.bin").read_text())["onnx"] == done["onnx"]
         return FakeDeviceSession(done["onnx"], Path(qpc_path).parent)
-    monkeypatch.setattr(qaic_runtime, "QaicSession", session)
+    monkeypatch.setattr(onnx_backends, "QaicSession", session)
     monkeypatch.setattr(compile_qaic, "check_runtime", lambda: None)
     from tokenizer import load_tokenizer
     tok = load_tokenizer(ckpt.parent)

@@ -1,7 +1,9 @@
-# qaic_runtime.py: run a compile_qaic.py QPC on Qualcomm Cloud AI 100 through the Platform SDK's Python runtime
-# (qaicrt), QEfficient's generation/cloud_infer.py way: QaicSession (one program, one ExecObj) and QpcBackend, the
-# backend generate.py / server.py / eval.py take with --qpc and compile_qaic.py --prompt runs. Nothing here needs the
-# SDK until a QPC is loaded. Imports nothing from this repo (compile_qaic.py re-exports QpcBackend for engine.py).
+# onnx_backends.py: the backends that run export_onnx.py's graph (one graph contract: retained-state KV cache,
+# position_ids with -1 padding, batch_index slots): on ONNX Runtime (OnnxBackend, generate.py --onnx) and, compiled by
+# compile_qaic.py, on Qualcomm Cloud AI 100 through the Platform SDK's Python runtime qaicrt (QaicSession and
+# QpcBackend, generate.py --qpc, compile_qaic.py --prompt; QEfficient's generation/cloud_infer.py way). Nothing here
+# needs the SDK until a QPC is loaded. Imports nothing from this repo; export_onnx.py and compile_qaic.py re-export
+# OnnxBackend and QpcBackend for engine.py.
 import importlib
 import json
 import platform
@@ -18,6 +20,93 @@ RUNTIME_HINT = ("running a QPC needs the Qualcomm Cloud AI 100 Platform SDK's Py
 DONE_FILE = "qpc_done.json"  # compile_qaic.py's record of a finished compile, beside qpc/
 
 
+# ------------------------------------------------------------------------------------------------- ONNX Runtime
+def json_metadata(pairs) -> dict:
+    """An export_onnx.py graph's metadata_props (key, value) pairs -> dict; values are JSON (others stay strings)."""
+    def value(v):
+        try:
+            return json.loads(v)
+        except json.JSONDecodeError:
+            return v
+    return {k: value(v) for k, v in pairs}
+
+
+class OnnxBackend:
+    """generate.py backend running an export_onnx.py graph on ONNX Runtime (CPU).
+
+    The KV cache lives here as numpy arrays [slots, n_kv_heads, ctx_len, head_dim] per layer; each call feeds them as
+    past_* inputs and keeps the *_RetainedState outputs for the next call. forward(tokens [B, T], input_pos [T] or
+    [B, T], batch_index=None or [B] / [B, 1]) returns logits [B, 1, V] (each row's last valid position).
+    batch_index maps rows to cache slots (continuous batching); it works with both graph kinds: a graph exported with
+    --full_batch_size takes it as an input, for the other kind the rows' slots are gathered and scattered here."""
+
+    prefill_chunk = None  # the graph takes any seq_len
+
+    def __init__(self, path, max_batch_size: int = 1, ctx_len: Optional[int] = None, threads: Optional[int] = None):
+        import onnxruntime as ort
+        path = Path(path)
+        if path.is_dir():
+            path = path / "model.onnx"
+        if not path.is_file():
+            raise FileNotFoundError(f"ONNX graph not found: {path}")
+        so = ort.SessionOptions()
+        so.log_severity_level = 3
+        if threads:
+            so.intra_op_num_threads = threads
+        self.session = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+        self.meta = json_metadata(self.session.get_modelmeta().custom_metadata_map.items())
+        inputs = {i.name: i for i in self.session.get_inputs()}
+        self.kv_names = [n for n in inputs if n.startswith("past_")]
+        if not self.kv_names or "input_ids" not in inputs or "position_ids" not in inputs:
+            raise ValueError(f"{path} is not a graph from export_onnx.py (needs input_ids, position_ids, past_*)")
+        self.continuous_batching = "batch_index" in inputs
+        self.output_names = ["logits"] + [n + "_RetainedState" for n in self.kv_names]
+        shape = inputs[self.kv_names[0]].shape  # [rows, n_kv_heads, ctx_len, head_dim]
+        max_ctx = self.meta.get("max_ctx_len")
+        self.max_seq_length = int(ctx_len or self.meta.get("ctx_len") or 2048)
+        if max_ctx and self.max_seq_length > max_ctx:
+            raise ValueError(f"ctx_len {self.max_seq_length} exceeds the graph's rotary table ({max_ctx} positions)")
+        self.max_batch_size = int(max_batch_size)
+        self.vocab_size = self.meta.get("vocab_size")
+        tdir = self.meta.get("tokenizer_dir")
+        self.tokenizer_dir = None if not tdir else (path.parent if tdir == "." else Path(tdir))
+        n_kv, head_dim = int(shape[1]), int(shape[3])
+        self.past = [np.zeros((self.max_batch_size, n_kv, self.max_seq_length, head_dim), np.float32)
+                     for _ in self.kv_names]
+
+    def forward(self, tokens, input_pos, batch_index=None):
+        tokens = np.ascontiguousarray(torch.as_tensor(tokens).cpu().numpy(), dtype=np.int64)
+        B, T = tokens.shape
+        pos = torch.as_tensor(input_pos).cpu().numpy().astype(np.int64)
+        pos = np.ascontiguousarray(np.broadcast_to(pos, (B, T)) if pos.ndim == 1 else pos)
+        if pos.shape != (B, T):
+            raise ValueError(f"input_pos {tuple(pos.shape)} does not match tokens {(B, T)}")
+        if pos.max() >= self.max_seq_length:
+            raise ValueError(f"position {int(pos.max())} is outside the context of {self.max_seq_length} tokens")
+        slots = None
+        if batch_index is not None:
+            slots = torch.as_tensor(batch_index).cpu().numpy().astype(np.int64).reshape(B)
+            if slots.min() < 0 or slots.max() >= self.max_batch_size:
+                raise ValueError(f"batch_index {slots.tolist()} outside the {self.max_batch_size} cache slots")
+        elif B > self.max_batch_size:
+            raise ValueError(f"{B} rows but the backend holds at most {self.max_batch_size} sequences")
+        feed = {"input_ids": tokens, "position_ids": pos}
+        if self.continuous_batching:  # the graph scatters into the slots itself: hand it every slot
+            feed["batch_index"] = (np.arange(B, dtype=np.int64) if slots is None else slots).reshape(B, 1)
+        if self.continuous_batching or (slots is None and B == self.max_batch_size):
+            feed.update(zip(self.kv_names, self.past))
+            out = self.session.run(self.output_names, feed)
+            self.past = out[1:]
+        else:  # a subset of the rows, or rows mapped to slots: gather them, run, scatter the result back
+            rows = np.arange(B) if slots is None else slots
+            feed.update((n, p[rows]) for n, p in zip(self.kv_names, self.past))
+            out = self.session.run(self.output_names, feed)
+            for p, new in zip(self.past, out[1:]):
+                p[rows] = new
+        return torch.from_numpy(out[0])
+
+
+# ------------------------------------------------------------------------------------------------- Cloud AI 100
 def check_runtime() -> None:
     """ImportError (one line naming the Platform SDK) unless qaicrt can be imported: compile_qaic.py --prompt asks
     before it exports or compiles anything."""
