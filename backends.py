@@ -19,10 +19,10 @@ def load_backend(args, device, dtype, max_batch_size, max_seq_length):
         from et_export import PTEBackend
         return PTEBackend(args.pte, mode=mode)
     if getattr(args, "onnx", None):
-        from export_onnx import OnnxBackend
+        from onnx_backends import OnnxBackend
         return OnnxBackend(args.onnx, max_batch_size=max_batch_size)
     if getattr(args, "qpc", None):
-        from compile_qaic import QpcBackend
+        from onnx_backends import QpcBackend
         return QpcBackend(args.qpc, device_group=args.device_group)
     if tp.get_world_size() > 1:  # under torchrun: this rank's shard of every attention / feed-forward matrix
         model = tp.load_model_tp(args.checkpoint_path, device=device, dtype=dtype)

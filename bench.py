@@ -1,35 +1,19 @@
-# Just over 500 lines: a third of it is the ROWS / BUILD tables (one entry per row and per artifact), kept beside the
-# code that builds and runs them so a row and what it needs read together.
-# Benchmarks: decode / prefill tok/s, TTFT, achieved GB/s and % of the memory-bandwidth ceiling measured on this
-# machine, peak RSS and file size, for every backend, precision and decoding mode. Each row runs in its own process
-# (clean peak memory, no state shared between rows); each figure is the median of several runs. Prints a markdown
-# table, writes JSON.
-#
-#   python bench.py                                  # default rows on the default model
-#   python bench.py --rows "compile fp32,compile int4 g32" --runs 5 --max_new_tokens 128 --json bench.json
-#   python bench.py --rows all --threads 1           # everything; 1 thread gives stable figures on a shared machine
-#   python bench.py --rows peer --threads 2 --rounds 5 --runs 1   # against llama.cpp, rows interleaved round by round
-#   python bench.py --rows prefill --prompt_tokens 128 --max_new_tokens 8 --threads 2 --rounds 3   # prefill at 128
-#
-# A row runs generate.py (any backend, any mode) or one of the C++ runners with greedy decoding, so every row of a
-# prompt produces the same tokens. Artifacts a row needs (quantized checkpoints, .pte / .pt2 / ONNX files,
-# tokenizer.bin, runner binaries) are built first with the stage's own script when missing, in <checkpoint_dir>/bench/.
-# "vs" is the row a row is compared with (the issue targets: quantized vs float32, runner-et 8da4w vs float32,
-# a decoding mode vs plain decoding); the ratio is shown when both rows ran. The figures of a generate.py row are
-# generate.Emitter's (one definition of TTFT, prefill and decode tok/s for every backend and mode). "llama.cpp" rows
-# time llama-cpp-python on the same weights written as GGUF (scripts/llamacpp_peer.py; skipped with one line when the
-# package is absent); each of our rows shows its ratio to the llama.cpp row of its precision when that row ran.
-# --rounds N runs the whole row list N times, interleaved, and reports the median over rounds (a shared machine's
-# slow spells then hit every row alike).
+# Benchmarks: decode / prefill tok/s, TTFT, GB/s against the measured read bandwidth, peak RSS and file size of every
+# backend, precision and decoding mode; each row greedy in its own process (generate.py, a C++ runner, or llama.cpp on
+# the same weights), its artifacts built first when missing. Prints a table, writes JSON and, with --markdown PATH, the
+# benchmark page (docs/benchmarks.md); --from_json renders that page from an earlier run's JSON without running.
 import argparse
+import datetime
 import importlib.util
 import json
 import os
+import platform
 import re
+import shlex
 import statistics
 import subprocess
 import sys
-import time
+import timeit
 from pathlib import Path
 from typing import Optional
 
@@ -39,32 +23,35 @@ from common import DEFAULT_CHECKPOINT, REPO, ArgumentParser, cli, peak_memory_mb
 
 CK = DEFAULT_CHECKPOINT.parent
 PY = sys.executable
-
 PROMPTS = {
     "story": ("Write a short story about a robot who learns to paint. The robot lives in a small town by the sea and "
               "every morning it watches the fishermen leave the harbour."),
     "code": ("class Calculator:\n    def add(self, a, b):\n        return a + b\n\n    def sub(self, a, b):\n"
              "        return a - b\n\n    def mul(self, a, b):\n        return a * b\n\n    def"),
 }
-# a ~512-token prompt (495 tokens with SmolLM2's tokenizer: 4 prefill chunks of 128): hybrid (fixed-length prefill)
-# vs one dynamic-length forward
+# 495 tokens with SmolLM2's tokenizer (4 prefill chunks of 128): hybrid (fixed-length prefill) vs one dynamic forward
 PROMPTS["long"] = " ".join([PROMPTS["story"]] * 15)
 CB_PROMPTS = [  # continuous batching: more prompts than slots
-    "The history of the printing press begins", "Here is a recipe for a simple tomato soup:",
-    "The three laws of motion are", "Once upon a time, in a village at the edge of a forest,",
-    "A good way to learn a new language is", "The main causes of the French Revolution were",
-    "To change a flat tyre on a bicycle, first", "The weather on Mars is",
-]
-
-# Artifacts: path -> command that builds it ({ck} the checkpoint directory, {art} ART)
-Q = ["quantize.py", "--checkpoint_path", "{ck}/model.pth", "--mode"]
+    "The history of the printing press begins", "Here is a recipe for a simple tomato soup:", "The three laws of "
+    "motion are", "Once upon a time, in a village at the edge of a forest,", "A good way to learn a new language is",
+    "The main causes of the French Revolution were", "To change a flat tyre on a bicycle, first",
+    "The weather on Mars is"]
+# Artifacts: path -> the command that builds it ({ck} the checkpoint directory, {art} {ck}/bench, {j} the threads)
+FP, I8, I4, D4, D8 = (f"{{ck}}/model{s}.pth" for s in ("", "_int8", "_int4.g32", "_8da4w.g32", "_8da8w"))
+Q = ["quantize.py", "--checkpoint_path", FP, "--mode"]
 S256, J = ("--max_seq_length", "256"), ("--threads", "{j}")
 
 
-def export(script, name, checkpoint, *extra) -> dict:
-    """{art}/name: the stage script's export of {ck}/checkpoint."""
-    return {f"{{art}}/{name}": [PY, script, "--checkpoint_path", f"{{ck}}/{checkpoint}", "--output_path",
-                                f"{{art}}/{name}", *extra]}
+def export(name) -> list:
+    """The export command of {art}/name, read off the name: PRECISION[.g32][.fp][.s256|.modes][.j{j}].pte|.pt2. fp:
+    --fast_prefill; s256: a 256-token context (the prompt + 128 tokens; else the exporter's 1024, the ctx1024 rows);
+    modes: the runners' -M modes, prefill chunks of 128; j{j}: AOT Inductor kernels compiled for the bench's threads."""
+    p = name.split(".")
+    ck = {"fp32": "model.pth", "int8": "model_int8.pth", "8da8w": "model_8da8w.pth"}.get(p[0], f"model_{p[0]}.g32.pth")
+    extra = [*(S256 if "s256" in p else ()), *(("--prefill_chunk", "128", "--lookahead") if "modes" in p else ()),
+             *(J if "j{j}" in p else ()), *(("--fast_prefill",) if "fp" in p else ())]
+    return [PY, "aoti_export.py" if name.endswith(".pt2") else "et_export.py", "--checkpoint_path", f"{{ck}}/{ck}",
+            "--output_path", f"{{art}}/{name}", *extra]
 
 
 BUILD = {
@@ -72,40 +59,18 @@ BUILD = {
     "{ck}/model_int4.g32.pth": [PY, *Q, "int4", "--groupsize", "32"],
     "{ck}/model_8da4w.g32.pth": [PY, *Q, "8da4w", "--groupsize", "32"],
     "{ck}/model_8da8w.pth": [PY, *Q, "8da8w"],
-    # exported with a 256-token context (the prompt + 128 tokens fit; generate.py sizes its cache the same way). A
-    # .pte reads its static cache whole at every step, at 1024 tokens 47 MB per step for this model (the ctx1024
-    # rows); torch.compile and AOT Inductor packages read the filled slots only (model.py's _attend_filled)
-    **export("et_export.py", "fp32.s256.pte", "model.pth", *S256),
-    **export("et_export.py", "fp32.fp.s256.pte", "model.pth", *S256, "--fast_prefill"),
-    **export("et_export.py", "8da4w.g32.s256.pte", "model_8da4w.g32.pth", *S256),
-    **export("et_export.py", "8da4w.g32.fp.s256.pte", "model_8da4w.g32.pth", *S256, "--fast_prefill"),
-    **export("et_export.py", "8da8w.s256.pte", "model_8da8w.pth", *S256),
-    **export("et_export.py", "fp32.pte", "model.pth"),
-    **export("et_export.py", "8da4w.g32.pte", "model_8da4w.g32.pth"),
-    # AOT Inductor's CPU kernels are compiled for a thread count ({j}: the bench's); fp.: + the "prompt" model (ATen
-    # GEMMs tuned for prompts, its own copy of the weights)
-    **export("aoti_export.py", "fp32.s256.j{j}.pt2", "model.pth", *S256, *J),
-    **export("aoti_export.py", "fp32.fp.s256.j{j}.pt2", "model.pth", *S256, *J, "--fast_prefill"),
-    **export("aoti_export.py", "int8.s256.j{j}.pt2", "model_int8.pth", *S256, *J),
-    **export("aoti_export.py", "int4.g32.s256.j{j}.pt2", "model_int4.g32.pth", *S256, *J),
-    **export("aoti_export.py", "int4.g32.j{j}.pt2", "model_int4.g32.pth", *J),  # aoti_export.py's default context
-    **export("aoti_export.py", "int8.fp.s256.j{j}.pt2", "model_int8.pth", *S256, *J, "--fast_prefill"),
-    **export("aoti_export.py", "int4.g32.fp.s256.j{j}.pt2", "model_int4.g32.pth", *S256, *J, "--fast_prefill"),
-    **export("aoti_export.py", "8da4w.g32.s256.j{j}.pt2", "model_8da4w.g32.pth", *S256, *J),
-    **export("aoti_export.py", "8da4w.g32.fp.s256.j{j}.pt2", "model_8da4w.g32.pth", *S256, *J, "--fast_prefill"),
-    **export("aoti_export.py", "8da8w.fp.s256.j{j}.pt2", "model_8da8w.pth", *S256, *J, "--fast_prefill"),
-    "{art}/onnx/model.onnx": [PY, "export_onnx.py", "--checkpoint_path", "{ck}/model.pth", "--output_dir",
-                              "{art}/onnx"],
+    **{f"{{art}}/{name}": export(name) for name in (
+        "fp32.s256.pte", "fp32.fp.s256.pte", "8da4w.g32.s256.pte", "8da4w.g32.fp.s256.pte", "8da8w.s256.pte",
+        "fp32.pte", "8da4w.g32.pte", "fp32.modes.pte", "fp32.s256.j{j}.pt2", "fp32.fp.s256.j{j}.pt2",
+        "int8.s256.j{j}.pt2", "int8.fp.s256.j{j}.pt2", "int4.g32.s256.j{j}.pt2", "int4.g32.j{j}.pt2",
+        "int4.g32.fp.s256.j{j}.pt2", "8da4w.g32.s256.j{j}.pt2", "8da4w.g32.fp.s256.j{j}.pt2", "8da8w.fp.s256.j{j}.pt2",
+        "fp32.modes.j{j}.pt2")},
+    "{art}/onnx/model.onnx": [PY, "export_onnx.py", "--checkpoint_path", FP, "--output_dir", "{art}/onnx"],
     "{art}/tokenizer.bin": [PY, "scripts/export_tokenizer_bin.py", "{ck}", "-o", "{art}/tokenizer.bin"],
-    **{f"{{art}}/{t}.gguf": [PY, "scripts/llamacpp_peer.py", "write", "--checkpoint_path", "{ck}/model.pth",
+    **{f"{{art}}/{t}.gguf": [PY, "scripts/llamacpp_peer.py", "write", "--checkpoint_path", FP,
                               "--type", t, "--output", f"{{art}}/{t}.gguf"] for t in ("f32", "f16", "q8_0", "q4_0")},
-    "runner-et/build/run": ["sh", "-c", "cmake -S runner-et -B runner-et/build && cmake --build runner-et/build -j2"],
-    "runner-aoti/build/run": ["sh", "-c",
-                              "cmake -S runner-aoti -B runner-aoti/build && cmake --build runner-aoti/build -j2"],
-    # the runners' decoding modes (-M kv|hybrid|lookahead): one program with every method / model, a 1024-token
-    # context (the 512-token prompt + 128 tokens), prefill chunks of 128
-    **export("et_export.py", "fp32.modes.pte", "model.pth", "--prefill_chunk", "128", "--lookahead"),
-    **export("aoti_export.py", "fp32.modes.j{j}.pt2", "model.pth", "--prefill_chunk", "128", "--lookahead", *J),
+    **{f"{r}/build/run": ["sh", "-c", f"cmake -S {r} -B {r}/build && cmake --build {r}/build -j2"]
+       for r in ("runner-et", "runner-aoti")},
 }
 
 
@@ -125,14 +90,11 @@ def runner(binary, artifact, weights, vs=None, peer=None, prompt="story", mode=N
 
 
 def runner_modes(name, binary, artifact):
-    """kv / lookahead (6,1,1, the runners' default) on the code and story prompts, kv / hybrid on the long prompt; ratio to kv, same run."""
-    rows = {}
-    for prompt, modes in (("code", ("lookahead",)), ("story", ("lookahead",)), ("long", ("hybrid",))):
-        rows[f"{name} kv {prompt}"] = runner(binary, artifact, "{ck}/model.pth", prompt=prompt, mode="kv")
-        for m in modes:
-            rows[f"{name} {m} {prompt}"] = runner(binary, artifact, "{ck}/model.pth", prompt=prompt, mode=m,
-                                                  vs=f"{name} kv {prompt}")
-    return rows
+    """kv, lookahead (-L 6,1,1) on the code and story prompts, kv, hybrid on the long one; ratios to kv."""
+    return {f"{name} {m} {prompt}": runner(binary, artifact, FP, prompt=prompt, mode=m,
+                                           vs=None if m == "kv" else f"{name} kv {prompt}")
+            for prompt, mode in (("code", "lookahead"), ("story", "lookahead"), ("long", "hybrid"))
+            for m in ("kv", mode)}
 
 
 def artifact_row(flag, artifact, weights, vs=None, peer=None):
@@ -145,89 +107,61 @@ def llamacpp(kind):
     return dict(kind="peer", gguf=gguf, weights=gguf, prompt="story", vs=None, needs=[gguf], peer=None)
 
 
+RA, RE = "runner-aoti/build/run", "runner-et/build/run"
+F32, F16, Q8, Q4 = "llama.cpp F32", "llama.cpp F16", "llama.cpp Q8_0", "llama.cpp Q4_0"
 ROWS = {
-    "llama.cpp F32": llamacpp("f32"),
-    "llama.cpp F16": llamacpp("f16"),
-    "llama.cpp Q8_0": llamacpp("q8_0"),
-    "llama.cpp Q4_0": llamacpp("q4_0"),
-    "eager fp32": gen(peer="llama.cpp F32"),
-    "compile fp32": gen("--compile", vs="eager fp32", peer="llama.cpp F32"),
+    F32: llamacpp("f32"), F16: llamacpp("f16"), Q8: llamacpp("q8_0"), Q4: llamacpp("q4_0"),
+    "eager fp32": gen(peer=F32), "compile fp32": gen("--compile", vs="eager fp32", peer=F32),
     "eager bf16": gen("--dtype", "bfloat16", vs="eager fp32"),
-    "compile bf16": gen("--compile", "--dtype", "bfloat16", vs="compile fp32", peer="llama.cpp F16"),
-    "eager int8": gen("--checkpoint_path", "{ck}/model_int8.pth", vs="eager fp32"),
-    "compile int8": gen("--compile", "--checkpoint_path", "{ck}/model_int8.pth", vs="compile fp32",
-                        peer="llama.cpp Q8_0"),
-    "compile int4 g32": gen("--compile", "--checkpoint_path", "{ck}/model_int4.g32.pth", vs="compile fp32",
-                            peer="llama.cpp Q4_0"),
+    "compile bf16": gen("--compile", "--dtype", "bfloat16", vs="compile fp32", peer=F16),
+    "eager int8": gen("--checkpoint_path", I8, vs="eager fp32"),
+    "compile int8": gen("--compile", "--checkpoint_path", I8, vs="compile fp32", peer=Q8),
+    "compile int4 g32": gen("--compile", "--checkpoint_path", I4, vs="compile fp32", peer=Q4),
     # the server's and chat's 2048-token context: the layers attend over the filled cache slots only (model.py)
-    "compile fp32 ctx2048": gen("--compile", "--max_seq_length", "2048", vs="compile fp32", peer="llama.cpp F32"),
-    "compile int4 g32 ctx2048": gen("--compile", "--max_seq_length", "2048", "--checkpoint_path",
-                                    "{ck}/model_int4.g32.pth", vs="compile int4 g32", peer="llama.cpp Q4_0"),
-    # 8da8w: int8 weights x int8 per-token activations, the arithmetic of llama.cpp's Q8_0 (prompts: torch._int_mm)
-    "compile 8da8w": gen("--compile", "--checkpoint_path", "{ck}/model_8da8w.pth", vs="compile int8",
-                         peer="llama.cpp Q8_0"),
-    "compile 8da4w g32": gen("--compile", "--checkpoint_path", "{ck}/model_8da4w.g32.pth", vs="compile fp32",
-                             peer="llama.cpp Q4_0"),
-    "compile bf16 int8": gen("--compile", "--dtype", "bfloat16", "--checkpoint_path", "{ck}/model_int8.pth",
-                             vs="compile fp32"),
-    "compile bf16 int4 g32": gen("--compile", "--dtype", "bfloat16", "--checkpoint_path", "{ck}/model_int4.g32.pth",
-                                 vs="compile fp32"),
-    # exported programs, through generate.py (Python runtimes) and through the C++ runners
-    "aoti fp32": artifact_row("--aoti_package", "{art}/fp32.s256.j{j}.pt2", "{ck}/model.pth", vs="compile fp32",
-                              peer="llama.cpp F32"),
-    "aoti int8": artifact_row("--aoti_package", "{art}/int8.s256.j{j}.pt2", "{ck}/model_int8.pth", vs="aoti fp32"),
-    "runner-aoti fp32": runner("runner-aoti/build/run", "{art}/fp32.s256.j{j}.pt2", "{ck}/model.pth",
-                               vs="compile fp32", peer="llama.cpp F32"),
-    "runner-aoti fp32 fast_prefill": runner("runner-aoti/build/run", "{art}/fp32.fp.s256.j{j}.pt2", "{ck}/model.pth",
-                                            vs="runner-aoti fp32", peer="llama.cpp F32"),
-    "runner-aoti int8": runner("runner-aoti/build/run", "{art}/int8.s256.j{j}.pt2", "{ck}/model_int8.pth",
-                               vs="runner-aoti fp32", peer="llama.cpp Q8_0"),
-    "runner-aoti int4 g32": runner("runner-aoti/build/run", "{art}/int4.g32.s256.j{j}.pt2", "{ck}/model_int4.g32.pth",
-                                   vs="runner-aoti fp32", peer="llama.cpp Q4_0"),
-    "runner-aoti int4 g32 ctx1024": runner("runner-aoti/build/run", "{art}/int4.g32.j{j}.pt2",
-                                           "{ck}/model_int4.g32.pth", vs="runner-aoti int4 g32", peer="llama.cpp Q4_0"),
-    "runner-aoti int8 fast_prefill": runner("runner-aoti/build/run", "{art}/int8.fp.s256.j{j}.pt2",
-                                            "{ck}/model_int8.pth", vs="runner-aoti int8", peer="llama.cpp Q8_0"),
-    "runner-aoti int4 g32 fast_prefill": runner("runner-aoti/build/run", "{art}/int4.g32.fp.s256.j{j}.pt2",
-                                                "{ck}/model_int4.g32.pth", vs="runner-aoti int4 g32",
-                                                peer="llama.cpp Q4_0"),
-    "runner-aoti 8da8w fast_prefill": runner("runner-aoti/build/run", "{art}/8da8w.fp.s256.j{j}.pt2",
-                                             "{ck}/model_8da8w.pth", vs="runner-aoti int8 fast_prefill",
-                                             peer="llama.cpp Q8_0"),
-    "runner-aoti 8da4w g32 fast_prefill": runner("runner-aoti/build/run", "{art}/8da4w.g32.fp.s256.j{j}.pt2",
-                                                 "{ck}/model_8da4w.g32.pth", vs="runner-aoti 8da4w g32",
-                                                 peer="llama.cpp Q4_0"),
-    "runner-aoti 8da4w g32": runner("runner-aoti/build/run", "{art}/8da4w.g32.s256.j{j}.pt2",
-                                    "{ck}/model_8da4w.g32.pth", vs="runner-aoti fp32", peer="llama.cpp Q4_0"),
-    "pte fp32": artifact_row("--pte", "{art}/fp32.s256.pte", "{ck}/model.pth", vs="eager fp32"),
-    "pte 8da4w g32": artifact_row("--pte", "{art}/8da4w.g32.s256.pte", "{ck}/model_8da4w.g32.pth", vs="pte fp32"),
-    "runner-et fp32": runner("runner-et/build/run", "{art}/fp32.s256.pte", "{ck}/model.pth", vs="pte fp32",
-                             peer="llama.cpp F32"),
-    "runner-et fp32 fast_prefill": runner("runner-et/build/run", "{art}/fp32.fp.s256.pte", "{ck}/model.pth",
-                                          vs="runner-et fp32", peer="llama.cpp F32"),
-    "runner-et 8da4w g32": runner("runner-et/build/run", "{art}/8da4w.g32.s256.pte", "{ck}/model_8da4w.g32.pth",
-                                  vs="runner-et fp32", peer="llama.cpp Q4_0"),
-    "runner-et 8da4w g32 fast_prefill": runner("runner-et/build/run", "{art}/8da4w.g32.fp.s256.pte",
-                                               "{ck}/model_8da4w.g32.pth", vs="runner-et 8da4w g32",
-                                               peer="llama.cpp Q4_0"),
-    "runner-et 8da8w": runner("runner-et/build/run", "{art}/8da8w.s256.pte", "{ck}/model_8da8w.pth",
-                              vs="runner-et fp32", peer="llama.cpp Q8_0"),
-    "runner-et fp32 ctx1024": runner("runner-et/build/run", "{art}/fp32.pte", "{ck}/model.pth", vs="runner-et fp32"),
-    "runner-et 8da4w g32 ctx1024": runner("runner-et/build/run", "{art}/8da4w.g32.pte", "{ck}/model_8da4w.g32.pth",
-                                          vs="runner-et fp32 ctx1024"),
-    "onnx fp32": artifact_row("--onnx", "{art}/onnx/model.onnx", "{ck}/model.pth", vs="eager fp32"),
+    "compile fp32 ctx2048": gen("--compile", "--max_seq_length", "2048", vs="compile fp32", peer=F32),
+    "compile int4 g32 ctx2048": gen("--compile", "--max_seq_length", "2048", "--checkpoint_path", I4,
+                                    vs="compile int4 g32", peer=Q4),
+    "compile 8da8w": gen("--compile", "--checkpoint_path", D8, vs="compile int8", peer=Q8),
+    "compile 8da4w g32": gen("--compile", "--checkpoint_path", D4, vs="compile fp32", peer=Q4),
+    "compile bf16 int8": gen("--compile", "--dtype", "bfloat16", "--checkpoint_path", I8, vs="compile fp32"),
+    "compile bf16 int4 g32": gen("--compile", "--dtype", "bfloat16", "--checkpoint_path", I4, vs="compile fp32"),
+    # exported programs through generate.py (Python runtimes), then through the C++ runners
+    "aoti fp32": artifact_row("--aoti_package", "{art}/fp32.s256.j{j}.pt2", FP, vs="compile fp32", peer=F32),
+    "aoti int8": artifact_row("--aoti_package", "{art}/int8.s256.j{j}.pt2", I8, vs="aoti fp32"),
+    "runner-aoti fp32": runner(RA, "{art}/fp32.s256.j{j}.pt2", FP, vs="compile fp32", peer=F32),
+    "runner-aoti fp32 fast_prefill": runner(RA, "{art}/fp32.fp.s256.j{j}.pt2", FP, vs="runner-aoti fp32", peer=F32),
+    "runner-aoti int8": runner(RA, "{art}/int8.s256.j{j}.pt2", I8, vs="runner-aoti fp32", peer=Q8),
+    "runner-aoti int4 g32": runner(RA, "{art}/int4.g32.s256.j{j}.pt2", I4, vs="runner-aoti fp32", peer=Q4),
+    "runner-aoti int4 g32 ctx1024": runner(RA, "{art}/int4.g32.j{j}.pt2", I4, vs="runner-aoti int4 g32", peer=Q4),
+    "runner-aoti int8 fast_prefill": runner(RA, "{art}/int8.fp.s256.j{j}.pt2", I8, vs="runner-aoti int8", peer=Q8),
+    "runner-aoti int4 g32 fast_prefill": runner(RA, "{art}/int4.g32.fp.s256.j{j}.pt2", I4,
+                                                vs="runner-aoti int4 g32", peer=Q4),
+    "runner-aoti 8da8w fast_prefill": runner(RA, "{art}/8da8w.fp.s256.j{j}.pt2", D8,
+                                             vs="runner-aoti int8 fast_prefill", peer=Q8),
+    "runner-aoti 8da4w g32 fast_prefill": runner(RA, "{art}/8da4w.g32.fp.s256.j{j}.pt2", D4,
+                                                 vs="runner-aoti 8da4w g32", peer=Q4),
+    "runner-aoti 8da4w g32": runner(RA, "{art}/8da4w.g32.s256.j{j}.pt2", D4, vs="runner-aoti fp32", peer=Q4),
+    "pte fp32": artifact_row("--pte", "{art}/fp32.s256.pte", FP, vs="eager fp32"),
+    "pte 8da4w g32": artifact_row("--pte", "{art}/8da4w.g32.s256.pte", D4, vs="pte fp32"),
+    "runner-et fp32": runner(RE, "{art}/fp32.s256.pte", FP, vs="pte fp32", peer=F32),
+    "runner-et fp32 fast_prefill": runner(RE, "{art}/fp32.fp.s256.pte", FP, vs="runner-et fp32", peer=F32),
+    "runner-et 8da4w g32": runner(RE, "{art}/8da4w.g32.s256.pte", D4, vs="runner-et fp32", peer=Q4),
+    "runner-et 8da4w g32 fast_prefill": runner(RE, "{art}/8da4w.g32.fp.s256.pte", D4, vs="runner-et 8da4w g32",
+                                               peer=Q4),
+    "runner-et 8da8w": runner(RE, "{art}/8da8w.s256.pte", D8, vs="runner-et fp32", peer=Q8),
+    "runner-et fp32 ctx1024": runner(RE, "{art}/fp32.pte", FP, vs="runner-et fp32"),  # a .pte reads its whole cache
+    "runner-et 8da4w g32 ctx1024": runner(RE, "{art}/8da4w.g32.pte", D4, vs="runner-et fp32 ctx1024"),
+    "onnx fp32": artifact_row("--onnx", "{art}/onnx/model.onnx", FP, vs="eager fp32"),
     # decoding modes (issue 7): speedup over plain decoding of the same prompt and precision
-    "compile spec int4 k5": gen("--compile", "--draft_checkpoint_path",
-                                "{ck}/model_int4.g32.pth", "--speculate_k", "5", vs="compile fp32"),
-    "compile spec int8 k6": gen("--compile", "--draft_checkpoint_path", "{ck}/model_int8.pth",
-                                "--speculate_k", "6", vs="compile fp32"),
+    "compile spec int4 k5": gen("--compile", "--draft_checkpoint_path", I4, "--speculate_k", "5", vs="compile fp32"),
+    "compile spec int8 k6": gen("--compile", "--draft_checkpoint_path", I8, "--speculate_k", "6", vs="compile fp32"),
     "eager fp32 code": gen(prompt="code"),
     "eager lookahead code": gen("--lookahead", "5,1,2", prompt="code", vs="eager fp32 code"),  # runs model.py eagerly
     "compile fp32 code": gen("--compile", prompt="code", vs="eager fp32 code"),
     "compile fp32 cb4": gen("--compile", "--full_batch_size", "4", prompt="cb", vs="compile fp32"),
     "eager fp32 cb4": gen("--full_batch_size", "4", prompt="cb", vs="eager fp32"),
-    **runner_modes("runner-et", "runner-et/build/run", "{art}/fp32.modes.pte"),
-    **runner_modes("runner-aoti", "runner-aoti/build/run", "{art}/fp32.modes.j{j}.pt2"),
+    **runner_modes("runner-et", RE, "{art}/fp32.modes.pte"),
+    **runner_modes("runner-aoti", RA, "{art}/fp32.modes.j{j}.pt2"),
 }
 DEFAULT_ROWS = ["eager fp32", "compile fp32", "eager bf16", "compile bf16"]
 GROUPS = {  # --rows shorthands
@@ -238,37 +172,24 @@ GROUPS = {  # --rows shorthands
                "runner-et 8da4w g32 ctx1024", "onnx fp32"],
     "et": ["compile int4 g32", "pte fp32", "pte 8da4w g32", "runner-et fp32", "runner-et 8da4w g32",
            "runner-et fp32 ctx1024", "runner-et 8da4w g32 ctx1024"],
-    "modes": ["compile fp32", "compile spec int4 k5", "compile spec int8 k6", "eager fp32 code",
-              "eager lookahead code", "compile fp32 code", "eager fp32", "eager fp32 cb4",
-              "compile fp32 cb4"] + [f"{r} {m} {p}" for r in ("runner-et", "runner-aoti")
-                                     for p, ms in (("code", ("kv", "lookahead")), ("story", ("kv", "lookahead")),
-                                                   ("long", ("kv", "hybrid"))) for m in ms],
+    "modes": ["compile fp32", "compile spec int4 k5", "compile spec int8 k6", "eager fp32 code", "eager lookahead code",
+              "compile fp32 code", "eager fp32", "eager fp32 cb4", "compile fp32 cb4",
+              *(name for name, row in ROWS.items() if row.get("mode"))],  # the runners' -M modes
+    "peer": [F32, "compile fp32", "aoti fp32", "runner-aoti fp32", "runner-aoti fp32 fast_prefill", "runner-et fp32",
+             F16, "compile bf16", Q8, "compile int8", Q4, "compile int4 g32", "runner-et 8da4w g32"],
+    "prefill": [F32, "compile fp32", "runner-aoti fp32", "runner-aoti fp32 fast_prefill", "runner-et fp32", Q8,
+                "compile int8", "runner-aoti int8 fast_prefill", "compile 8da8w", "runner-aoti 8da8w fast_prefill",
+                "runner-et 8da8w", Q4, "compile int4 g32", "runner-aoti int4 g32 fast_prefill", "runner-et 8da4w g32"],
+    "all": list(ROWS), "server": ["compile fp32"],  # server: + server.py under 1, 4 and 8 clients (bench_server.py)
 }
-GROUPS["peer"] = ["llama.cpp F32", "compile fp32", "aoti fp32", "runner-aoti fp32", "runner-aoti fp32 fast_prefill",
-                  "runner-et fp32", "llama.cpp F16", "compile bf16", "llama.cpp Q8_0", "compile int8", "llama.cpp Q4_0",
-                  "compile int4 g32", "runner-et 8da4w g32"]
-GROUPS["prefill"] = ["llama.cpp F32", "compile fp32", "runner-aoti fp32", "runner-aoti fp32 fast_prefill",
-                     "runner-et fp32", "llama.cpp Q8_0", "compile int8", "runner-aoti int8 fast_prefill",
-                     "compile 8da8w", "runner-aoti 8da8w fast_prefill", "runner-et 8da8w",
-                     "llama.cpp Q4_0", "compile int4 g32", "runner-aoti int4 g32 fast_prefill",
-                     "runner-et 8da4w g32"]
-GROUPS["all"] = list(ROWS)
-# --rows server: server.py under 1, 4 and 8 concurrent clients (scripts/bench_server.py), next to the generate.py
-# batch-1 row of the same backend ("compile fp32") in the same run
 SERVER_ARGS = ["--compile", "--full_batch_size", "8", "--max_seq_length", "512"]
-GROUPS["server"] = ["compile fp32"]
 
 
 def measure_bandwidth(gib: float = 1.0, runs: int = 7) -> float:
-    """Read bandwidth in GB/s: median time of summing a buffer much larger than the caches, with the threads torch
-    uses for inference."""
+    """Read bandwidth in GB/s: median time of summing a buffer far larger than the caches, on torch's threads."""
     x = torch.ones(int(gib * 2**30) // 4, dtype=torch.float32)
     x.sum()
-    times = []
-    for _ in range(runs):
-        t = time.perf_counter()
-        x.sum()
-        times.append(time.perf_counter() - t)
+    times = timeit.repeat(x.sum, number=1, repeat=runs)
     return x.numel() * 4 / statistics.median(times) / 1e9
 
 
@@ -281,9 +202,7 @@ def child(args):
     med.update(peak_rss_mb=peak_memory_mb(torch.device(G.parse_args(args.gen_args).device)),
                prompt_tokens=runs[0]["prompt_tokens"], new_tokens=runs[0]["new_tokens"],
                decode_runs=[r["decode_tok_s"] for r in runs])
-    for k in ("acceptance_rate", "mean_accepted", "tokens_per_step"):
-        if k in runs[0]:
-            med[k] = runs[0][k]
+    med.update({k: runs[0][k] for k in ("acceptance_rate", "mean_accepted", "tokens_per_step") if k in runs[0]})
     print(json.dumps(med))
 
 
@@ -330,9 +249,7 @@ def run_runner(row, args, fill):
 
 
 def build(path_tpl, fill):
-    target = Path(fill(path_tpl))
-    if not target.is_absolute():
-        target = REPO / target
+    target = REPO / fill(path_tpl)  # (an absolute path stays as it is)
     if target.exists():
         return
     for dep in BUILD[path_tpl]:  # an artifact made from another one (the 8da4w .pte from its checkpoint)
@@ -357,25 +274,21 @@ def run_row(name, args, bw, nproc=1):
         for need in row["needs"]:
             build(need, fill)
         if row["kind"] == "peer":
-            res = run_peer(row, args, fill)
-            size_of = fill(row["gguf"])
+            res, size_of = run_peer(row, args, fill), fill(row["gguf"])
         elif row["kind"] == "runner":
-            res = run_runner(row, args, fill)
-            size_of = fill(row["artifact"])
+            res, size_of = run_runner(row, args, fill), fill(row["artifact"])
         else:
             gen_args = [fill(a) for a in row["args"]]
             if not any(a in gen_args for a in ("--checkpoint_path", "--pte", "--aoti_package", "--onnx")):
                 gen_args += ["--checkpoint_path", fill(row["weights"])]
             if row["prompt"] == "cb":
-                pf = art / "cb_prompts.txt"
                 art.mkdir(parents=True, exist_ok=True)
-                pf.write_text("\n".join(CB_PROMPTS) + "\n")
-                gen_args += ["--prompts_file", str(pf)]
+                (art / "cb_prompts.txt").write_text("\n".join(CB_PROMPTS) + "\n")
+                gen_args += ["--prompts_file", str(art / "cb_prompts.txt")]
             else:  # a fixed number of tokens for every row (a continuous-batching row needs its sequences to end)
                 gen_args += ["--prompt", PROMPTS[row["prompt"]], "--ignore_eos"]
-            launch = [PY] if nproc == 1 else [PY, "-m", "torch.distributed.run", "--standalone",
-                                               f"--nproc_per_node={nproc}"]
-            cmd = [*launch, __file__, "--_child", "--runs", str(args.runs), "--max_new_tokens",
+            tp = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc > 1 else []
+            cmd = [PY, *tp, __file__, "--_child", "--runs", str(args.runs), "--max_new_tokens",
                    str(args.max_new_tokens), "--", *gen_args, "--device", args.device]
             r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
             if r.returncode != 0:
@@ -386,9 +299,8 @@ def run_row(name, args, bw, nproc=1):
     except (RuntimeError, OSError, subprocess.SubprocessError) as e:
         print(f"[{name}] failed: {e}", file=sys.stderr)
         return dict(name=name, error=f"failed: {e}")
-    res["name"] = name if nproc == 1 else f"{name} tp{nproc}"
-    res["world_size"], res["vs"], res["peer"] = nproc, row["vs"], row["peer"]
-    res["file_mb"] = _file_mb(Path(size_of)) if size_of else None
+    res.update(name=name if nproc == 1 else f"{name} tp{nproc}", world_size=nproc, vs=row["vs"], peer=row["peer"],
+               file_mb=_file_mb(Path(size_of)) if size_of else None)
     # a GGUF holds exactly the tensors one step reads (tied embedding once): its size is the weight bytes
     args_ = row.get("args", [])
     dtype = args_[args_.index("--dtype") + 1] if "--dtype" in args_ else None  # a bfloat16 row reads half the bytes
@@ -408,9 +320,8 @@ def merge_rounds(rs: tuple) -> dict:
     if len(ok) < len(rs):
         return next(r for r in rs if "error" in r)
     out = dict(ok[0])
-    for k in ("decode_tok_s", "prefill_tok_s", "ttft_s", "gb_s", "pct_of_ceiling"):
-        if k in out:
-            out[k] = statistics.median(r[k] for r in ok)
+    out.update({k: statistics.median(r[k] for r in ok)
+                for k in ("decode_tok_s", "prefill_tok_s", "ttft_s", "gb_s", "pct_of_ceiling") if k in out})
     out["peak_rss_mb"] = max(r["peak_rss_mb"] for r in ok)
     out["decode_runs"] = [x for r in ok for x in r["decode_runs"]]
     return out
@@ -425,8 +336,7 @@ def _file_mb(p: Path) -> float:
 
 
 def _weight_bytes(ck: str, dtype: Optional[str] = None) -> int:
-    """Bytes of the weights one decode step reads: the checkpoint's tensors in the row's dtype (a tied embedding
-    counted once, as the output projection; mmap, nothing is read unless the dtype changes)."""
+    """Bytes of the weights one decode step reads, in the row's dtype (a tied embedding once; mmap, nothing read)."""
     import engine
     from quantize import load_model
     return engine.weight_bytes(load_model(ck, dtype=getattr(torch, dtype) if dtype else None))
@@ -434,13 +344,11 @@ def _weight_bytes(ck: str, dtype: Optional[str] = None) -> int:
 
 def table(results, bw):
     by_name = {r["name"]: r for r in results if "error" not in r}
-    lines = [f"memory bandwidth (measured, read): {bw:.1f} GB/s",
-             "",
-             "| row | decode tok/s | vs | ratio | vs llama.cpp (decode / prefill) | prefill tok/s | TTFT ms | file MB | "
-             "weights MB | GB/s | % of ceiling | ceiling tok/s | peak RSS MB |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [f"memory bandwidth (measured, read): {bw:.1f} GB/s", "", "| row | decode tok/s | vs | ratio | "
+             "vs llama.cpp (decode / prefill) | prefill tok/s | TTFT ms | file MB | weights MB | GB/s | % of ceiling | "
+             "ceiling tok/s | peak RSS MB |", "|---" * 13 + "|"]
     for r in results:
-        if "error" in r:
+        if "error" in r:  # failed or skipped
             lines.append(f"| {r['name']} | {r['error']} ||||||||||||")
             continue
         base = by_name.get(r["vs"])
@@ -451,17 +359,62 @@ def table(results, bw):
         extra = f" ({r['tokens_per_step']:.2f} tok/step)" if "tokens_per_step" in r else ""
         ceil = (f"{r['gb_s']:.1f} | {r['pct_of_ceiling']:.0f}% | {r['ceiling_tok_s']:.1f}" if "gb_s" in r
                 else "- | - | -")
+        file_mb = f"{r['file_mb']:.0f}" if r["file_mb"] is not None else "-"
         lines.append(f"| {r['name']} | {r['decode_tok_s']:.2f}{extra} | {r['vs'] or '-'} | {ratio} | "
-                     f"{r['prefill_tok_s']:.1f} | {r['ttft_s'] * 1000:.0f} | "
-                     f"{r['file_mb']:.0f} | {r['weight_bytes'] / 1e6:.0f} | {ceil} | {r['peak_rss_mb']:.0f} |"
-                     if r["file_mb"] is not None else
-                     f"| {r['name']} | {r['decode_tok_s']:.2f}{extra} | {r['vs'] or '-'} | {ratio} | "
-                     f"{r['prefill_tok_s']:.1f} | {r['ttft_s'] * 1000:.0f} | - | {r['weight_bytes'] / 1e6:.0f} | "
-                     f"{ceil} | {r['peak_rss_mb']:.0f} |")
-    lines.append("")
-    lines.append("decode tok/s of a cb row is aggregate: every sequence's tokens after its first / time after the "
-                 "first token (the later prompts' prefills included).")
+                     f"{r['prefill_tok_s']:.1f} | {r['ttft_s'] * 1000:.0f} | {file_mb} | "
+                     f"{r['weight_bytes'] / 1e6:.0f} | {ceil} | {r['peak_rss_mb']:.0f} |")
+    lines += ["", "decode tok/s of a cb row is aggregate: every sequence's tokens after its first / time after the "
+              "first token (the later prompts' prefills included)."]
     return "\n".join(lines)
+
+
+def cpu_model() -> str:
+    """The CPU's model name as lscpu shows it: /proc/cpuinfo's "model name" (else the platform's processor name)."""
+    info = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").is_file() else []
+    return next((x.split(":", 1)[1].strip() for x in info if x.startswith("model name")), platform.processor())
+
+
+def server_table(server, results, max_new_tokens) -> str:
+    """--rows server: server.py under 1, 4 and 8 clients against the generate.py batch-1 row of the same run."""
+    base = next((r.get("decode_tok_s") for r in results if r["name"] == "compile fp32"), None)
+    lines = [f"server.py {' '.join(SERVER_ARGS)}, {max_new_tokens} greedy tokens per request", "",
+             "| clients | aggregate tok/s | vs compile fp32 batch 1 | TTFT p50 ms | TTFT p95 ms | decode tok/s per "
+             "request |", "|---" * 6 + "|"]
+    for r in server:
+        ratio = f"{r['aggregate_tok_s'] / base:.2f}x" if base else "-"
+        lines.append(f"| {r['clients']} | {r['aggregate_tok_s']:.1f} | {ratio} | {1000 * r['ttft_p50_s']:.0f} | "
+                     f"{1000 * r['ttft_p95_s']:.0f} | {r['decode_tok_s']:.1f} |")
+    return "\n".join(lines)
+
+
+def markdown(res: dict) -> str:
+    """The benchmark page (docs/benchmarks.md) from a run's results: the dict bench.json holds."""
+    m, s, rows = res.get("machine", {}), res.get("settings", {}), res["rows"]
+    by_name = {r["name"]: r for r in rows if "error" not in r}
+    num = lambda v, f: "-" if v is None else format(v, f)
+    ratio = lambda a, b: f"{a / b:.2f}x" if a is not None and b else "-"
+    lines = ["# Benchmarks", "", "Written by `bench.py --markdown` from the results of one run of:", "",
+             "```", res.get("command", "(not recorded)"), "```", "", f"- date: {res.get('date', 'not recorded')}",
+             f"- machine: {m.get('cpu_model', 'not recorded')}, {m.get('cpu_count', '?')} cores, "
+             f"{m.get('threads', '?')} threads; torch {m.get('torch', '?')}, device {m.get('device', 'cpu')}",
+             f"- memory read bandwidth measured by bench.py: {num(m.get('bandwidth_gb_s'), '.1f')} GB/s (a row's "
+             "decode ceiling is this bandwidth / the bytes of weights one decode step reads)",
+             f"- every row: {s.get('max_new_tokens', '?')} greedy tokens in its own process; the median of "
+             f"{s.get('runs', '?')} run(s) per round over {s.get('rounds', 1)} interleaved round(s)", ""]
+    if res.get("note"):  # what a reader should know about this run
+        lines += [res["note"], ""]
+    lines += ["| row | decode tok/s | prefill tok/s | llama.cpp row | decode vs llama.cpp | prefill vs llama.cpp | "
+              "% of bandwidth ceiling | peak RSS MB |", "|---" * 8 + "|"]
+    for r in rows:
+        peer, pct = by_name.get(r.get("peer"), {}), r.get("pct_of_ceiling")
+        lines.append(f"| {r['name']} | {r['error']} | | | | | | |" if "error" in r else
+                     f"| {r['name']} | {num(r.get('decode_tok_s'), '.2f')} | {num(r.get('prefill_tok_s'), '.1f')} | "
+                     f"{r['peer'] if peer else '-'} | {ratio(r.get('decode_tok_s'), peer.get('decode_tok_s'))} | "
+                     f"{ratio(r.get('prefill_tok_s'), peer.get('prefill_tok_s'))} | "
+                     f"{'-' if pct is None else f'{pct:.0f}%'} | {num(r.get('peak_rss_mb'), '.0f')} |")
+    if res.get("server"):
+        lines += ["", server_table(res["server"], rows, s.get("max_new_tokens", "?"))]
+    return "\n".join(lines) + "\n"
 
 
 def main():
@@ -473,19 +426,28 @@ def main():
     p.add_argument("--max_new_tokens", type=int, default=128)
     p.add_argument("--device", default="cpu")
     p.add_argument("--json", default="bench.json")
-    p.add_argument("--threads", type=int, default=None,
-                   help="CPU threads per row (default: torch's); 1 gives stable per-core figures on a shared machine")
-    p.add_argument("--rounds", type=int, default=1,
-                   help="run the whole row list this many times, interleaved; report medians over rounds")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads per row (default: torch's)")
+    p.add_argument("--rounds", type=int, default=1, help="run the row list N times, interleaved; medians over rounds")
     p.add_argument("--nproc", default="1", help="tensor-parallel world sizes (torchrun), e.g. 1,2,4")
-    p.add_argument("--prompt_tokens", type=int, default=None,
-                   help="the rows' default prompt becomes the first N tokens of the long prompt (prefill at a given "
-                        "length, e.g. 15 or 128; our rows and llama.cpp's alike)")
+    p.add_argument("--prompt_tokens", type=int, default=None, help="the rows' default prompt becomes the first N "
+                   "tokens of the long prompt (prefill at a given length, e.g. 15 or 128; llama.cpp's rows alike)")
+    p.add_argument("--markdown", default=None, help="also write the benchmark page (e.g. docs/benchmarks.md)")
+    p.add_argument("--from_json", default=None, help="with --markdown: render this bench.json, run nothing")
     p.add_argument("--_child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("gen_args", nargs="*", help=argparse.SUPPRESS)
     args = p.parse_args()  # --runs, --rounds, --max_new_tokens, --threads, --json: common.py's rules
     if args._child:
         return child(args)
+    if args.markdown and Path(args.markdown).is_dir():
+        raise ValueError(f"--markdown {args.markdown} is a folder; name the file to write")
+    if args.from_json:  # render an earlier run's results; run nothing
+        if not (args.markdown and Path(args.from_json).is_file()):
+            raise ValueError(f"--from_json needs --markdown PATH and an existing results file, got {args.from_json}")
+        res = json.loads(Path(args.from_json).read_text())
+        if not isinstance(res, dict) or not isinstance(res.get("rows"), list):
+            raise ValueError(f"{args.from_json} is not a bench.py results file (no list of rows)")
+        return write_atomic(args.markdown, markdown(res))
+    started = datetime.datetime.now().astimezone()
     if args.threads:  # rows inherit it through the environment
         os.environ["OMP_NUM_THREADS"] = str(args.threads)
         torch.set_num_threads(args.threads)
@@ -496,7 +458,8 @@ def main():
     if unknown:
         raise ValueError(f"unknown rows {unknown}; known: {', '.join(ROWS)} (groups: {', '.join(GROUPS)})")
     if args.prompt_tokens is not None and not 1 <= args.prompt_tokens <= 480:
-        raise ValueError(f"--prompt_tokens must be between 1 and 480 (the long prompt's length), got {args.prompt_tokens}")
+        raise ValueError("--prompt_tokens must be between 1 and 480 (the long prompt's length), "
+                         f"got {args.prompt_tokens}")
     if not (Path(args.checkpoint_dir) / "model.pth").is_file():
         sys.path.insert(0, str(REPO / "scripts"))
         import download
@@ -505,8 +468,7 @@ def main():
         from tokenizer import load_tokenizer
         tok = load_tokenizer(Path(args.checkpoint_dir))
         PROMPTS["story"] = tok.decode(tok.encode(PROMPTS["long"])[:args.prompt_tokens])
-        n = len(tok.encode(PROMPTS["story"]))
-        print(f"prompt: {n} tokens ({PROMPTS['story'][:40]!r}...)", file=sys.stderr)
+        print(f"prompt: {len(tok.encode(PROMPTS['story']))} tokens ({PROMPTS['story'][:40]!r}...)", file=sys.stderr)
     bw = measure_bandwidth()
     print(f"measured read bandwidth: {bw:.1f} GB/s ({torch.get_num_threads()} threads)", file=sys.stderr)
     rounds = []
@@ -515,28 +477,23 @@ def main():
             print(f"round {i + 1} of {args.rounds}", file=sys.stderr)
         rounds.append([run_row(n, args, bw, int(k)) for n in names for k in args.nproc.split(",")])
     results = [merge_rounds(rs) for rs in zip(*rounds)]
-    md = table(results, bw)
-    print(md)
+    print(table(results, bw))
     server = None
     if "server" in args.rows.split(","):
         sys.path.insert(0, str(REPO / "scripts"))
         from bench_server import bench_server
         server = bench_server([*SERVER_ARGS, "--checkpoint_path", str(Path(args.checkpoint_dir) / "model.pth"),
                                "--threads", str(torch.get_num_threads())], max_tokens=args.max_new_tokens)
-        base = next((r.get("decode_tok_s") for r in results if r["name"] == "compile fp32"), None)
-        print(f"\nserver.py {' '.join(SERVER_ARGS)}, {args.max_new_tokens} greedy tokens per request\n")
-        print("| clients | aggregate tok/s | vs compile fp32 batch 1 | TTFT p50 ms | TTFT p95 ms "
-              "| decode tok/s per request |")
-        print("|---|---|---|---|---|---|")
-        for r in server:
-            ratio = f"{r['aggregate_tok_s'] / base:.2f}x" if base else "-"
-            print(f"| {r['clients']} | {r['aggregate_tok_s']:.1f} | {ratio} | {1000 * r['ttft_p50_s']:.0f} | "
-                  f"{1000 * r['ttft_p95_s']:.0f} | {r['decode_tok_s']:.1f} |")
-    out = dict(machine=dict(cpu_count=os.cpu_count(), threads=torch.get_num_threads(), bandwidth_gb_s=bw,
-                            torch=torch.__version__, device=args.device),
+        print("\n" + server_table(server, results, args.max_new_tokens))
+    date = f"{started:%Y-%m-%d %H:%M} - {datetime.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}"
+    out = dict(command=shlex.join(["python", "bench.py", *sys.argv[1:]]), date=date,
+               machine=dict(cpu_model=cpu_model(), cpu_count=os.cpu_count(), threads=torch.get_num_threads(),
+                            bandwidth_gb_s=bw, torch=torch.__version__, device=args.device),
                settings=dict(runs=args.runs, rounds=args.rounds, max_new_tokens=args.max_new_tokens, prompts=PROMPTS),
                rows=results, server=server)
     write_atomic(args.json, json.dumps(out, indent=1))
+    if args.markdown:
+        write_atomic(args.markdown, markdown(out))
 
 
 if __name__ == "__main__":

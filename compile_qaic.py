@@ -1,96 +1,172 @@
-# Over 500 lines: the compiler inputs (specializations, custom IO, partition config), the exact qaic-exec command,
-# the QPC cache and QpcBackend (the qaicrt session) are one stage; each part is short.
-# Compile an export_onnx.py graph for Qualcomm Cloud AI 100 with qaic-exec, and run the QPC (QpcBackend).
+# compile_qaic.py: a checkpoint to text on Qualcomm Cloud AI 100 in one command (QEfficient's cloud/infer.py, flat):
+# the export_onnx.py graph (exported if needed), the compiler inputs, the QPC from the SDK's compiler (qaic-compile on
+# current SDKs, qaic-exec on older ones; reused while compiler, version, flags and graph are the same), then --prompt
+# runs it on the card (onnx_backends.QpcBackend). docs/cloud_ai_100.md: which SDK gets which exact command.
 #
-#     python compile_qaic.py --checkpoint_path checkpoints/SmolLM2-135M-Instruct/model.pth --output_dir out/ \
-#         --num_cores 14 --batch_size 1 --prompt_len 32 --ctx_len 128 --mxfp6 [--mxint8] [--mos 1] \
-#         [--aic_enable_depth_first] [--device_group 0,1] [--full_batch_size 4] [--dry_run]
-#     python generate.py --qpc out/qpc_14cores_1bs_32pl_128cl_-1mos_1devices_mxfp6 --device_group 0 --prompt "a|b"
+#     python compile_qaic.py --checkpoint_path checkpoints/SmolLM2-135M-Instruct/model.pth --num_cores 14 \
+#         --prompt "My name is|The capital of France is" [--mxfp6] [--mxint8] [--sub_functions] [--device_group 0,1]
+#     python compile_qaic.py --checkpoint_path ... --num_cores 14 --dry_run   # any machine: inputs + the command
+#     python generate.py --qpc out/qpc_14cores_1bs_32pl_128cl_-1mos_1devices_fp16 --device_group 0 --prompt "a|b"
 #
-# What it does (the QEfficient flow, without QEfficient):
-#   1. <output_dir>/model.onnx from export_onnx.py is used when it was exported from this checkpoint with the same
-#      batching kind; otherwise the checkpoint is exported (and checked on ONNX Runtime) first.
-#   2. In the cache directory <output_dir>/qpc_<cores>cores_<bs>bs_<pl>pl_<cl>cl_<mos>mos_<n>devices_<mxfp6|fp16>
-#      [_mxint8][_<fbs>fbs] it writes specializations.json (prefill: seq_len = prompt_len; decode: seq_len = 1;
-#      continuous batching: prefill batch 1, decode batch full_batch_size, both with full_batch_size), custom_io.yaml
-#      (float16 or mxint8 for every past_* input and *_RetainedState output: the KV cache stays on the card in that
-#      precision) and, for several devices, mdp.json (the multi-device partition config).
-#   3. It runs qaic-exec (--qaic_exec, else $QAIC_EXEC, else /opt/qti-aic/exec/qaic-exec, else qaic-exec on PATH) with
-#      -aic-binary-dir=<cache>/qpc.tmp and renames that to <cache>/qpc only when the compiler succeeded, then writes
-#      qpc_done.json (command + the ONNX export id). A later run with the same command and graph reuses the QPC.
-#      --dry_run stops after printing the command. Without a compiler (and without --dry_run) it stops with one
-#      error line before exporting or writing anything.
-#
-# QpcBackend runs the QPC through the Platform SDK's Python runtime (qaicrt), QEfficient's cloud_infer.py way: one
-# program, one ExecObj; the KV buffers are skipped so the cache stays on the device as retained state; the batch
-# and sequence specialization is picked by the dimensions of the buffers handed in; prompts go in prompt_len chunks.
-#
-# Imports common.py and export_onnx.py (never generate.py, which imports QpcBackend from here lazily as a plugin).
+# Imports common.py, export_onnx.py and onnx_backends.py (QpcBackend is re-exported for engine.py); engine.py and
+# tokenizer.py only to generate text.
 import argparse
 import functools
-import importlib
+import hashlib
 import json
 import os
-import platform
 import shlex
 import shutil
 import subprocess
 import sys
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
 
-import numpy as np
-import torch
-
 import export_onnx
 from common import ArgumentParser, checkpoint_file, cli, first_line, resolve_checkpoint, write_atomic
+from onnx_backends import DONE_FILE, QpcBackend, check_runtime, parse_device_group, read_specializations  # noqa: F401
 
-DEFAULT_QAIC_EXEC = "/opt/qti-aic/exec/qaic-exec"
-COMPILER_HINT = ("Cloud AI 100 compiler qaic-exec not found: install the Qualcomm Cloud AI 100 Apps SDK "
-                 f"(it provides {DEFAULT_QAIC_EXEC}), or pass --qaic_exec PATH / set QAIC_EXEC "
-                 "(--dry_run writes the compiler inputs and prints the command without it)")
-RUNTIME_HINT = ("running a QPC needs the Qualcomm Cloud AI 100 Platform SDK's Python runtime (qaicrt in "
-                "/opt/qti-aic/dev/lib/<arch>, QAicApi_pb2 in /opt/qti-aic/dev/python): install the Cloud AI 100 "
-                "Platform SDK on the host with the card")
-DONE_FILE = "qpc_done.json"
+SDK_EXEC = "/opt/qti-aic/exec"
+APPS_VERSION_FILE = "/opt/qti-aic/versions/apps.xml"  # the Apps SDK's version file (QEfficient reads base_version)
+ENV = {"qaic-compile": "QAIC_COMPILE", "qaic-exec": "QAIC_EXEC"}
+# -aic-hw-version as each CLI spells it: qaic-compile takes the product name (ai100; ai200 for AI 200, which
+# QEfficient detects with qaic-util), qaic-exec (SDKs before qaic-compile) the hardware revision of AI 100, 2.0
+HW_VERSIONS = {"qaic-compile": {"ai100": "ai100", "2.0": "ai100", "ai200": "ai200"},
+               "qaic-exec": {"ai100": "2.0", "2.0": "2.0"}}
+COMPILER_HINT = ("Cloud AI 100 compiler not found (neither qaic-compile nor qaic-exec): install the Qualcomm Cloud "
+                 f"AI 100 Apps SDK (it provides {SDK_EXEC}/qaic-compile, or {SDK_EXEC}/qaic-exec before it), or pass "
+                 "--compiler PATH / set QAIC_COMPILE (--dry_run writes the compiler inputs and prints the command "
+                 "without it)")
+
+
+# ------------------------------------------------------------------------------------------------- the compiler
+@dataclass(frozen=True)
+class Compiler:
+    """A compiler CLI: kind is the spelling it takes ("qaic-compile": current Apps SDKs and QEfficient, which calls
+    qaic-exec deprecated; "qaic-exec": older SDKs), path the executable (None: --dry_run without the SDK), version
+    what it reports (compiler_version)."""
+    kind: str
+    path: Optional[str]
+    version: str = "none (not installed)"
+
+    @property
+    def exe(self) -> str:
+        return self.path or f"{SDK_EXEC}/{self.kind}"
+
+
+def _executable(p) -> bool:
+    return Path(p).is_file() and os.access(p, os.X_OK)
+
+
+def compiler_version(path: str) -> str:
+    """`<compiler> -v` (its first line), else the Apps SDK's version file (apps.xml's base_version), else unknown."""
+    try:
+        r = subprocess.run([path, "-v"], capture_output=True, text=True, timeout=120)
+        line = next((ln.strip() for ln in (r.stdout + "\n" + r.stderr).splitlines() if ln.strip()), "")
+        if r.returncode == 0 and line:
+            return line
+    except (OSError, subprocess.SubprocessError):
+        pass
+    try:
+        import xml.etree.ElementTree as ET
+        v = ET.parse(APPS_VERSION_FILE).getroot().find(".//base_version")
+        if v is not None and (v.text or "").strip():
+            return f"Apps SDK {v.text.strip()} ({APPS_VERSION_FILE})"
+    except (OSError, ET.ParseError):
+        pass
+    return "unknown"
+
+
+def find_compiler(choice: Optional[str] = None, required: bool = True) -> Compiler:
+    """choice None: qaic-compile first ($QAIC_COMPILE, the SDK's path, PATH), then qaic-exec ($QAIC_EXEC, the SDK's
+    path, PATH). choice "qaic-compile" / "qaic-exec": that CLI only. Any other choice is a path: that executable, its
+    kind from its name (qaic-exec* spells as qaic-exec, anything else as qaic-compile). Nothing found:
+    FileNotFoundError saying what to do, or a Compiler without a path when not required (--dry_run)."""
+    kinds = [choice] if choice in ENV else list(ENV)
+    if choice and choice not in ENV:
+        if not _executable(choice):
+            raise FileNotFoundError(f"--compiler {choice} is neither qaic-compile, qaic-exec nor an executable file")
+        kind = "qaic-exec" if Path(choice).name.startswith("qaic-exec") else "qaic-compile"
+        return Compiler(kind, str(choice), compiler_version(str(choice)))
+    for kind in kinds:
+        env = os.environ.get(ENV[kind])
+        if env and not _executable(env):
+            raise FileNotFoundError(f"{ENV[kind]}={env} is not an executable file")
+        exe = env or (f"{SDK_EXEC}/{kind}" if _executable(f"{SDK_EXEC}/{kind}") else shutil.which(kind))
+        if exe:
+            return Compiler(kind, exe, compiler_version(exe))
+    if required:
+        raise FileNotFoundError(COMPILER_HINT if choice is None else
+                                f"{choice} not found (${ENV[choice]}, {SDK_EXEC}/{choice}, PATH): " + COMPILER_HINT)
+    return Compiler(kinds[0], None)
 
 
 # ------------------------------------------------------------------------------------------------- compiler inputs
-def parse_device_group(device_group) -> list[int]:
-    if isinstance(device_group, (list, tuple)):
-        ids = [int(d) for d in device_group]
-    else:
-        text = str(device_group).strip().strip("[]")
-        try:
-            ids = [int(d) for d in text.split(",") if d.strip()]
-        except ValueError:
-            raise ValueError(f"--device_group must be comma-separated device ids such as 0,1; got {device_group!r}")
-    if not ids or len(set(ids)) != len(ids) or min(ids) < 0:
-        raise ValueError(f"--device_group needs distinct non-negative device ids; got {device_group!r}")
-    return ids
+@dataclass(frozen=True)
+class CompileOptions:
+    """What to compile; checked on construction (before anything loads), against a compiler by check_for().
+    device_group: several devices = one multi-device (tensor-slicing) partition. mos: -mos=N, effort to reduce
+    on-chip memory (-1 = not set); mdts_mos: -mdts-mos=N, the same across the devices of a partition (qaic-compile,
+    several devices). sub_functions: the graph's decoder layers are ONNX functions, compiled once (-sub-functions,
+    qaic-compile). full_batch_size: continuous batching (prefill batch 1, decode full_batch_size)."""
+    num_cores: int = 16
+    batch_size: int = 1
+    prompt_len: int = 32
+    ctx_len: int = 128
+    mxfp6: bool = False
+    mxint8: bool = False
+    mos: int = -1
+    mdts_mos: int = -1
+    aic_enable_depth_first: bool = False
+    device_group: tuple = (0,)
+    full_batch_size: Optional[int] = None
+    sub_functions: bool = False
+    aic_hw_version: Optional[str] = None  # None: AI 100, spelled as the compiler expects
 
+    def __post_init__(self):
+        object.__setattr__(self, "device_group", tuple(parse_device_group(self.device_group)))
+        if min(self.num_cores, self.batch_size, self.prompt_len, self.ctx_len) < 1 or \
+                (self.full_batch_size is not None and self.full_batch_size < 1):
+            raise ValueError("--num_cores, --batch_size, --prompt_len, --ctx_len and --full_batch_size must be "
+                             "positive")
+        if self.prompt_len > self.ctx_len:
+            raise ValueError(f"--prompt_len {self.prompt_len} is longer than --ctx_len {self.ctx_len}")
+        if self.full_batch_size is not None and self.batch_size != 1:
+            raise ValueError("with --full_batch_size prompts are prefilled one at a time (batch 1) and decode runs "
+                             "full_batch_size rows: leave --batch_size at 1")
+        if min(self.mos, self.mdts_mos) < -1:
+            raise ValueError("--mos and --mdts_mos must be >= -1 (-1 = not set)")
+        if self.mdts_mos > 0 and len(self.device_group) < 2:
+            raise ValueError("--mdts_mos splits weights across the devices of a partition: it needs several devices "
+                             "(--device_group 0,1,...)")
 
-def qpc_dir_name(num_cores: int, batch_size: int, prompt_len: int, ctx_len: int, mos: int, n_devices: int,
-                 mxfp6: bool, mxint8: bool, full_batch_size: Optional[int] = None) -> str:
-    name = (f"qpc_{num_cores}cores_{batch_size}bs_{prompt_len}pl_{ctx_len}cl_{mos}mos_{n_devices}devices_"
-            f"{'mxfp6' if mxfp6 else 'fp16'}{'_mxint8' if mxint8 else ''}")
-    return name + (f"_{full_batch_size}fbs" if full_batch_size else "")
+    def check_for(self, compiler: Compiler) -> None:
+        """The options this compiler's CLI has: qaic-exec (older SDKs) compiles neither ONNX functions nor AI 200,
+        and has no -mdts-mos."""
+        hw, old = self.aic_hw_version or "ai100", compiler.kind == "qaic-exec"
+        wants = [("--sub_functions", self.sub_functions and old), ("--mdts_mos", self.mdts_mos > 0 and old),
+                 (f"--aic_hw_version {hw}", hw not in HW_VERSIONS[compiler.kind])]
+        missing = [flag for flag, used in wants if used]
+        if missing:
+            raise ValueError(f"{' and '.join(missing)} need{'s' if len(missing) == 1 else ''} qaic-compile (a current "
+                             f"Cloud AI 100 Apps SDK); the compiler here is {compiler.kind} ({compiler.exe})")
 
-
-def check_shapes(num_cores: int, batch_size: int, prompt_len: int, ctx_len: int, full_batch_size: Optional[int]):
-    """The compile shapes' checks (main() runs them before any export; each value alone is checked by the parser)."""
-    if min(num_cores, batch_size, prompt_len, ctx_len) < 1 or (full_batch_size is not None and full_batch_size < 1):
-        raise ValueError("--num_cores, --batch_size, --prompt_len, --ctx_len and --full_batch_size must be positive")
-    if prompt_len > ctx_len:
-        raise ValueError(f"--prompt_len {prompt_len} is longer than --ctx_len {ctx_len}")
-    if full_batch_size is not None and batch_size != 1:
-        raise ValueError("with --full_batch_size prompts are prefilled one at a time (batch 1) and decode runs "
-                         "full_batch_size rows: leave --batch_size at 1")
+    def dir_name(self) -> str:
+        """The cache directory's name: the shapes and options (the record inside decides whether a QPC is reused)."""
+        name = (f"qpc_{self.num_cores}cores_{self.batch_size}bs_{self.prompt_len}pl_{self.ctx_len}cl_{self.mos}mos_"
+                f"{len(self.device_group)}devices_{'mxfp6' if self.mxfp6 else 'fp16'}")
+        name += "_mxint8" if self.mxint8 else ""
+        name += f"_{self.full_batch_size}fbs" if self.full_batch_size else ""
+        name += f"_{self.mdts_mos}mdtsmos" if self.mdts_mos > 0 else ""
+        return name + ("_subfn" if self.sub_functions else "") + (f"_{self.aic_hw_version}" if
+                                                                  self.aic_hw_version == "ai200" else "")
 
 
 def make_specializations(batch_size: int, prompt_len: int, ctx_len: int, full_batch_size: Optional[int] = None) -> dict:
-    """Prefill (seq_len = prompt_len) and decode (seq_len = 1) shapes of the one graph; values are strings."""
+    """Prefill (seq_len = prompt_len) and decode (seq_len = 1) shapes of the one graph, keyed by the graph's dynamic
+    axes. Every value is a string: the compiler rejects numbers there."""
     if full_batch_size:
         fbs = str(full_batch_size)
         specs = [dict(batch_size="1", seq_len=str(prompt_len), ctx_len=str(ctx_len), full_batch_size=fbs),
@@ -99,33 +175,12 @@ def make_specializations(batch_size: int, prompt_len: int, ctx_len: int, full_ba
         specs = [dict(batch_size=str(batch_size), seq_len=str(prompt_len), ctx_len=str(ctx_len))]
         if prompt_len != 1:
             specs.append(dict(batch_size=str(batch_size), seq_len="1", ctx_len=str(ctx_len)))
-    return {"specializations": specs}
-
-
-def read_specializations(path) -> dict:
-    """specializations.json -> prompt_len, ctx_len, batch_size (prefill), decode_batch_size, full_batch_size."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} not found (compile_qaic.py writes it next to the qpc directory)")
-    try:
-        specs = json.loads(path.read_text())["specializations"]
-        specs = [{k: int(v) for k, v in s.items()} for s in specs]
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
-        raise ValueError(f"{path}: not a specializations file ({type(e).__name__}: {e})") from None
-    if not specs or any(k not in s for s in specs for k in ("batch_size", "seq_len", "ctx_len")):
-        raise ValueError(f"{path}: every specialization needs batch_size, seq_len and ctx_len")
-    prefill = max(specs, key=lambda s: s["seq_len"])
-    decode = min(specs, key=lambda s: s["seq_len"])
-    if decode["seq_len"] != 1:
-        raise ValueError(f"{path}: no decode specialization (seq_len 1)")
-    if len({s["ctx_len"] for s in specs}) != 1:
-        raise ValueError(f"{path}: the specializations disagree on ctx_len")
-    return dict(prompt_len=prefill["seq_len"], ctx_len=prefill["ctx_len"], batch_size=prefill["batch_size"],
-                decode_batch_size=decode["batch_size"], full_batch_size=prefill.get("full_batch_size"))
+    return {"specializations": [{k: str(v) for k, v in s.items()} for s in specs]}
 
 
 def make_custom_io(kv_input_names: list[str], precision: str) -> str:
-    """custom_io.yaml: the KV inputs and their retained-state outputs in `precision` (float16 or mxint8)."""
+    """custom_io.yaml: every past_* input and its *_RetainedState output in `precision` (float16, or mxint8 for a
+    compressed KV cache): the KV cache stays on the card in that precision."""
     lines = ["# Model Inputs", ""]
     for n in kv_input_names:
         lines += [f" - IOName: {n}", f"   Precision: {precision}", ""]
@@ -143,140 +198,137 @@ def make_mdp_config(n_devices: int, num_cores: int) -> dict:
                             "devices": [{"deviceId": d, "numCores": num_cores} for d in devices]}]}
 
 
-def compiler_command(qaic_exec: str, onnx_path, cache_dir, *, num_cores: int, mxfp6: bool, mxint8: bool, mos: int,
-                     aic_enable_depth_first: bool, n_devices: int, aic_hw_version: str = "2.0") -> list[str]:
-    cache_dir = Path(cache_dir)
-    cmd = [qaic_exec, "-aic-hw", f"-aic-hw-version={aic_hw_version}", f"-m={onnx_path}", "-compile-only",
-           "-retained-state", "-convert-to-fp16", f"-aic-num-cores={num_cores}",
+def compiler_command(compiler: Compiler, onnx_path, cache_dir, opts: CompileOptions) -> list[str]:
+    """The command, spelled for compiler.kind. Both: -aic-hw -aic-hw-version=<HW_VERSIONS> -m=<graph>
+    -retained-state -convert-to-fp16 -aic-num-cores=N -network-specialization-config -custom-IO-list-file
+    -aic-binary-dir, then -mxfp6-matmul, -mos=N, -aic-enable-depth-first and, for several devices,
+    -allow-mxint8-mdp-io and -mdp-load-partition-config. qaic-exec also needs -compile-only (it would run the
+    network otherwise); qaic-compile only compiles (QEfficient dropped -compile-only with it) and adds -mdts-mos=N
+    and -sub-functions."""
+    cache_dir, new = Path(cache_dir), compiler.kind == "qaic-compile"
+    hw = HW_VERSIONS[compiler.kind][opts.aic_hw_version or "ai100"]
+    cmd = [compiler.exe, "-aic-hw", f"-aic-hw-version={hw}", f"-m={onnx_path}", *([] if new else ["-compile-only"]),
+           "-retained-state", "-convert-to-fp16", f"-aic-num-cores={opts.num_cores}",
            f"-network-specialization-config={cache_dir / 'specializations.json'}",
            f"-custom-IO-list-file={cache_dir / 'custom_io.yaml'}", f"-aic-binary-dir={cache_dir / 'qpc.tmp'}"]
-    if mxfp6:
-        cmd.append("-mxfp6-matmul")
-    if mos > 0:
-        cmd.append(f"-mos={mos}")
-    if aic_enable_depth_first:
-        cmd.append("-aic-enable-depth-first")
-    if n_devices > 1:
-        if mxint8:
-            cmd.append("-allow-mxint8-mdp-io")
-        cmd.append(f"-mdp-load-partition-config={cache_dir / 'mdp.json'}")
-    return cmd
-
-
-def find_compiler(explicit=None, required: bool = True) -> Optional[str]:
-    """--qaic_exec, $QAIC_EXEC, the SDK path, then PATH. None is found: FileNotFoundError saying what to do, or
-    None when not required (--dry_run)."""
-    def ok(p):
-        return Path(p).is_file() and os.access(p, os.X_OK)
-    env = os.environ.get("QAIC_EXEC")
-    if explicit:
-        exe, why = (str(explicit) if ok(explicit) else None), f"--qaic_exec {explicit} is not an executable file"
-    elif env:
-        exe, why = (env if ok(env) else None), f"QAIC_EXEC={env} is not an executable file"
-    else:
-        exe, why = (DEFAULT_QAIC_EXEC if ok(DEFAULT_QAIC_EXEC) else shutil.which("qaic-exec")), COMPILER_HINT
-    if exe is None and required:
-        raise FileNotFoundError(why)
-    return exe
+    cmd += ["-mxfp6-matmul"] if opts.mxfp6 else []
+    cmd += [f"-mos={opts.mos}"] if opts.mos > 0 else []
+    cmd += ["-aic-enable-depth-first"] if opts.aic_enable_depth_first else []
+    if len(opts.device_group) > 1:
+        cmd += ["-allow-mxint8-mdp-io"] if opts.mxint8 else []
+        cmd += [f"-mdp-load-partition-config={cache_dir / 'mdp.json'}"]
+        cmd += [f"-mdts-mos={opts.mdts_mos}"] if opts.mdts_mos > 0 else []
+    return cmd + (["-sub-functions"] if opts.sub_functions else [])
 
 
 # ------------------------------------------------------------------------------------------------- the ONNX graph
-def _graph_kv_names(onnx_path) -> tuple[list[str], bool]:
+def graph_info(onnx_path) -> dict:
+    """past_* input names, whether there is a batch_index input, and the graph's ONNX functions (sub-functions)."""
     import onnx
     try:
         m = onnx.load(str(onnx_path), load_external_data=False)
     except Exception as e:  # protobuf's DecodeError on a file that is no graph: one line, not a traceback
         raise ValueError(f"{onnx_path} is not an ONNX graph ({first_line(e, 200)})") from None
     names = [i.name for i in m.graph.input]
-    return [n for n in names if n.startswith("past_")], "batch_index" in names
+    return dict(kv=[n for n in names if n.startswith("past_")], batch_index="batch_index" in names,
+                functions=[f.name for f in m.functions])
 
 
-def ensure_onnx(checkpoint_path, output_dir: Path, onnx_path, full_batch_size, ctx_len,
+def _mismatch(info: dict, opts: CompileOptions) -> Optional[str]:
+    """How a graph's kind differs from what opts compile, or None."""
+    for flag, has, wants in (("--full_batch_size", info["batch_index"], opts.full_batch_size is not None),
+                             ("--sub_functions", bool(info["functions"]), opts.sub_functions)):
+        if has != wants:
+            return f"it was exported {'with' if has else 'without'} {flag}"
+    return None
+
+
+def ensure_onnx(checkpoint_path, output_dir: Path, onnx_path, opts: CompileOptions,
                 log=functools.partial(print, flush=True)) -> Path:
-    """The graph to compile: --onnx_path as given, else <output_dir>/model.onnx when it was exported from this
-    checkpoint with the same batching kind and a long enough context, else a fresh export there."""
-    cb = full_batch_size is not None
+    """The graph to compile: --onnx_path as given (its kind must match), else <output_dir>/model.onnx when it was
+    exported from this checkpoint with the same kind (batch_index, sub-functions) and a long enough rotary table,
+    else a fresh export there (checked on ONNX Runtime first)."""
     if onnx_path is not None:
         onnx_path = Path(onnx_path)
         if not onnx_path.is_file():
             raise FileNotFoundError(f"ONNX graph not found: {onnx_path}")
-        _, has_bi = _graph_kv_names(onnx_path)
-        if has_bi != cb:
-            raise ValueError(f"{onnx_path} was exported {'with' if has_bi else 'without'} --full_batch_size; "
-                             f"re-export it {'with' if cb else 'without'} it to match this compile")
+        why = _mismatch(graph_info(onnx_path), opts)
+        if why:
+            raise ValueError(f"{onnx_path} does not match this compile: {why}; re-export it (export_onnx.py) to match")
         return onnx_path
-    onnx_path = output_dir / "model.onnx"
+    onnx_path = Path(output_dir) / "model.onnx"
     ns = argparse.Namespace(checkpoint_path=checkpoint_path)
     resolve_checkpoint(ns)  # no --checkpoint_path: the default model; a missing one is named as such
     ck = checkpoint_file(ns.checkpoint_path)
     reason = "no graph yet"
     if onnx_path.is_file():
-        meta = export_onnx.read_metadata(onnx_path)
-        _, has_bi = _graph_kv_names(onnx_path)
-        st = ck.stat()
+        meta, st = export_onnx.read_metadata(onnx_path), ck.stat()
         if (meta.get("checkpoint"), meta.get("checkpoint_size"), meta.get("checkpoint_mtime_ns")) != \
                 (str(ck.resolve()), st.st_size, st.st_mtime_ns):
             reason = "it was exported from another checkpoint"
-        elif has_bi != cb:
-            reason = f"it was exported {'with' if has_bi else 'without'} --full_batch_size"
-        elif (meta.get("max_ctx_len") or 0) < ctx_len:
-            reason = f"its rotary table covers {meta.get('max_ctx_len')} positions, fewer than ctx_len {ctx_len}"
+        elif (meta.get("max_ctx_len") or 0) < opts.ctx_len:
+            reason = f"its rotary table covers {meta.get('max_ctx_len')} positions, fewer than ctx_len {opts.ctx_len}"
         else:
-            log(f"using {onnx_path} (exported from {ck})")
-            return onnx_path
+            reason = _mismatch(graph_info(onnx_path), opts)
+            if reason is None:
+                log(f"using {onnx_path} (exported from {ck})")
+                return onnx_path
     log(f"{onnx_path} needs an export ({reason})")
-    export_onnx.export(ck, output_dir, ctx_len=ctx_len, full_batch_size=full_batch_size, atol=1e-3, log=log)
+    export_onnx.export(ck, output_dir, ctx_len=opts.ctx_len, full_batch_size=opts.full_batch_size, atol=1e-3,
+                       sub_functions=opts.sub_functions, log=log)
     return onnx_path
 
 
 # ------------------------------------------------------------------------------------------------- compile
-def compile_qpc(onnx_path, output_dir, *, num_cores: int = 16, batch_size: int = 1, prompt_len: int = 32,
-                ctx_len: int = 128, mxfp6: bool = False, mxint8: bool = False, mos: int = -1,
-                aic_enable_depth_first: bool = False, device_group=(0,), full_batch_size: Optional[int] = None,
-                qaic_exec: Optional[str] = None, dry_run: bool = False, aic_hw_version: str = "2.0",
+def compile_qpc(onnx_path, output_dir, opts: CompileOptions, compiler: Compiler, dry_run: bool = False,
                 log=functools.partial(print, flush=True)) -> Path:
-    """Write the compiler inputs into the cache directory and compile (or reuse) <cache>/qpc. Returns the cache dir.
-    Without a compiler (unless dry_run) it raises before writing anything."""
-    exe = find_compiler(qaic_exec, required=not dry_run)
+    """Write specializations.json, custom_io.yaml and (several devices) mdp.json into the cache directory
+    <output_dir>/<opts.dir_name()>, then compile into <cache>/qpc.tmp and rename it to <cache>/qpc only when the
+    compiler succeeded and wrote programqpc.bin (QEfficient's mark of a finished QPC); qpc_done.json records the
+    compiler, its version, the command, the inputs and the graph's export id. A QPC whose record matches all of
+    them is reused. dry_run stops after printing the command. Returns the cache directory."""
+    if compiler.path is None and not dry_run:
+        find_compiler(compiler.kind)  # raises the one-line hint
+    opts.check_for(compiler)
     onnx_path = Path(onnx_path).resolve()
-    devices = parse_device_group(device_group)
-    check_shapes(num_cores, batch_size, prompt_len, ctx_len, full_batch_size)
-    meta = export_onnx.read_metadata(onnx_path)
-    if meta.get("max_ctx_len") and ctx_len > meta["max_ctx_len"]:
-        raise ValueError(f"--ctx_len {ctx_len} exceeds what {onnx_path} supports ({meta['max_ctx_len']} positions)")
-    kv, has_bi = _graph_kv_names(onnx_path)
-    if not kv:
+    meta, info = export_onnx.read_metadata(onnx_path), graph_info(onnx_path)
+    if meta.get("max_ctx_len") and opts.ctx_len > meta["max_ctx_len"]:
+        raise ValueError(f"--ctx_len {opts.ctx_len} exceeds what {onnx_path} supports "
+                         f"({meta['max_ctx_len']} positions)")
+    if not info["kv"]:
         raise ValueError(f"{onnx_path} has no past_* inputs: not a retained-state graph from export_onnx.py")
-    if has_bi != (full_batch_size is not None):
-        raise ValueError(f"{onnx_path} was exported {'with' if has_bi else 'without'} a batch_index input; "
-                         f"compile it {'with' if has_bi else 'without'} --full_batch_size")
+    why = _mismatch(info, opts)
+    if why:
+        raise ValueError(f"{onnx_path} does not match this compile: {why}")
 
-    cache = Path(output_dir).resolve() / qpc_dir_name(num_cores, batch_size, prompt_len, ctx_len, mos, len(devices),
-                                                      mxfp6, mxint8, full_batch_size)
+    cache = Path(output_dir).resolve() / opts.dir_name()
     cache.mkdir(parents=True, exist_ok=True)
-    specs = make_specializations(batch_size, prompt_len, ctx_len, full_batch_size)
-    write_atomic(cache / "specializations.json", json.dumps(specs, indent=4) + "\n")
-    write_atomic(cache / "custom_io.yaml", make_custom_io(kv, "mxint8" if mxint8 else "float16"))
-    if len(devices) > 1:
-        write_atomic(cache / "mdp.json", json.dumps(make_mdp_config(len(devices), num_cores), indent=4) + "\n")
+    specs = make_specializations(opts.batch_size, opts.prompt_len, opts.ctx_len, opts.full_batch_size)
+    inputs = {"specializations.json": json.dumps(specs, indent=4) + "\n",
+              "custom_io.yaml": make_custom_io(info["kv"], "mxint8" if opts.mxint8 else "float16")}
+    if len(opts.device_group) > 1:
+        inputs["mdp.json"] = json.dumps(make_mdp_config(len(opts.device_group), opts.num_cores), indent=4) + "\n"
     else:
         (cache / "mdp.json").unlink(missing_ok=True)
+    for name, text in inputs.items():
+        write_atomic(cache / name, text)
 
-    cmd = compiler_command(exe or DEFAULT_QAIC_EXEC, onnx_path, cache, num_cores=num_cores, mxfp6=mxfp6,
-                           mxint8=mxint8, mos=mos, aic_enable_depth_first=aic_enable_depth_first,
-                           n_devices=len(devices), aic_hw_version=aic_hw_version)
+    cmd = compiler_command(compiler, onnx_path, cache, opts)
     qpc, done = cache / "qpc", cache / DONE_FILE
-    record = dict(command=cmd[1:], export_id=meta.get("export_id"), onnx=str(onnx_path), device_group=devices,
-                  vocab_size=meta.get("vocab_size"), n_layers=meta.get("n_layers"),
-                  kv_precision="mxint8" if mxint8 else "float16", tokenizer_dir=_abs_tokenizer_dir(meta, onnx_path),
+    record = dict(compiler=compiler.kind, compiler_path=compiler.exe, compiler_version=compiler.version,
+                  command=cmd[1:], inputs_sha256=hashlib.sha256("".join(inputs.values()).encode()).hexdigest(),
+                  export_id=meta.get("export_id"), onnx=str(onnx_path), options=asdict(opts),
+                  vocab_size=meta.get("vocab_size"), n_layers=meta.get("n_layers"), sub_functions=info["functions"],
+                  kv_precision="mxint8" if opts.mxint8 else "float16", tokenizer_dir=_tokenizer_dir(meta, onnx_path),
                   specializations=specs["specializations"])
+    key = ("compiler", "compiler_version", "command", "inputs_sha256", "export_id")
     if (qpc / "programqpc.bin").is_file() and done.is_file():
         try:
             old = json.loads(done.read_text())
         except json.JSONDecodeError:
             old = {}
-        if old.get("command") == record["command"] and old.get("export_id") == record["export_id"]:
-            log(f"reusing {qpc} (compiled earlier with the same command and graph)")
+        if all(old.get(k) == record[k] for k in key):
+            log(f"reusing {qpc} (compiled earlier by {compiler.kind} {compiler.version}, same command and graph)")
             return cache
     log("compiler command:\n  " + shlex.join(cmd))
     if dry_run:
@@ -285,18 +337,19 @@ def compile_qpc(onnx_path, output_dir, *, num_cores: int = 16, batch_size: int =
     tmp = cache / "qpc.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     t0 = time.perf_counter()
-    log(f"compiling {onnx_path.name} with qaic-exec for Cloud AI 100 (minutes for a real model) ...")
+    log(f"compiling {onnx_path.name} with {compiler.kind} for Cloud AI 100 (minutes for a real model; the "
+        f"compiler's own progress follows) ...")
     try:  # qpc.tmp goes whatever happens (failure, Ctrl-C, SIGTERM under cli()): only a finished QPC is kept
         try:
             r = subprocess.run(cmd, stdout=None, stderr=subprocess.PIPE, text=True)
         except OSError as e:
-            raise RuntimeError(f"could not run {exe}: {e}") from None
+            raise RuntimeError(f"could not run {compiler.exe}: {e}") from None
         if r.stderr:
             sys.stderr.write(r.stderr if r.stderr.endswith("\n") else r.stderr + "\n")
         if r.returncode != 0 or not (tmp / "programqpc.bin").is_file():
             why = f"exited with code {r.returncode}" if r.returncode else "wrote no programqpc.bin"
             last = next((ln.strip() for ln in reversed((r.stderr or "").splitlines()) if ln.strip()), "")
-            raise RuntimeError(f"qaic-exec {why}; no QPC was written{': ' + last if last else ''}")
+            raise RuntimeError(f"{compiler.kind} {why}; no QPC was written{': ' + last if last else ''}")
         done.unlink(missing_ok=True)
         shutil.rmtree(qpc, ignore_errors=True)
         os.replace(tmp, qpc)
@@ -307,201 +360,45 @@ def compile_qpc(onnx_path, output_dir, *, num_cores: int = 16, batch_size: int =
     return cache
 
 
-def _abs_tokenizer_dir(meta: dict, onnx_path: Path) -> Optional[str]:
+def _tokenizer_dir(meta: dict, onnx_path: Path) -> Optional[str]:
     t = meta.get("tokenizer_dir")
     return None if not t else str(onnx_path.parent if t == "." else Path(t))
 
 
-# ------------------------------------------------------------------------------------------------- runtime
-def _import_runtime():
-    """qaicrt and QAicApi_pb2 from the Platform SDK (imported only when a QPC is run), from sys.path or the SDK."""
-    modules = []
-    for name, sdk_dir in (("qaicrt", f"/opt/qti-aic/dev/lib/{platform.machine()}"),
-                          ("QAicApi_pb2", "/opt/qti-aic/dev/python")):
-        try:
-            modules.append(importlib.import_module(name))
-        except ImportError:
-            sys.path.append(sdk_dir)
-            try:
-                modules.append(importlib.import_module(name))
-            except ImportError:
-                raise ImportError(RUNTIME_HINT) from None
-    return modules
-
-
-class QaicSession:
-    """One loaded QPC on one device group (after QEfficient's generation/cloud_infer.py QAICInferenceSession):
-    buffers are bound by index; a buffer handed in with its dimensions selects the specialization; a buffer set to
-    an empty array is skipped (the retained-state KV stays on the card)."""
-
-    def __init__(self, qpc_path, device_ids: list[int]):
-        qaicrt, aicapi = _import_runtime()
-        self.rt = qaicrt
-        self.np_dtype = {getattr(aicapi, name): np.dtype(dt) for name, dt in (
-            ("FLOAT_TYPE", np.float32), ("FLOAT_16_TYPE", np.float16), ("INT64_I_TYPE", np.int64),
-            ("INT32_I_TYPE", np.int32), ("INT8_Q_TYPE", np.int8), ("UINT8_Q_TYPE", np.uint8),
-            ("INT16_Q_TYPE", np.int16), ("INT32_Q_TYPE", np.int32), ("INT8_TYPE", np.int8)) if hasattr(aicapi, name)}
-        self.context = qaicrt.Context(qaicrt.QIDList(device_ids))
-        self.queue = qaicrt.Queue(self.context, device_ids[0])
-        qpc = qaicrt.Qpc(str(qpc_path))
-        status, iodesc_data = qpc.getIoDescriptor()
-        if status != qaicrt.QStatus.QS_SUCCESS:
-            raise RuntimeError(f"cannot read the IO descriptor of {qpc_path}")
-        iodesc = aicapi.IoDesc()
-        iodesc.ParseFromString(bytes(iodesc_data))
-        self.bindings = list(iodesc.selected_set.bindings)
-        self.index = {b.name: b.index for b in self.bindings}
-        self.input_names = [b.name for b in self.bindings if b.dir == aicapi.BUFFER_IO_TYPE_INPUT]
-        self.output_names = [b.name for b in self.bindings if b.dir == aicapi.BUFFER_IO_TYPE_OUTPUT]
-        props = qaicrt.QAicProgramProperties()
-        props.dataPathTimeoutMs = 60_000
-        single = device_ids[0] if len(device_ids) == 1 else None
-        if len(device_ids) > 1:
-            props.devMapping = ":".join(map(str, device_ids))
-        self.program = qaicrt.Program(self.context, single, qpc, props)
-        if self.program.load() != qaicrt.QStatus.QS_SUCCESS:
-            raise RuntimeError(f"cannot load {qpc_path} on devices {device_ids}")
-        self.program.activate()
-        self.exec_obj = qaicrt.ExecObj(self.context, self.program)
-        self.qbuffers = [qaicrt.QBuffer(bytes(b.size)) for b in self.bindings]
-        self.buf_dims = qaicrt.BufferDimensionsVecRef(
-            [(self.np_dtype[b.type].itemsize, list(b.dims)) for b in self.bindings])
-
-    def binding_dims(self, name: str) -> list[int]:
-        return list(self.bindings[self.index[name]].dims)
-
-    def set_buffers(self, buffers: dict):
-        for name, arr in buffers.items():
-            i = self.index[name]
-            self.qbuffers[i] = self.rt.QBuffer(arr.tobytes())
-            self.buf_dims[i] = (arr.itemsize, arr.shape if arr.ndim else (1,))
-
-    def skip_buffers(self, names):
-        self.set_buffers({n: np.array([]) for n in names})
-
-    def run(self, inputs: dict) -> dict:
-        rt = self.rt
-        self.set_buffers(inputs)
-        if self.exec_obj.setData(self.qbuffers, self.buf_dims) != rt.QStatus.QS_SUCCESS:
-            raise RuntimeError("qaicrt: setData failed")
-        if self.queue.enqueue(self.exec_obj) != rt.QStatus.QS_SUCCESS:
-            raise RuntimeError("qaicrt: enqueue failed")
-        if self.exec_obj.waitForCompletion() != rt.QStatus.QS_SUCCESS:
-            shapes = {n: tuple(a.shape) for n, a in inputs.items()}
-            raise RuntimeError(f"qaicrt: run failed (no specialization matches the buffers {shapes}?)")
-        status, out = self.exec_obj.getData()
-        if status != rt.QStatus.QS_SUCCESS:
-            raise RuntimeError("qaicrt: getData failed")
-        result = {}
-        for name in self.output_names:
-            i = self.index[name]
-            if self.qbuffers[i].size == 0:  # skipped (retained state)
-                continue
-            result[name] = np.frombuffer(bytes(out[i]), self.np_dtype[self.bindings[i].type]).reshape(
-                self.buf_dims[i][1])
-        return result
-
-
-def resolve_qpc(path) -> tuple[Path, Path]:
-    """(program dir holding programqpc.bin, cache dir holding specializations.json) for a cache dir or its qpc/."""
-    p = Path(path)
-    if (p / "qpc" / "programqpc.bin").is_file():
-        return p / "qpc", p
-    if (p / "programqpc.bin").is_file():
-        return p, p.parent
-    raise FileNotFoundError(f"no compiled QPC at {p} (expected {p}/qpc/programqpc.bin from compile_qaic.py)")
-
-
-class QpcBackend:
-    """generate.py backend for a compile_qaic.py QPC on Cloud AI 100 (device_group "0" or "0,1", ...).
-
-    max_batch_size is the compiled batch size (or full_batch_size with continuous batching), max_seq_length the
-    compiled ctx_len, prefill_chunk the compiled prompt_len: prompts go in chunks of exactly that many tokens (a
-    shorter or longer call is padded with position -1 / split here). Fewer rows than compiled are padded with
-    position -1 rows. forward(..., batch_index) maps rows to cache slots (continuous-batching QPC: prefill runs one
-    row at a time with batch_index [[slot]], decode runs all full_batch_size slots; a QPC without batch_index serves
-    rows at their own slots only)."""
-
-    def __init__(self, qpc_dir, device_group="0", session=None):
-        self.qpc_path, self.cache_dir = resolve_qpc(qpc_dir)
-        spec = read_specializations(self.cache_dir / "specializations.json")
-        self.prefill_chunk = spec["prompt_len"]
-        self.max_seq_length = spec["ctx_len"]
-        self.full_batch_size = spec["full_batch_size"]
-        self.batch_size = spec["batch_size"]
-        self.max_batch_size = self.full_batch_size or self.batch_size
-        self.device_ids = parse_device_group(device_group)
-        done = self.cache_dir / DONE_FILE
-        self.record = json.loads(done.read_text()) if done.is_file() else {}
-        td = self.record.get("tokenizer_dir")
-        self.tokenizer_dir = Path(td) if td else None
-        self.session = session if session is not None else QaicSession(self.qpc_path, self.device_ids)
-        self.vocab_size = self.record.get("vocab_size") or self.session.binding_dims("logits")[-1]
-        kv = [n for n in self.session.input_names if n.startswith("past_")]
-        kv += [n for n in self.session.output_names if n.endswith("_RetainedState")]
-        self.session.skip_buffers(kv)  # the KV cache never leaves the card
-        self._logits_rows = None
-
-    def _run(self, tokens: np.ndarray, pos: np.ndarray, slots: Optional[np.ndarray]) -> np.ndarray:
-        rows = tokens.shape[0]
-        if rows != self._logits_rows:
-            self.session.set_buffers({"logits": np.zeros((rows, 1, self.vocab_size), np.float32)})
-            self._logits_rows = rows
-        inputs = {"input_ids": np.ascontiguousarray(tokens), "position_ids": np.ascontiguousarray(pos)}
-        if self.full_batch_size:
-            inputs["batch_index"] = slots.reshape(rows, 1).astype(np.int64)
-        return self.session.run(inputs)["logits"].reshape(rows, -1)
-
-    def forward(self, tokens, input_pos, batch_index=None):
-        tokens = torch.as_tensor(tokens).cpu().numpy().astype(np.int64)
-        B, T = tokens.shape
-        pos = torch.as_tensor(input_pos).cpu().numpy().astype(np.int64)
-        pos = np.broadcast_to(pos, (B, T)).copy() if pos.ndim == 1 else pos.copy()
-        if pos.max() >= self.max_seq_length:
-            raise ValueError(f"position {int(pos.max())} is outside the compiled context of {self.max_seq_length}")
-        slots = np.arange(B) if batch_index is None else \
-            torch.as_tensor(batch_index).cpu().numpy().astype(np.int64).reshape(B)
-        if B > self.max_batch_size or slots.min() < 0 or slots.max() >= self.max_batch_size:
-            raise ValueError(f"rows {B} / slots {slots.tolist()} do not fit the QPC's {self.max_batch_size} slots")
-        if not self.full_batch_size and not np.array_equal(slots, np.arange(B)):
-            raise ValueError("this QPC was compiled without --full_batch_size: rows can only use their own slots")
-        out = np.zeros((B, self.vocab_size), np.float32)
-        if T == 1:
-            # decode: every compiled row runs; missing rows get position -1 and a free slot
-            n = self.full_batch_size or self.batch_size
-            free = [s for s in range(n) if s not in set(slots.tolist())]
-            tok = np.zeros((n, 1), np.int64)
-            p = np.full((n, 1), -1, np.int64)
-            tok[:B], p[:B] = tokens, pos
-            all_slots = np.concatenate([slots, np.array(free[:n - B], np.int64)])
-            out[:] = self._run(tok, p, all_slots)[:B]
-        else:
-            # prefill in prompt_len chunks; a row's logits come from the chunk holding its last valid position
-            L = self.prefill_chunk
-            W = -(-T // L) * L
-            tok = np.zeros((B, W), np.int64)
-            p = np.full((B, W), -1, np.int64)
-            tok[:, :T], p[:, :T] = tokens, pos
-            last = p.max(1)
-            groups = [[b] for b in range(B)] if self.full_batch_size else [list(range(B))]
-            for rows in groups:
-                n = len(rows) if self.full_batch_size else self.batch_size
-                for s in range(0, W, L):
-                    ct = np.zeros((n, L), np.int64)
-                    cp = np.full((n, L), -1, np.int64)
-                    ct[:len(rows)], cp[:len(rows)] = tok[rows, s:s + L], p[rows, s:s + L]
-                    if (cp < 0).all():
-                        continue
-                    logits = self._run(ct, cp, slots[rows])
-                    for i, b in enumerate(rows):
-                        if last[b] >= 0 and (p[b, s:s + L] == last[b]).any():
-                            out[b] = logits[i]
-        return torch.from_numpy(out).unsqueeze(1)
+# ------------------------------------------------------------------------------------------------- run
+def generate_text(cache, prompts: list[str], max_new_tokens: int, device_group=(0,), tokenizer_path=None,
+                  log=functools.partial(print, file=sys.stderr, flush=True)) -> list[str]:
+    """Greedy text for `prompts` from a compiled QPC on the card (QEfficient's infer does greedy decoding too):
+    batch_size prompts at a time, or continuous batching on a --full_batch_size QPC. Prints each prompt with its
+    completion and the timing; returns the texts."""
+    import torch
+    import engine
+    from tokenizer import load_tokenizer
+    backend = QpcBackend(cache, device_group=",".join(map(str, device_group)))
+    tok = load_tokenizer(tokenizer_path or backend.tokenizer_dir)
+    ids = [tok.encode(p) for p in prompts]
+    if any(len(x) == 0 for x in ids):
+        raise ValueError("empty prompt (and the tokenizer adds no BOS): nothing to condition on")
+    log(f"running {len(ids)} prompt{'s' if len(ids) > 1 else ''} on Cloud AI 100 device(s) {list(device_group)} ...")
+    cpu, n = torch.device("cpu"), backend.max_batch_size
+    if backend.full_batch_size:
+        out, st = engine.generate_continuous(backend, ids, max_new_tokens, cpu, n, stop_ids=tok.stop_ids)
+    else:  # rounds of the compiled batch size
+        out, st = [], None
+        for i in range(0, len(ids), n):
+            o, st = engine.generate(backend, ids[i:i + n], max_new_tokens, cpu, stop_ids=tok.stop_ids)
+            out += o
+    texts = [p + tok.decode(o) for p, o in zip(prompts, out)]
+    for t in texts:
+        print(t + "\n" + "-" * 40, flush=True)
+    log(f"TTFT {st['ttft_s'] * 1000:.1f} ms | decode {st['decode_tok_s']:.2f} tok/s | {st['new_tokens']} new tokens")
+    return texts
 
 
 # ------------------------------------------------------------------------------------------------- CLI
 def parse_args(argv=None):
-    p = ArgumentParser(description="Compile an export_onnx.py graph for Qualcomm Cloud AI 100 (qaic-exec).")
+    p = ArgumentParser(description="Checkpoint to text on Qualcomm Cloud AI 100: export, compile (qaic-compile or "
+                                   "qaic-exec), run.")
     p.add_argument("--checkpoint_path", type=Path, default=None, help="model.pth (exported first if needed)")
     p.add_argument("--onnx_path", type=Path, default=None, help="compile this graph instead of <output_dir>/model.onnx")
     p.add_argument("--output_dir", type=Path, default=Path("out"), help="graph and QPC cache directory (default: out)")
@@ -512,29 +409,52 @@ def parse_args(argv=None):
     p.add_argument("--mxfp6", action="store_true", help="MXFP6 weights for the matmuls (-mxfp6-matmul)")
     p.add_argument("--mxint8", action="store_true", help="MXINT8 KV cache (custom IO precision)")
     p.add_argument("--mos", type=int, default=-1, help="-mos=N (effort to reduce on-chip memory); -1 = not set")
+    p.add_argument("--mdts_mos", type=int, default=-1,
+                   help="-mdts-mos=N (the same across a multi-device partition; qaic-compile); -1 = not set")
     p.add_argument("--aic_enable_depth_first", action="store_true")
     p.add_argument("--device_group", default="0", help="device ids, e.g. 0 or 0,1 (several = multi-device partition)")
     p.add_argument("--full_batch_size", type=int, default=None, help="continuous batching with this many slots")
-    p.add_argument("--aic_hw_version", default="2.0")
-    p.add_argument("--qaic_exec", default=None, help=f"compiler (default: $QAIC_EXEC, {DEFAULT_QAIC_EXEC}, PATH)")
+    p.add_argument("--sub_functions", action="store_true",
+                   help="export decoder layers as ONNX functions and compile them once (-sub-functions; qaic-compile)")
+    p.add_argument("--aic_hw_version", default=None, choices=["ai100", "ai200", "2.0"],
+                   help="default AI 100: ai100 for qaic-compile, 2.0 for qaic-exec")
+    p.add_argument("--compiler", default=None, metavar="qaic-compile|qaic-exec|PATH",
+                   help=f"default: qaic-compile ($QAIC_COMPILE, {SDK_EXEC}, PATH), else qaic-exec ($QAIC_EXEC, ...)")
+    p.add_argument("--qaic_exec", default=None, metavar="PATH", help="an older SDK's qaic-exec at PATH")
     p.add_argument("--dry_run", action="store_true", help="write the compiler inputs and print the command only")
-    return p.parse_args(argv)
+    p.add_argument("--prompt", default=None, help="then generate from these prompts ('|' separates) on the card")
+    p.add_argument("--max_new_tokens", type=int, default=None, help="with --prompt (default: up to ctx_len)")
+    args = p.parse_args(argv)
+    if args.compiler and args.qaic_exec:
+        raise ValueError("choose one of --compiler and --qaic_exec")
+    return args
 
 
 def main(argv=None):
     args = parse_args(argv)  # flag values, --onnx_path (an ONNX graph) and --output_dir checked here
-    devices = parse_device_group(args.device_group)
-    check_shapes(args.num_cores, args.batch_size, args.prompt_len, args.ctx_len, args.full_batch_size)
-    find_compiler(args.qaic_exec, required=not args.dry_run)  # before minutes of export: one line without the SDK
-    onnx_path = ensure_onnx(args.checkpoint_path, args.output_dir, args.onnx_path, args.full_batch_size, args.ctx_len)
-    cache = compile_qpc(onnx_path, args.output_dir, num_cores=args.num_cores, batch_size=args.batch_size,
-                        prompt_len=args.prompt_len, ctx_len=args.ctx_len, mxfp6=args.mxfp6, mxint8=args.mxint8,
-                        mos=args.mos, aic_enable_depth_first=args.aic_enable_depth_first, device_group=devices,
-                        full_batch_size=args.full_batch_size, qaic_exec=args.qaic_exec, dry_run=args.dry_run,
-                        aic_hw_version=args.aic_hw_version)
-    if not args.dry_run:
-        print(f"run it: python generate.py --qpc {cache} --device_group {','.join(map(str, devices))} "
-              f"--prompt \"Hello|How are you\"")
+    opts = CompileOptions(args.num_cores, args.batch_size, args.prompt_len, args.ctx_len, args.mxfp6, args.mxint8,
+                          args.mos, args.mdts_mos, args.aic_enable_depth_first, args.device_group,
+                          args.full_batch_size, args.sub_functions, args.aic_hw_version)
+    if args.qaic_exec:
+        if not _executable(args.qaic_exec):
+            raise FileNotFoundError(f"--qaic_exec {args.qaic_exec} is not an executable file")
+        compiler = Compiler("qaic-exec", args.qaic_exec, compiler_version(args.qaic_exec))
+    else:  # before minutes of export: one line without the SDK
+        compiler = find_compiler(args.compiler, required=not args.dry_run)
+    opts.check_for(compiler)
+    if args.prompt is not None and not args.dry_run:
+        check_runtime()  # running needs the Platform SDK too: say so before exporting or compiling
+    print(f"compiler: {compiler.exe} ({compiler.kind}, version: {compiler.version})", flush=True)
+    onnx_path = ensure_onnx(args.checkpoint_path, args.output_dir, args.onnx_path, opts)
+    cache = compile_qpc(onnx_path, args.output_dir, opts, compiler, dry_run=args.dry_run)
+    if args.dry_run:
+        return cache
+    devices = ",".join(map(str, opts.device_group))
+    if args.prompt is None:
+        print(f"run it: python compile_qaic.py <the same flags> --prompt \"Hello|How are you\", or python generate.py "
+              f"--qpc {cache} --device_group {devices} --prompt \"Hello|How are you\"")
+        return cache
+    generate_text(cache, args.prompt.split("|"), args.max_new_tokens or opts.ctx_len, opts.device_group)
     return cache
 
 

@@ -1,40 +1,11 @@
-# Over 500 lines: export, fp16 clipping, the ONNX Runtime self-check and OnnxBackend belong together (one graph
-# contract); splitting them would spread that contract over several files.
-# Export model.py's Transformer to ONE ONNX graph shared by prefill and decode (the graph contract Qualcomm's
-# QEfficient uses for Cloud AI 100), check it on ONNX Runtime, and run it there (OnnxBackend).
+# export_onnx.py: model.py's Transformer as ONE ONNX graph shared by prefill and decode (the retained-state contract
+# that Qualcomm's QEfficient uses for Cloud AI 100; io_spec() states it), optionally with every decoder layer as one
+# ONNX function (--sub_functions, for qaic-compile -sub-functions), clipped to the fp16 range, checked on ONNX Runtime
+# against eager PyTorch, and run there by OnnxBackend (generate.py --onnx).
 #
 #     python export_onnx.py --checkpoint_path checkpoints/SmolLM2-135M-Instruct/model.pth --output_dir out/
-#     python export_onnx.py ... --full_batch_size 4          # continuous batching: adds a batch_index input
+#     python export_onnx.py ... --full_batch_size 4 [--sub_functions]   # continuous batching: a batch_index input
 #     python generate.py --onnx out/model.onnx --tokenizer_path out --prompt "a|b|c"
-#
-# Graph contract (B = batch_size, S = seq_len, C = ctx_len; all three dynamic):
-#   inputs   input_ids [B, S] int64, position_ids [B, S] int64 (-1 = padding),
-#            [batch_index [B, 1] int64: the cache slot of each row, only with --full_batch_size],
-#            past_key.N / past_value.N [B or full_batch_size, n_kv_heads, C, head_dim] float32, N = 0..n_layer-1
-#   outputs  logits [B, 1, vocab] float32 (each row's last valid position, i.e. argmax(position_ids)),
-#            past_key.N_RetainedState / past_value.N_RetainedState (the inputs with this call's K/V scattered in)
-# The network is model.py's, unchanged. Two of its submodules are swapped for the export only (retained_state()
-# puts them back afterwards, so the one loaded model is then the self-check's eager reference):
-#   * every Attention.kv_cache (model.KVCache, buffers mutated in place) -> RetainedStateKVCache, whose update() writes
-#     the new K/V into the past tensors handed in as graph inputs with one index_put (ONNX ScatterND) at
-#     (slot, head, position) and records the result, which becomes the *_RetainedState output;
-#   * Transformer.output (the LM head Linear) -> LastPositionHead, which keeps only each row's last valid position
-#     before calling that same Linear (what QEfficient does: no [B, S, vocab] logits for a 32-token prompt chunk).
-# model.forward derives the attention mask from position_ids and its cache length (set to past_key.0's dim 2 while
-# tracing, so ctx_len stays a dynamic axis); there is no mask input. Padding positions (-1) write into the last cache
-# slot, which only a query at position C-1 reads, after its own write (model.KVCache's convention).
-#
-# Exporter: the TorchScript exporter (torch.onnx.export(dynamo=False)) at opset 17 is the default. The dynamo exporter
-# (--dynamo) also lowers index_put to a single ScatterND and its graph matches PyTorch as closely, but it only builds
-# opset >= 18 and onnx's down-converter cannot take this graph back to 17 ("No Adapter From Version 18 for Split"),
-# while the Cloud AI 100 toolchain (QEfficient) exports opset 13/17; it is also ~10x slower to export on a small CPU.
-#
-# After export every float32 constant is clipped to the float16 range (-65504..65504; -inf kept, as in QEfficient's
-# FP16ClipTransform) so that the compiler's -convert-to-fp16 does not overflow; weights go to model.onnx.data
-# (external data, always). Metadata (vocab, ctx_len, bos/eos, n_layers, KV shape, tokenizer, ...) is stored in the
-# graph's metadata_props (one JSON value per key) and in model.meta.json beside it; the tokenizer files are copied
-# next to the graph. Files are written to a temporary directory, checked on ONNX Runtime against model.py's eager
-# forward (prefill of a padded batch + decode steps: greedy tokens equal, logits close) and only then moved into place.
 #
 # Imports model.py, common.py and tokenizer.py only; generate.py imports OnnxBackend from here lazily (a plugin).
 import contextlib
@@ -42,10 +13,12 @@ import functools
 import json
 import os
 import shutil
+import sys
+import tempfile
 import time
 import uuid
 import warnings
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -58,6 +31,7 @@ from common import (ArgumentParser, checkpoint_file, cli, copy_tokenizer_files, 
                     temp_dir)
 from model import Transformer
 from quantize import load_model
+from onnx_backends import OnnxBackend, json_metadata  # noqa: F401 (OnnxBackend: re-exported for old callers)
 
 FP16_MAX = float(np.finfo(np.float16).max)  # 65504
 
@@ -65,30 +39,24 @@ FP16_MAX = float(np.finfo(np.float16).max)  # 65504
 # ------------------------------------------------------------------------------------------ the swapped submodules
 class RetainedStateKVCache(nn.Module):
     """Drop-in for model.KVCache during export: the cache is an explicit tensor (a graph input), not a buffer.
-    update() scatters k/v [B, H, T, D] into `past` at (slot, head, position) and returns the rows the batch attends
-    over; the updated tensors are kept in new_k/new_v for the wrapper to return as *_RetainedState outputs."""
+    update() writes k/v [B, H, T, D] into `past` with one index_put (ONNX ScatterND) at the (slot, head, position)
+    indices that the wrapper computed once for all layers (so every decoder layer is the same computation: one ONNX
+    function with --sub_functions), keeps the result in new_k/new_v (the *_RetainedState outputs) and returns the rows
+    the batch attends over. Padding positions (-1) write into the last slot, which only a query at position C-1
+    reads, after its own write (model.KVCache's convention)."""
 
     def __init__(self):
         super().__init__()
-        self.past_k: Optional[Tensor] = None
-        self.past_v: Optional[Tensor] = None
-        self.new_k: Optional[Tensor] = None
-        self.new_v: Optional[Tensor] = None
+        self.past_k = self.past_v = self.new_k = self.new_v = None
+        self.idx: Optional[tuple] = None  # (slots, heads, positions), each [B, H, T]
+        self.slots: Optional[Tensor] = None  # [B] with batch_index, else None
 
     def update(self, input_pos: Tensor, k: Tensor, v: Tensor, batch_index: Optional[Tensor] = None):
-        B, H, T, _ = k.shape
-        S = self.past_k.shape[2]
-        pos = input_pos.expand(B, -1) if input_pos.dim() == 1 else input_pos
-        pos = torch.where(pos >= 0, pos, S - 1)  # padding -> last slot (model.KVCache's convention)
-        slots = torch.arange(B, device=k.device) if batch_index is None else batch_index.reshape(B)
-        idx = (slots.view(B, 1, 1).expand(B, H, T),
-               torch.arange(H, device=k.device).view(1, H, 1).expand(B, H, T),
-               pos.view(B, 1, T).expand(B, H, T))
-        self.new_k = self.past_k.index_put(idx, k)  # ONNX ScatterND, indices [B, H, T, 3]
-        self.new_v = self.past_v.index_put(idx, v)
-        if batch_index is None:
+        self.new_k = self.past_k.index_put(self.idx, k)  # ONNX ScatterND, indices [B, H, T, 3]
+        self.new_v = self.past_v.index_put(self.idx, v)
+        if self.slots is None:
             return self.new_k, self.new_v
-        return self.new_k[slots], self.new_v[slots]
+        return self.new_k[self.slots], self.new_v[self.slots]
 
 
 class LastPositionHead(nn.Module):
@@ -115,9 +83,15 @@ class RetainedStateWrapper(nn.Module):
     def forward(self, input_ids: Tensor, position_ids: Tensor, *rest: Tensor):
         batch_index = rest[0] if self.cb else None
         past = rest[1:] if self.cb else rest
+        (B, T), H, S = input_ids.shape, past[0].shape[1], past[0].shape[2]
+        pos = torch.where(position_ids >= 0, position_ids, S - 1)  # padding -> the last slot
+        slots = torch.arange(B) if batch_index is None else batch_index.reshape(B)
+        idx = (slots.view(B, 1, 1).expand(B, H, T), torch.arange(H).view(1, H, 1).expand(B, H, T),
+               pos.view(B, 1, T).expand(B, H, T))
         for i, cache in enumerate(self.caches):
             cache.past_k, cache.past_v = past[2 * i], past[2 * i + 1]
-        self.model.max_seq_length = past[0].shape[2]  # the mask spans ctx_len, a dynamic axis
+            cache.idx, cache.slots = idx, (None if batch_index is None else slots)
+        self.model.max_seq_length = S  # model.forward's mask spans ctx_len, a dynamic axis (no mask input)
         self.model.output.index = position_ids.argmax(1, keepdim=True)
         logits = self.model(input_ids, position_ids, batch_index)
         out = [logits]
@@ -129,31 +103,31 @@ class RetainedStateWrapper(nn.Module):
 @contextlib.contextmanager
 def retained_state(model: Transformer, continuous_batching: bool, rope_len: int, longrope_len: Optional[int] = None):
     """Yield the export wrapper around `model` with its swap points taken over (every layer.attention.kv_cache ->
-    RetainedStateKVCache, the LM head -> LastPositionHead, rotary tables covering every position the graph may run
-    at, ctx_len <= rope_len; Phi-3's longrope factors chosen for a cache of longrope_len, default rope_len), and put
-    the model's own modules back on exit: nothing is copied (the wrapper uses the model's weight tensors) and
-    afterwards the model runs eagerly as before."""
-    tables = ("rope", "rope_local")
-    saved = ([layer.attention.kv_cache for layer in model.layers], model.output,
-             {t: getattr(model, t) for t in tables if hasattr(model, t)}, model.max_batch_size, model.max_seq_length)
+    RetainedStateKVCache, the LM head -> LastPositionHead, which keeps each row's last valid position before calling
+    the same Linear, as QEfficient does: no [B, S, vocab] logits for a prompt chunk; rotary tables covering every
+    position the graph may run at, ctx_len <= rope_len; Phi-3's longrope factors chosen for a cache of longrope_len,
+    default rope_len), and put the model's own modules back on exit: the network is model.py's, nothing is copied
+    (the wrapper uses the model's weight tensors) and afterwards the model runs eagerly as before (the self-check's
+    reference)."""
+    tables = {t: getattr(model, t) for t in ("rope", "rope_local") if hasattr(model, t)}
+    saved = ([layer.attention.kv_cache for layer in model.layers], model.output, model.max_batch_size,
+             model.max_seq_length)
     caches = [RetainedStateKVCache() for _ in model.layers]
     for layer, cache in zip(model.layers, caches):
         layer.attention.kv_cache = cache
-    model.output = LastPositionHead(model.output)
+    model.output, model.max_batch_size = LastPositionHead(model.output), -1
     model.set_rope(rope_len, torch.float32, longrope_len=longrope_len)
-    model.max_batch_size = -1
     try:
         yield RetainedStateWrapper(model, continuous_batching, caches).eval()
     finally:
         for layer, cache in zip(model.layers, saved[0]):
             layer.attention.kv_cache = cache
-        model.output = saved[1]
-        for t in tables:
+        model.output, model.max_batch_size, model.max_seq_length = saved[1:]
+        for t in ("rope", "rope_local"):
             if hasattr(model, t):
                 delattr(model, t)
-        for t, v in saved[2].items():
+        for t, v in tables.items():
             model.register_buffer(t, v, persistent=False)
-        model.max_batch_size, model.max_seq_length = saved[3], saved[4]
 
 
 # ------------------------------------------------------------------------------------------------- names and shapes
@@ -162,39 +136,42 @@ def kv_names(n_layer: int) -> list[str]:
 
 
 def io_spec(n_layer: int, continuous_batching: bool):
+    """The graph contract (B = batch_size, S = seq_len, C = ctx_len; all three dynamic):
+    inputs   input_ids [B, S] int64, position_ids [B, S] int64 (-1 = padding),
+             [batch_index [B, 1] int64: the cache slot of each row, only with --full_batch_size],
+             past_key.N / past_value.N [B or full_batch_size, n_kv_heads, C, head_dim] float32, N = 0..n_layer-1
+    outputs  logits [B, 1, vocab] float32 (each row's last valid position, i.e. argmax(position_ids)),
+             past_key.N_RetainedState / past_value.N_RetainedState (the inputs with this call's K/V scattered in).
+    The attention mask comes from position_ids; prefill and decode differ only in S. Returns (inputs, outputs,
+    dynamic axes)."""
     inputs = ["input_ids", "position_ids"] + (["batch_index"] if continuous_batching else []) + kv_names(n_layer)
     outputs = ["logits"] + [n + "_RetainedState" for n in kv_names(n_layer)]
-    rows = "full_batch_size" if continuous_batching else "batch_size"
+    rows = {0: "full_batch_size" if continuous_batching else "batch_size", 2: "ctx_len"}
     axes = {"input_ids": {0: "batch_size", 1: "seq_len"}, "position_ids": {0: "batch_size", 1: "seq_len"},
-            "logits": {0: "batch_size"}}
-    if continuous_batching:
-        axes["batch_index"] = {0: "batch_size"}
-    for n in kv_names(n_layer):
-        axes[n] = axes[n + "_RetainedState"] = {0: rows, 2: "ctx_len"}
-    return inputs, outputs, axes
+            "logits": {0: "batch_size"}, "batch_index": {0: "batch_size"}}
+    axes.update((n, rows) for n in inputs[2:] + outputs[1:] if n != "batch_index")
+    return inputs, outputs, {n: axes[n] for n in inputs + outputs}
 
 
 # ------------------------------------------------------------------------------------------------- fp16 clipping
 def _all_tensors(graph):
-    yield from graph.initializer
+    yield from getattr(graph, "initializer", ())  # a FunctionProto has nodes only
     for node in graph.node:
         for attr in node.attribute:
             if attr.HasField("t"):
                 yield attr.t
             yield from attr.tensors
-            if attr.HasField("g"):
-                yield from _all_tensors(attr.g)
-            for g in attr.graphs:
+            for g in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
                 yield from _all_tensors(g)
 
 
 def clip_to_fp16_range(model_proto) -> int:
-    """Clip every float32 tensor in the graph (initializers, Constant / ConstantOfShape values, subgraphs) to
-    [-65504, 65504], keeping -inf (an additive mask stays a mask in float16). Returns how many values changed.
-    Tensors must be loaded (not external)."""
+    """Clip every float32 tensor in the graph (initializers, Constant / ConstantOfShape values, subgraphs, function
+    bodies) to [-65504, 65504], keeping -inf (an additive mask stays a mask in float16), as QEfficient's
+    FP16ClipTransform does. Returns how many values changed. Tensors must be loaded (not external)."""
     from onnx import TensorProto, numpy_helper
     changed = 0
-    for t in _all_tensors(model_proto.graph):
+    for t in (t for g in (model_proto.graph, *model_proto.functions) for t in _all_tensors(g)):
         if t.data_type != TensorProto.FLOAT:
             continue
         a = numpy_helper.to_array(t)
@@ -207,22 +184,11 @@ def clip_to_fp16_range(model_proto) -> int:
 
 
 # ------------------------------------------------------------------------------------------------- metadata
-def _json_values(pairs) -> dict:
-    """metadata_props (key, value) pairs -> dict; values are JSON (strings that are not stay strings)."""
-    meta = {}
-    for k, v in pairs:
-        try:
-            meta[k] = json.loads(v)
-        except json.JSONDecodeError:
-            meta[k] = v
-    return meta
-
-
 def read_metadata(onnx_path) -> dict:
     """The export metadata of a graph written by this script (from its metadata_props)."""
     import onnx
     m = onnx.load(str(onnx_path), load_external_data=False)
-    return _json_values((p.key, p.value) for p in m.metadata_props)
+    return json_metadata((p.key, p.value) for p in m.metadata_props)
 
 
 def _load_tokenizer(ck_dir: Path):
@@ -274,39 +240,113 @@ def _sdpa_symbolic(g, query, key, value, attn_mask=None, dropout_p=None, is_caus
     return g.op("MatMul", g.op("Softmax", scores, axis_i=-1), value)
 
 
-def _torch_export(wrapper, example, path: Path, n_layer: int, cb: bool, opset: int, dynamo: bool):
-    inputs, outputs, axes = io_spec(n_layer, cb)
+@dataclass(frozen=True)
+class ExportKind:
+    """How the graph is built. The TorchScript exporter (dynamo=False) at opset 17 is the default: the dynamo exporter
+    also lowers index_put to one ScatterND and matches PyTorch as closely, but builds only opset >= 18 (onnx's
+    down-converter cannot take this graph back to 17: "No Adapter From Version 18 for Split"), while QEfficient
+    exports opset 13/17 for Cloud AI 100; it is also ~10x slower on a small CPU. sub_functions: every decoder layer
+    (model.py's block class) becomes a call of one ONNX function, what qaic-compile -sub-functions compiles once for
+    all layers (QEfficient's use_onnx_subfunctions, TorchScript exporter only, as there)."""
+    n_layer: int
+    continuous_batching: bool = False
+    opset: int = 17
+    dynamo: bool = False
+    sub_functions: bool = False
+
+
+@contextlib.contextmanager
+def _without_exporter_chatter():
+    """export_modules_as_functions makes the TorchScript exporter's C++ print blank lines and "Skipping module
+    attribute 'freeze'" (nn.Embedding) straight to file descriptor 1, logging off or not; other lines pass."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), 1)
+        try:
+            yield
+        finally:
+            sys.stdout.flush()
+            os.dup2(saved, 1)
+            os.close(saved)
+            tmp.seek(0)
+            sys.stdout.write("".join(ln for ln in tmp.read().decode(errors="replace").splitlines(keepends=True)
+                                     if ln.strip() and not ln.startswith("Skipping module attribute")))
+
+
+def _name_function_outputs(proto, outputs: list[str]) -> None:
+    """With export_modules_as_functions the exporter leaves the graph outputs that a function call produces under
+    generated names ("806"): give them their contract names back (by position), and name the function bodies' own
+    retained-state values *_InternalRetainedState (QEfficient's spelling), so that only graph outputs carry the
+    names that the compiler's -retained-state pairs with the past_* inputs. A flat graph is left as it is."""
+    rename = {o.name: n for o, n in zip(proto.graph.output, outputs) if o.name != n}
+    taken = {x for node in proto.graph.node for x in node.output} | {i.name for i in proto.graph.input}
+    if set(rename.values()) & taken:
+        raise RuntimeError(f"cannot name the graph outputs {sorted(rename.values())}: the names are taken")
+    for o in proto.graph.output:
+        o.name = rename.get(o.name, o.name)
+    for f in proto.functions:
+        rename.update((x, x.replace("_RetainedState", "_InternalRetainedState")) for x in f.output
+                      if x.endswith("_RetainedState"))
+    for node in [*proto.graph.node, *(n for f in proto.functions for n in f.node)]:
+        node.input[:] = [rename.get(x, x) for x in node.input]
+        node.output[:] = [rename.get(x, x) for x in node.output]
+    for f in proto.functions:
+        f.output[:] = [rename.get(x, x) for x in f.output]
+
+
+def _torch_export(wrapper, example, path: Path, kind: ExportKind) -> int:
+    """Trace `wrapper` to `path`; returns the opset written."""
+    inputs, outputs, axes = io_spec(kind.n_layer, kind.continuous_batching)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        if not dynamo:
-            torch.onnx.register_custom_op_symbolic("aten::scaled_dot_product_attention", _sdpa_symbolic, opset)
+        if not kind.dynamo:
+            blocks = {type(b) for b in wrapper.model.layers}  # model.py's block class
+            extra = {"export_modules_as_functions": blocks} if kind.sub_functions else {}
+            torch.onnx.register_custom_op_symbolic("aten::scaled_dot_product_attention", _sdpa_symbolic, kind.opset)
+            # function export leaves hooks on every module (they print while the model runs on): put back the old
+            hooks = [(d, dict(d)) for m in wrapper.modules() for d in (m._forward_hooks, m._forward_pre_hooks)]
             try:
-                torch.onnx.export(wrapper, example, str(path), dynamo=False, opset_version=opset, input_names=inputs,
-                                  output_names=outputs, dynamic_axes=axes, do_constant_folding=True)
+                with _without_exporter_chatter() if kind.sub_functions else contextlib.nullcontext():
+                    torch.onnx.export(wrapper, example, str(path), dynamo=False, opset_version=kind.opset,
+                                      input_names=inputs, output_names=outputs, dynamic_axes=axes,
+                                      do_constant_folding=True, **extra)
             finally:
-                torch.onnx.unregister_custom_op_symbolic("aten::scaled_dot_product_attention", opset)
-            return opset
+                torch.onnx.unregister_custom_op_symbolic("aten::scaled_dot_product_attention", kind.opset)
+                for d, old in hooks:
+                    d.clear()
+                    d.update(old)
+            return kind.opset
         from torch.export import Dim
         dims = {"batch_size": Dim("batch_size", min=1, max=4096), "seq_len": Dim("seq_len", min=1, max=1 << 20),
                 "ctx_len": Dim("ctx_len", min=2, max=1 << 20), "full_batch_size": Dim("full_batch_size", min=1, max=4096)}
         spec = [{k: dims[v] for k, v in axes[n].items()} for n in inputs]
         shapes = (spec[0], spec[1], tuple(spec[2:]))  # forward(input_ids, position_ids, *rest)
         prog = torch.onnx.export(wrapper, example, None, dynamo=True, dynamic_shapes=shapes, input_names=inputs,
-                                 output_names=outputs, opset_version=max(opset, 18), verbose=False)
+                                 output_names=outputs, opset_version=max(kind.opset, 18), verbose=False)
         prog.save(str(path), external_data=True)
-        return max(opset, 18)
+        return max(kind.opset, 18)
 
 
 def export(checkpoint_path, output_dir, *, ctx_len: Optional[int] = None, max_ctx_len: Optional[int] = None,
            full_batch_size: Optional[int] = None, opset: int = 17, dynamo: bool = False, check: bool = True,
-           atol: float = 1e-4, check_steps: int = 4, log=functools.partial(print, flush=True)) -> dict:
-    """Export, clip, check on ONNX Runtime, then move model.onnx (+ .data, .meta.json, tokenizer files) into
-    output_dir. Returns the metadata, with the self-check result under "check". The checkpoint is loaded once: the
-    export borrows the model's swap points (retained_state) and gives them back before the self-check runs it."""
+           atol: float = 1e-4, check_steps: int = 4, sub_functions: bool = False,
+           log=functools.partial(print, flush=True)) -> dict:
+    """Export (ExportKind), clip every float32 constant to the fp16 range (clip_to_fp16_range: the compiler's
+    -convert-to-fp16 must not overflow), check on ONNX Runtime against model.py's eager forward (self_check: greedy
+    tokens equal, logits close), then move model.onnx + model.onnx.data (external weights, always), model.meta.json
+    and the tokenizer files into output_dir (the old graph goes first, the new one last; a failure publishes
+    nothing). The metadata (vocab, ctx_len, bos/eos, n_layers, KV shape, tokenizer, sub_functions: the function
+    names, ...) is also stored in the graph's metadata_props, one JSON value per key. Returns it, with the
+    self-check under "check". The checkpoint is loaded once: the export borrows the model's swap points
+    (retained_state) and gives them back before the self-check runs it."""
     t0 = time.perf_counter()
     ck_file, output_dir = checkpoint_file(checkpoint_path), Path(output_dir)
     if full_batch_size is not None and full_batch_size < 1:
         raise ValueError(f"--full_batch_size must be >= 1, got {full_batch_size}")
+    if sub_functions and dynamo:
+        raise ValueError("--sub_functions needs the TorchScript exporter (QEfficient's subfunction export); "
+                         "leave out --dynamo")
     cb = full_batch_size is not None
     model = load_model(ck_file, dtype=torch.float32)
     cfg = model.config
@@ -318,17 +358,20 @@ def export(checkpoint_path, output_dir, *, ctx_len: Optional[int] = None, max_ct
     with temp_dir(output_dir, ".export-tmp-") as tmp:
         raw = tmp / "raw"
         raw.mkdir()
-        log(f"exporting {ck_file} to ONNX ({'dynamo' if dynamo else 'TorchScript'} exporter) ...")
+        log(f"exporting {ck_file} to ONNX ({'dynamo' if dynamo else 'TorchScript'} exporter"
+            f"{', decoder layers as functions' if sub_functions else ''}) ...")
+        kind = ExportKind(cfg.n_layer, cb, opset, dynamo, sub_functions)
         with torch.no_grad(), retained_state(model, cb, max_ctx, longrope_len=ctx) as wrapper:
-            used_opset = _torch_export(wrapper, _example_inputs(cfg, cb), raw / "model.onnx", cfg.n_layer, cb,
-                                       opset, dynamo)
+            used_opset = _torch_export(wrapper, _example_inputs(cfg, cb), raw / "model.onnx", kind)
         import onnx
         proto = onnx.load(str(raw / "model.onnx"))  # with its weights, wherever the exporter put them
+        _name_function_outputs(proto, io_spec(cfg.n_layer, cb)[1])
+        functions = [f.name for f in proto.functions]
+        if sub_functions and not functions:
+            raise RuntimeError("the exporter wrote no ONNX functions for the decoder layers")
         clipped = clip_to_fp16_range(proto)
-        for o in proto.graph.output:  # shape inference cannot tell that the gathered position axis is 1
-            if o.name == "logits":
-                dims = o.type.tensor_type.shape.dim
-                dims[0].dim_param, dims[1].dim_value = "batch_size", 1
+        dims = proto.graph.output[0].type.tensor_type.shape.dim  # logits: shape inference cannot tell that the
+        dims[0].dim_param, dims[1].dim_value = "batch_size", 1   # gathered position axis is 1
         # the tokenizer travels with the graph: --tokenizer_path <output_dir> works
         has_tok = bool(copy_tokenizer_files(ck_file.parent, tmp))
         tok_info = dict(bos_id=None, eos_id=None, stop_ids=[]) if tok is None else dict(
@@ -341,7 +384,7 @@ def export(checkpoint_path, output_dir, *, ctx_len: Optional[int] = None, max_ct
             max_ctx_len=max_ctx, n_layers=cfg.n_layer, n_heads=cfg.n_head, n_kv_heads=cfg.n_local_heads,
             head_dim=cfg.head_dim, kv_shape=[full_batch_size or "batch_size", cfg.n_local_heads, "ctx_len", cfg.head_dim],
             kv_dtype="float32", full_batch_size=full_batch_size, fp16_clipped_values=clipped,
-            model_args=asdict(cfg), **tok_info)
+            sub_functions=functions, model_args=asdict(cfg), **tok_info)
         del proto.metadata_props[:]
         for k, v in meta.items():
             proto.metadata_props.add(key=k, value=json.dumps(v))
@@ -352,8 +395,9 @@ def export(checkpoint_path, output_dir, *, ctx_len: Optional[int] = None, max_ct
         onnx.checker.check_model(str(tmp / "model.onnx"))
         os.chmod(tmp / "model.onnx.data", 0o644)
         log(f"exported {ck_file} -> {output_dir / 'model.onnx'} ({meta['exporter']} exporter, opset {used_opset}, "
-            f"{cfg.n_layer} layers, ctx_len {ctx} (dynamic, <= {max_ctx}){', full_batch_size %d' % full_batch_size if cb else ''}; "
-            f"{clipped} float values clipped to the fp16 range) in {time.perf_counter() - t0:.1f} s")
+            f"{cfg.n_layer} layers{' as calls of ' + ', '.join(functions) if functions else ''}, ctx_len {ctx} "
+            f"(dynamic, <= {max_ctx}){', full_batch_size %d' % full_batch_size if cb else ''}; {clipped} float "
+            f"values clipped to the fp16 range) in {time.perf_counter() - t0:.1f} s")
         if check:
             t1 = time.perf_counter()
             log("checking the graph on ONNX Runtime against model.py ...")
@@ -378,23 +422,17 @@ def self_check(onnx_path, model: Transformer, steps: int = 4, atol: float = 1e-4
     V = model.config.vocab_size
     ort_b = OnnxBackend(onnx_path, max_batch_size=2)
     room = max(3, ort_b.max_seq_length - steps - 1)  # prompt + decode steps fit the context
-    prompts = None
-    if tokenizer is not None:
-        try:
-            prompts = [tokenizer.encode("The capital of France is Paris, and the capital of Italy is")[:room],
-                       tokenizer.encode("Hello, my name is")[:room - 1]]
-        except Exception:
-            prompts = None
+    try:
+        prompts = [tokenizer.encode("The capital of France is Paris, and the capital of Italy is")[:room],
+                   tokenizer.encode("Hello, my name is")[:room - 1]]
+    except Exception:  # no tokenizer (None), or one that fails on plain text
+        prompts = None
     if not prompts or min(map(len, prompts)) == 0 or max(map(max, prompts)) >= V or len(prompts[0]) == len(prompts[1]):
         g = torch.Generator().manual_seed(0)
         prompts = [torch.randint(0, V, (min(7, room),), generator=g).tolist(),
                    torch.randint(0, V, (min(4, room - 1),), generator=g).tolist()]
     model.setup_caches(2, ort_b.max_seq_length)
-
-    def eager(tokens, pos):
-        with torch.inference_mode():
-            return model(tokens, pos)
-
+    eager = torch.inference_mode()(lambda tokens, pos: model(tokens, pos))
     B, T = 2, max(len(p) for p in prompts)
     tokens = torch.zeros(B, T, dtype=torch.long)
     pos = torch.full((B, T), -1, dtype=torch.long)
@@ -426,82 +464,6 @@ def self_check(onnx_path, model: Transformer, steps: int = 4, atol: float = 1e-4
                 decode_steps=len(diffs) - 1, summary=summary)
 
 
-# ------------------------------------------------------------------------------------------------- the backend
-class OnnxBackend:
-    """generate.py backend running an export_onnx.py graph on ONNX Runtime (CPU).
-
-    The KV cache lives here as numpy arrays [slots, n_kv_heads, ctx_len, head_dim] per layer; each call feeds them as
-    past_* inputs and keeps the *_RetainedState outputs for the next call. forward(tokens [B, T], input_pos [T] or
-    [B, T], batch_index=None or [B] / [B, 1]) returns logits [B, 1, V] (each row's last valid position).
-    batch_index maps rows to cache slots (continuous batching); it works with both graph kinds: a graph exported with
-    --full_batch_size takes it as an input, for the other kind the rows' slots are gathered and scattered here."""
-
-    prefill_chunk = None  # the graph takes any seq_len
-
-    def __init__(self, path, max_batch_size: int = 1, ctx_len: Optional[int] = None, threads: Optional[int] = None):
-        import onnxruntime as ort
-        path = Path(path)
-        if path.is_dir():
-            path = path / "model.onnx"
-        if not path.is_file():
-            raise FileNotFoundError(f"ONNX graph not found: {path}")
-        so = ort.SessionOptions()
-        so.log_severity_level = 3
-        if threads:
-            so.intra_op_num_threads = threads
-        self.session = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
-        self.meta = _json_values(self.session.get_modelmeta().custom_metadata_map.items())
-        inputs = {i.name: i for i in self.session.get_inputs()}
-        self.kv_names = [n for n in inputs if n.startswith("past_")]
-        if not self.kv_names or "input_ids" not in inputs or "position_ids" not in inputs:
-            raise ValueError(f"{path} is not a graph from export_onnx.py (needs input_ids, position_ids, past_*)")
-        self.continuous_batching = "batch_index" in inputs
-        self.output_names = ["logits"] + [n + "_RetainedState" for n in self.kv_names]
-        shape = inputs[self.kv_names[0]].shape  # [rows, n_kv_heads, ctx_len, head_dim]
-        max_ctx = self.meta.get("max_ctx_len")
-        self.max_seq_length = int(ctx_len or self.meta.get("ctx_len") or 2048)
-        if max_ctx and self.max_seq_length > max_ctx:
-            raise ValueError(f"ctx_len {self.max_seq_length} exceeds the graph's rotary table ({max_ctx} positions)")
-        self.max_batch_size = int(max_batch_size)
-        self.vocab_size = self.meta.get("vocab_size")
-        tdir = self.meta.get("tokenizer_dir")
-        self.tokenizer_dir = None if not tdir else (path.parent if tdir == "." else Path(tdir))
-        n_kv, head_dim = int(shape[1]), int(shape[3])
-        self.past = [np.zeros((self.max_batch_size, n_kv, self.max_seq_length, head_dim), np.float32)
-                     for _ in self.kv_names]
-
-    def forward(self, tokens, input_pos, batch_index=None):
-        tokens = np.ascontiguousarray(torch.as_tensor(tokens).cpu().numpy(), dtype=np.int64)
-        B, T = tokens.shape
-        pos = torch.as_tensor(input_pos).cpu().numpy().astype(np.int64)
-        pos = np.ascontiguousarray(np.broadcast_to(pos, (B, T)) if pos.ndim == 1 else pos)
-        if pos.shape != (B, T):
-            raise ValueError(f"input_pos {tuple(pos.shape)} does not match tokens {(B, T)}")
-        if pos.max() >= self.max_seq_length:
-            raise ValueError(f"position {int(pos.max())} is outside the context of {self.max_seq_length} tokens")
-        slots = None
-        if batch_index is not None:
-            slots = torch.as_tensor(batch_index).cpu().numpy().astype(np.int64).reshape(B)
-            if slots.min() < 0 or slots.max() >= self.max_batch_size:
-                raise ValueError(f"batch_index {slots.tolist()} outside the {self.max_batch_size} cache slots")
-        elif B > self.max_batch_size:
-            raise ValueError(f"{B} rows but the backend holds at most {self.max_batch_size} sequences")
-        feed = {"input_ids": tokens, "position_ids": pos}
-        if self.continuous_batching:  # the graph scatters into the slots itself: hand it every slot
-            feed["batch_index"] = (np.arange(B, dtype=np.int64) if slots is None else slots).reshape(B, 1)
-        if self.continuous_batching or (slots is None and B == self.max_batch_size):
-            feed.update(zip(self.kv_names, self.past))
-            out = self.session.run(self.output_names, feed)
-            self.past = out[1:]
-        else:  # a subset of the rows, or rows mapped to slots: gather them, run, scatter the result back
-            rows = np.arange(B) if slots is None else slots
-            feed.update((n, p[rows]) for n, p in zip(self.kv_names, self.past))
-            out = self.session.run(self.output_names, feed)
-            for p, new in zip(self.past, out[1:]):
-                p[rows] = new
-        return torch.from_numpy(out[0])
-
-
 # ------------------------------------------------------------------------------------------------- CLI
 def parse_args(argv=None):
     p = ArgumentParser(description="Export a model.py checkpoint to one ONNX graph (prefill + decode, "
@@ -509,15 +471,15 @@ def parse_args(argv=None):
     p.add_argument("--checkpoint_path", type=Path, default=None,
                    help="model.pth from scripts/convert_checkpoint.py (default: the SmolLM2-135M-Instruct checkpoint)")
     p.add_argument("--output_dir", type=Path, default=Path("out"), help="where model.onnx (+ .data) go (default: out)")
-    p.add_argument("--ctx_len", type=int, default=None,
-                   help="context length recorded as the default for runners (the axis stays dynamic); default "
-                        "min(1024, max_ctx_len)")
+    p.add_argument("--ctx_len", type=int, default=None, help="context length recorded as the default for runners "
+                   "(the axis stays dynamic); default min(1024, max_ctx_len)")
     p.add_argument("--max_ctx_len", type=int, default=None,
                    help="longest context the graph supports (rotary table size); default the model's block_size")
-    p.add_argument("--full_batch_size", type=int, default=None,
-                   help="continuous batching: add a batch_index input mapping rows to cache slots")
+    p.add_argument("--full_batch_size", type=int, default=None, help="continuous batching: a batch_index input")
     p.add_argument("--opset", type=int, default=17)
-    p.add_argument("--dynamo", action="store_true", help="use the dynamo exporter (opset >= 18) instead of TorchScript")
+    kind = p.add_mutually_exclusive_group()  # subfunction export is the TorchScript exporter's
+    kind.add_argument("--dynamo", action="store_true", help="the dynamo exporter (opset >= 18), not TorchScript")
+    kind.add_argument("--sub_functions", action="store_true", help="decoder layers as calls of one ONNX function")
     p.add_argument("--skip_check", action="store_true", help="do not run the ONNX Runtime self-check")
     p.add_argument("--atol", type=float, default=1e-3, help="self-check: largest allowed |logits difference|")
     return p.parse_args(argv)
@@ -528,7 +490,7 @@ def main(argv=None):
     resolve_checkpoint(args)  # no --checkpoint_path: the default model
     export(args.checkpoint_path, args.output_dir, ctx_len=args.ctx_len, max_ctx_len=args.max_ctx_len,
            full_batch_size=args.full_batch_size, opset=args.opset, dynamo=args.dynamo, check=not args.skip_check,
-           atol=args.atol)
+           atol=args.atol, sub_functions=args.sub_functions)
     tok = args.output_dir if has_tokenizer(args.output_dir) else "<tokenizer dir>"
     print(f"run it: python generate.py --onnx {args.output_dir / 'model.onnx'} --tokenizer_path {tok} "
           f"--prompt \"Hello|How are you\"")

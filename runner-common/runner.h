@@ -311,6 +311,10 @@ inline int run_main(int argc, char** argv, const char* name, const ModelLoader& 
     std::fflush(stdout);
     std::fprintf(stderr, "error: %s\n", msg.substr(0, msg.find('\n')).c_str());
     return 1;
+  } catch (...) {  // not a std::exception: still one line, never std::terminate's abort
+    std::fflush(stdout);
+    std::fprintf(stderr, "error: unexpected failure (an exception of unknown type)\n");
+    return 1;
   }
 }
 

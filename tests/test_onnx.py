@@ -1,6 +1,6 @@
-# export_onnx.py: the retained-state ONNX graph (I/O contract, fp16 clipping, atomic writes) and OnnxBackend on ONNX
-# Runtime against eager PyTorch (model.py): logits, greedy tokens for one prompt, a padded batch and continuous
-# batching, plus the command lines. Tiny random models only.
+# export_onnx.py: the retained-state ONNX graph (I/O contract, fp16 clipping, atomic writes, decoder layers as ONNX
+# functions) and OnnxBackend on ONNX Runtime against eager PyTorch (model.py): logits, greedy tokens for one prompt, a
+# padded batch and continuous batching, plus the command lines. Tiny random models only.
 import json
 import os
 import subprocess
@@ -300,6 +300,27 @@ def test_model_variants_export(tmp_path):
         ck = make_checkpoint(tmp_path / name, seed=3, tokenizer=False, **over)
         meta = export_onnx.export(ck, tmp_path / f"{name}_out", ctx_len=24, atol=1e-4, log=lambda *a: None)
         assert meta["check"]["passed"], (name, meta["check"])
+
+
+def test_sub_functions_export(tmp_path):
+    """--sub_functions: each decoder layer is a call of an ONNX function, one function per kind of layer (SmolLM3's
+    layers without rotary are a second kind); the outputs keep their contract names, the self-check against PyTorch
+    passes, and nothing the exporter prints or hooks onto the model (it did both) shows."""
+    ck = make_checkpoint(tmp_path, seed=3, tokenizer=False, nope_layers=[1], n_layer=3)
+    r = _run(["export_onnx.py", "--checkpoint_path", ck, "--output_dir", tmp_path / "out", "--ctx_len", 24,
+              "--atol", 1e-4, "--sub_functions"])
+    assert r.returncode == 0, r.stderr
+    assert "as calls of TransformerBlock" in r.stdout and "PASS" in r.stdout
+    assert "Skipping" not in r.stdout + r.stderr and "\n\n" not in r.stdout
+    m, ins, outs = _io(tmp_path / "out" / "model.onnx")
+    assert sorted(f.name for f in m.functions) == ["TransformerBlock", "TransformerBlock.1"]
+    assert [n.op_type for n in m.graph.node].count("TransformerBlock") + \
+        [n.op_type for n in m.graph.node].count("TransformerBlock.1") == 3
+    assert list(outs) == ["logits"] + [f"past_{k}.{i}_RetainedState" for i in range(3) for k in ("key", "value")]
+    meta = json.loads((tmp_path / "out" / "model.meta.json").read_text())
+    assert meta["check"]["passed"] and sorted(meta["sub_functions"]) == sorted(f.name for f in m.functions)
+    bad = _run(["export_onnx.py", "--checkpoint_path", ck, "--output_dir", tmp_path / "o", "--dynamo", "--sub_functions"])
+    assert bad.returncode == 1 and len(bad.stderr.strip().splitlines()) == 1 and "not allowed with" in bad.stderr
 
 
 def _run(args, **kw):
