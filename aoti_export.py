@@ -45,6 +45,7 @@ on SmolLM2-135M every model's constants are the same bytes and the package holds
 shared_constants() and runner-aoti/run.cpp). The metadata's `models` lists the models and `shared_weights` names
 the folder. The spellings of the source docs work too: --out-path (= --output_path), --device cpu|cuda.
 """
+import contextlib
 import hashlib
 import json
 import mmap
@@ -60,8 +61,10 @@ import torch
 import torch_internals as TI
 from common import ArgumentParser, atomic_path, check_device, checkpoint_file, cli, first_line, write_atomic
 
-try:
-    import fast_cpu  # the CPU accelerator: without it a package reads its whole cache and Inductor's defaults
+try:  # the CPU accelerator: without it a package reads its whole cache, quantized weights folded into float ones
+    import fast_cpu
+    import fast_cpu_quant
+    import qexport
 except ImportError:
     fast_cpu = None
 
@@ -159,8 +162,12 @@ def export(checkpoint_path, output_path, max_seq_length: int = 1024, dtype: Opti
     # (e.g. a stride guard Eq(T*Min(16, 32*T), 16*T) from the grouped-query reshape, true for every T >= 1) become
     # runtime asserts in the package instead of failing the export with "Constraints violated"
     programs = {}  # model name -> (exported program, example args, example kwargs)
-    import qops
-    with torch.no_grad(), qops.word_kernel_export():  # quantized products: no float32 copies (qops.py)
+    forms = {}  # quantized weights' export forms (qexport.aoti_forms): the layouts every model of the package shares
+
+    def quantized(rows: str):  # a quantized model's products on fast_cpu_quant's kernels, not float32 copies
+        return qexport.aoti_forms(model, rows, forms) if model.quantization and fast_cpu else contextlib.nullcontext()
+
+    with torch.no_grad(), quantized("words"):
         ep = torch.export.export(model, example, dynamic_shapes=({1: seq}, {0: seq}), strict=False,
                                  prefer_deferred_runtime_asserts_over_guards=True)
         programs["model"] = (ep, example, {})
@@ -183,27 +190,28 @@ def export(checkpoint_path, output_path, max_seq_length: int = 1024, dtype: Opti
                 programs["lookahead"] = (torch.export.export(
                     model, ex, kw, dynamic_shapes={"idx": {1: seq}, "input_pos": {0: seq}, "mask": {2: seq}},
                     strict=False, prefer_deferred_runtime_asserts_over_guards=True), ex, kw)
-        bf16_copies = []  # weight-only int8's prompt copies (below)
-        if fast_prefill:  # prompts of 2 tokens or more (the runners run a 1-token prompt through "model"); the
-            T = min(PROMPT_HINT, S)  # weight-only products of many rows are ATen's packed kernels (qops.py)
-            ex = (torch.zeros(1, T, dtype=torch.long, device=device), torch.arange(T, device=device))
-            kw = {"logits_at": torch.tensor([T - 1], device=device)}
-            prompts = [("prompt", 2, "native")]  # (model, its shortest length, word_kernel_export's many_rows)
-            # weight-only int4 and 8da4w on a CPU with bfloat16 dot products: "long_prompt", the prompts of L tokens
-            # or more, through oneDNN's bfloat16 GEMM (qops.py's _BF16_GEMM); weight-only int8's "prompt" runs that
-            # GEMM at every length, on a bfloat16 copy of its integer weights (qops.QuantizedWeight.add_export_copy)
-            q, L = model.quantization, qops._BF16_ROWS
-            bf16_copies = [lin.qweight.add_export_copy() for lin in model.layers.modules()
-                           if isinstance(lin, qops.QuantizedLinear) and lin.prompt_copy_bytes()]
-            if q and q.get("mode") in ("int4", "int4-gptq", "8da4w") and qops._BF16_GEMM and S > L:
-                prompts.append(("long_prompt", L, "bf16"))
-                meta["long_prompt_min"] = str(L)
-            for name, low, many_rows in prompts:
-                length = Dim(f"{name}_seq", min=low, max=S)
-                with qops.word_kernel_export(many_rows=many_rows):
-                    programs[name] = (torch.export.export(model, ex, kw, dynamic_shapes={
-                        "idx": {1: length}, "input_pos": {0: length}, "logits_at": None},
-                        strict=False, prefer_deferred_runtime_asserts_over_guards=True), ex, kw)
+    bf16_copies = []  # weight-only int8's prompt copies (below)
+    if fast_prefill:  # prompts of 2 tokens or more (the runners run a 1-token prompt through "model"); the
+        T = min(PROMPT_HINT, S)  # weight-only products of many rows are ATen's packed kernels (fast_cpu_quant.py)
+        ex = (torch.zeros(1, T, dtype=torch.long, device=device), torch.arange(T, device=device))
+        kw = {"logits_at": torch.tensor([T - 1], device=device)}
+        prompts = [("prompt", 2, "native")]  # (model, its shortest length, its quantized forms' export_rows)
+        # weight-only int4 and 8da4w on a CPU with bfloat16 dot products: "long_prompt", the prompts of L tokens or
+        # more, through oneDNN's bfloat16 GEMM; weight-only int8's "prompt" runs that GEMM at every length, on a
+        # bfloat16 copy of its integer weights (FastQuantizedLinear.add_export_copy; the blocks', not the output's)
+        q = model.quantization
+        bf16_copies = [f.add_export_copy() for f in forms.values()
+                       if f.qweight is not model.output.qweight and f.prompt_copy_bytes()]
+        if q and fast_cpu and q.get("mode") in ("int4", "int4-gptq", "8da4w") and fast_cpu_quant.BF16_GEMM \
+                and S > fast_cpu_quant.BF16_ROWS:
+            prompts.append(("long_prompt", fast_cpu_quant.BF16_ROWS, "bf16"))
+            meta["long_prompt_min"] = str(fast_cpu_quant.BF16_ROWS)
+        for name, low, rows in prompts:
+            length = Dim(f"{name}_seq", min=low, max=S)
+            with torch.no_grad(), quantized(rows):
+                programs[name] = (torch.export.export(model, ex, kw, dynamic_shapes={
+                    "idx": {1: length}, "input_pos": {0: length}, "logits_at": None},
+                    strict=False, prefer_deferred_runtime_asserts_over_guards=True), ex, kw)
     meta["models"] = ",".join(programs)
     if len(programs) > 1:
         meta["shared_weights"] = SHARED_WEIGHTS

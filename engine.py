@@ -375,7 +375,7 @@ def generate_continuous(backend, prompts: list[list[int]], max_new_tokens: int, 
 def weight_bytes(model) -> int:
     """Bytes of weights read per decode step (tied embedding/output counted once; the KV cache excluded)."""
     seen, total = set(), 0
-    skip = ("cache", "rope", "qdata_int8", "zero_point")  # KV cache, tables, quantize.py's export-only operands
+    skip = ("cache", "rope")  # the KV cache and the rotary tables
     for t in list(model.parameters()) + [b for n, b in model.named_buffers() if not any(s in n for s in skip)]:
         if t.data_ptr() in seen:
             continue

@@ -53,6 +53,8 @@ import torch
 from torch import Tensor, nn
 
 import et_passes
+import qexport
+import qops
 from common import ArgumentParser, atomic_path, cli, first_line, native_stderr_filtered, resolve_checkpoint
 
 BACKENDS = ("xnnpack", "portable", "qnn", "coreml", "mps")
@@ -142,7 +144,6 @@ class _QuantizedEmbeddingET(nn.Module):
 
 def _linear_kind(m) -> Optional[str]:
     """qops.py's QuantizedLinear -> "8da4w" | "int8" | "int4" (weight-only asymmetric: no ExecuTorch kernel)."""
-    import qops
     if not isinstance(m, qops.QuantizedLinear):
         return None
     if m.qweight.bits == 8:
@@ -158,12 +159,12 @@ def export_swaps(model, int8_dynamic: bool = True):
       * each RMSNorm -> _RMSNorm4D and each Rotary -> one shared _RotaryLinear, so both stay inside the XNNPACK
         delegate (same arithmetic);
       * qops.py's QuantizedEmbedding -> _QuantizedEmbeddingET (ExecuTorch's quantized embedding kernels);
-      * with int8_dynamic, int8 weight-only QuantizedLinears -> QuantizedLinear(act="int8") over the same weight:
-        XNNPACK has no float x int8 weight-only GEMM, so the .pte quantizes activations per token too (quantize.py's
-        8da4w export pattern, qd8-f32-qc8w), which differs from eager int8 by that rounding only; without it
-        portable kernels would dequantize every weight on every call. For the portable backend they stay weight-only."""
+      * QuantizedLinears with int8 activations (8da4w, 8da8w) -> qexport.XnnpackLinear (the pattern XNNPACK lowers);
+        with int8_dynamic, int8 weight-only ones too: XNNPACK has no float x int8 weight-only GEMM, so the .pte
+        quantizes activations per token too (qd8-f32-qc8w), which differs from eager int8 by that rounding only;
+        without it portable kernels would dequantize every weight on every call. For the portable backend they stay
+        weight-only."""
     import model as model_py
-    import qops
     rope = _RotaryLinear(model.config.head_dim, model.norm.weight.device, model.config.rotary_dim)
 
     def replacement(m):
@@ -175,8 +176,8 @@ def export_swaps(model, int8_dynamic: bool = True):
             return rope
         if isinstance(m, qops.QuantizedEmbedding):
             return _QuantizedEmbeddingET(m.qweight)
-        if int8_dynamic and _linear_kind(m) == "int8" and m.act is None:
-            return qops.QuantizedLinear(m.qweight, m.bias, act="int8")
+        if qexport.xnnpack_kind(m) and (m.act == "int8" or (int8_dynamic and _linear_kind(m) == "int8")):
+            return qexport.XnnpackLinear(m)
         return None
 
     swapped = []
@@ -612,12 +613,10 @@ def main(argv=None):
 
 
 def _scales_not_bf16(model) -> bool:
-    """True when an 8da4w weight (qops.py keeps qdata_int8 for the XNNPACK pattern) has scales that bfloat16
-    cannot hold exactly."""
-    import qops
+    """True when an 8da4w weight (4-bit, XNNPACK's pattern) has scales that bfloat16 cannot hold exactly."""
     for m in model.modules():
-        if isinstance(m, qops.QuantizedWeight) and getattr(m, "qdata_int8", None) is not None:
-            s = m.scales.float()
+        if isinstance(m, qops.QuantizedLinear) and m.qweight.bits == 4 and qexport.xnnpack_kind(m):
+            s = m.qweight.scales.float()
             if not torch.equal(s, s.to(torch.bfloat16).float()):
                 return True
     return False

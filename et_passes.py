@@ -96,7 +96,7 @@ def inferred_view_dims(gm: torch.fx.GraphModule):
 
 
 def drop_unused_state(ep) -> int:
-    """Remove weights/buffers/constants the graph never reads (qops.py keeps packed copies that only eager uses);
+    """Remove weights/buffers/constants the graph never reads (an export form's operands replace the stored ones);
     ExecuTorch would serialize them all. Returns how many were dropped."""
     from torch.export.graph_signature import InputKind
     placeholders = {n.name: n for n in ep.graph_module.graph.nodes if n.op == "placeholder"}

@@ -10,6 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+import fast_cpu_quant
 import torch_internals as TI
 from common import available_memory, keep_packed_copy, packed_copy
 from model import SDPA, Attention, Transformer
@@ -177,7 +178,7 @@ def speed_up(model: Transformer, compile: bool = False, export: bool = False) ->
     """Assign the faster modules (in place; returns the model). On CPU only (elsewhere the model is left as is):
       * cache_len -> FilledSlots and each attention.attend -> FilledSlotsAttention;
       * export (aoti_export.py): nothing more; Inductor's own kernels take the products;
-      * else float nn.Linear -> OneDNNLinear, and with compile the layers and the output projection run prompts
+      * else qops.QuantizedLinear -> fast_cpu_quant.FastQuantizedLinear, float nn.Linear -> OneDNNLinear, and with compile the layers and the output projection run prompts
         through CompiledPrompt, the blocks' weights get packed prompt copies (pack_prompt_weights) unless they would
         take more than half of the free memory (one line on stderr says so).
     Call it once the model is loaded and its caches are set up; a model given to it is for running, not saving (the
@@ -191,6 +192,7 @@ def speed_up(model: Transformer, compile: bool = False, export: bool = False) ->
             attn.attend = FilledSlotsAttention(attn.attend)
     if export:
         return model
+    fast_cpu_quant.swap_in(model)
     if ONEDNN:
         for parent in list(model.modules()):
             for name, child in list(parent.named_children()):

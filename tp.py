@@ -196,7 +196,6 @@ def _shard_rows(m: nn.Module, rows: Tensor):
     if m.bias is not None:
         m.bias = nn.Parameter(_take(m.bias.data, 0, rows), requires_grad=False)
     qw.out_features = m.out_features = len(rows)
-    qw.rebuild()  # the export operands, packed and word layouts of the shard
 
 
 def _shard_cols(m: nn.Module, start: int, end: int, rank: int):
@@ -216,7 +215,6 @@ def _shard_cols(m: nn.Module, start: int, end: int, rank: int):
             if qw.zeros is not None:
                 qw.zeros = qw.zeros[:, start // G:end // G].clone()
         qw.in_features = m.in_features = n
-        qw.rebuild()
     if m.bias is not None and rank != 0:
         m.bias = None
 

@@ -216,10 +216,10 @@ def test_so_library(env, runner):
 @pytest.fixture(scope="module")
 def quantized(env):
     """quantized(mode) -> (checkpoint, package), made once per mode for the tests below: `quantize.py --mode M
-    --groupsize 32` on env's checkpoint, then `aoti_export.export(..., fast_prefill=True)` with qops._BF16_GEMM forced
-    on (any CPU makes the same package: a weight-only one adds "long_prompt", see test_long_prompt_model)."""
+    --groupsize 32` on env's checkpoint, then `aoti_export.export(..., fast_prefill=True)` with fast_cpu_quant.BF16_GEMM
+    forced on (any CPU makes the same package: a weight-only one adds "long_prompt", see test_long_prompt_model)."""
     import aoti_export
-    import qops
+    import fast_cpu_quant
     made = {}
 
     def get(mode):
@@ -229,7 +229,7 @@ def quantized(env):
                      "--groupsize", "32", "--output", q])
             assert r.returncode == 0, r.stderr[-2000:]
             with pytest.MonkeyPatch.context() as mp:
-                mp.setattr(qops, "_BF16_GEMM", True)
+                mp.setattr(fast_cpu_quant, "BF16_GEMM", True)
                 made[mode] = q, aoti_export.export(q, env["root"] / f"tiny_{mode}.pt2", MAX_SEQ, None, "cpu",
                                                    env["bpe"], False, log=lambda *a: None, fast_prefill=True)
         return made[mode]
@@ -239,7 +239,7 @@ def quantized(env):
 def test_quantized_checkpoint(env, runner, quantized):
     # int4 weight-only in a package of its models (the models whose weights the package shares once once failed to
     # compile an int4 checkpoint: its several-row products lowered to an aten.mm that Inductor's C++ GEMM template
-    # does not take; they are qops.py's word kernels now)
+    # does not take; they are fast_cpu_quant.py's word kernels now)
     q, pt2 = quantized("int4")
     from aoti_export import AOTIBackend
     assert "quantization" in AOTIBackend(pt2).metadata
@@ -273,7 +273,7 @@ def test_quantized_checkpoint(env, runner, quantized):
 @pytest.mark.parametrize("mode", ["int8", "int4", "8da4w", "8da8w"])
 def test_quantized_package_keeps_integer_weights(env, quantized, mode):
     """An int8 / int4 / 8da4w / 8da8w package holds its integer weights, not float32 copies: under export the products
-    are qops.py's word kernels (word_kernel_export), where Inductor's freezing would fold dequantize(w) into new
+    are fast_cpu_quant.py's word kernels (qexport.aoti_forms), where Inductor's freezing would fold dequantize(w) into new
     float32 constants. Its "prompt" model (--fast_prefill) runs the products of many rows on copies of their own: int4
     through ATen's packed kernel (its blocked layout), 8da8w's int8 x int8 products through torch._int_mm on qdata,
     int8 through oneDNN's bfloat16 GEMM on q as bfloat16 (exact; eager runs it from 32 rows, the packed kernel
@@ -313,7 +313,7 @@ LONG_PROMPT = "Once upon a time there was a little cat who lived in a big red ho
 def test_long_prompt_model(env, runner, quantized, mode, monkeypatch):
     """A weight-only int4 or an 8da4w package made on a CPU with bfloat16 dot products (forced in `quantized` and
     here, so any CPU runs the test: oneDNN converts where the instructions are missing) adds "long_prompt":
-    prompts of _BF16_ROWS tokens or more, their products through qops.words_bf16_t and oneDNN's bfloat16 GEMM (as
+    prompts of BF16_ROWS tokens or more, their products through words_bf16_t and oneDNN's bfloat16 GEMM (as
     compiled prefill runs them). It adds no weights to the package (only the shift amounts); the long prompt's last
     logits (int4 / 8da4w: weights rounded once to bfloat16; eager int4's packed kernel rounds its scales and offsets
     instead, eager 8da4w runs float32 products) are no further from the float32 product of the dequantized weights
@@ -324,9 +324,10 @@ def test_long_prompt_model(env, runner, quantized, mode, monkeypatch):
     neighbouring bfloat16 (measured 0.0032 from the float32 product against eager's 0.0037 of 0.64; the step after
     it 0.0024 against 0.0023)."""
     import aoti_export
+    import fast_cpu_quant
     import qops
     from quantize import load_model
-    monkeypatch.setattr(qops, "_BF16_GEMM", True)  # (the eager models below: int8's bfloat16 GEMM)
+    monkeypatch.setattr(fast_cpu_quant, "BF16_GEMM", True)  # (the eager models below: int8's bfloat16 GEMM)
     q, pt2 = quantized(mode)
     b = aoti_export.AOTIBackend(pt2)
     with zipfile.ZipFile(pt2) as z:  # its products are GEMMs (oneDNN's), not ATen's packed weight-only kernels
@@ -334,7 +335,7 @@ def test_long_prompt_model(env, runner, quantized, mode, monkeypatch):
     if mode == "int8":
         assert b.metadata["models"] == "model,prompt" and "pack_mm" not in code["prompt"]
     else:
-        assert b.metadata["models"] == "model,prompt,long_prompt" and b.long_prompt_min == qops._BF16_ROWS
+        assert b.metadata["models"] == "model,prompt,long_prompt" and b.long_prompt_min == fast_cpu_quant.BF16_ROWS
         _, index = package_index(pt2)
         records = {}
         for row in index:
@@ -344,8 +345,9 @@ def test_long_prompt_model(env, runner, quantized, mode, monkeypatch):
         assert "aoti_torch_cpu_mm" in code["long_prompt"] and "pack_mm" not in code["long_prompt"]
         assert "pack_mm" in code["prompt"]
     m = load_model(q)
+    fast_cpu_quant.swap_in(m)  # eager with the CPU kernels (generate.py's)
     m.setup_caches(1, MAX_SEQ)
-    T = qops._BF16_ROWS + 8
+    T = fast_cpu_quant.BF16_ROWS + 8
     x, pos = torch.randint(0, VOCAB, (1, T), generator=torch.Generator().manual_seed(0)), torch.arange(T)
     f = load_model(q)  # float32 nn.Linear layers with the dequantized weights
     for name, lin in list(f.layers.named_modules()):
@@ -363,7 +365,7 @@ def test_long_prompt_model(env, runner, quantized, mode, monkeypatch):
     expect = generate_py(["--aoti_package", pt2], env["bpe"], LONG_PROMPT, 12)
     r = run([runner, pt2, "-z", env["bins"]["bpe"], "-i", LONG_PROMPT, "-n", 12, "-t", 0])
     assert r.returncode == 0 and r.stdout == expect, r.stderr
-    assert (f'from {qops._BF16_ROWS} tokens "long_prompt"' in r.stderr) == (mode != "int8")
+    assert (f'from {fast_cpu_quant.BF16_ROWS} tokens "long_prompt"' in r.stderr) == (mode != "int8")
 
 
 def test_broken_inputs(env, runner, tmp_path):

@@ -11,8 +11,10 @@ import torch.nn.functional as F
 import common
 import engine
 import fast_cpu
+import fast_cpu_quant as FQ
 import generate
 import gptq
+import qexport
 import qops
 import quantize as Q
 from conftest import assert_clean_error, hf_to_model, run_cli, tiny_hf
@@ -43,6 +45,7 @@ def _linear(name, N=96, K=128, bias=False, seed=0):
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_matches_its_dequantized_weights(name, bias):
     w, lin = _linear(name, bias=bias)
+    fast = FQ.FastQuantizedLinear(lin)
     x = torch.randn(2, 5, 128)
     qw = lin.qweight
     ref_x = qops.fake_quant_per_token_int8(x) if lin.act else x
@@ -58,24 +61,25 @@ def test_linear_matches_its_dequantized_weights(name, bias):
     elif qw.bits == 8 and not lin.act:  # int8: float32 scales after
         want = bf(F.linear(bf(x), qw.qdata.float())) * qw.scales + (lin.bias if bias else 0)
     if qw.bits == 8 and not lin.act:  # compiled prefill's bfloat16 w.T (words_bf16_t): the integer values, exact
-        assert torch.equal(qw.words_bf16_t(), qw.qdata.t().to(torch.bfloat16))
+        assert torch.equal(fast.words_bf16_t(), qw.qdata.t().to(torch.bfloat16))
     elif qw.weight_only:  # q s + z in float32, rounded once
         q = qw.int_values().view(qw.out_features, -1, qw.groupsize).float()
         w32 = (q * qw.scales[..., None] + qw.zeros[..., None]).view(qw.out_features, -1)
-        assert torch.equal(qw.words_bf16_t(), w32.t().to(torch.bfloat16))
+        assert torch.equal(fast.words_bf16_t(), w32.t().to(torch.bfloat16))
+    torch.testing.assert_close(lin(x), ref, rtol=1e-5, atol=1e-5)  # qops' module: the exact eager product
     if want is None:
-        torch.testing.assert_close(lin(x), ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(fast(x), ref, rtol=1e-5, atol=1e-5)
     else:
-        torch.testing.assert_close(lin(x), want, rtol=2 ** -8, atol=1e-6)
-        torch.testing.assert_close(lin(x[:1, :1]), ref[:1, :1], rtol=1e-5, atol=1e-5)  # one row: float32
+        torch.testing.assert_close(fast(x), want, rtol=2 ** -8, atol=1e-6)
+        torch.testing.assert_close(fast(x[:1, :1]), ref[:1, :1], rtol=1e-5, atol=1e-5)  # one row: float32
     # the compile-path formulation (one reduction over the integer weights), run eagerly on one row
-    fused = qw.fused_linear(ref_x[:1, :1], offset=not split) + (zt[:1, :1] if split else 0)
+    fused = fast.fused_linear(ref_x[:1, :1], offset=not split) + (zt[:1, :1] if split else 0)
     torch.testing.assert_close(fused + (lin.bias if bias else 0), ref[:1, :1], rtol=1e-4, atol=1e-4)
-    with qops.word_kernel_export():  # an AOT Inductor package's dynamic length: the same kernels for any number of rows
-        many = qw.fused_linear(ref_x, offset=not split) + zt
-        if split:  # 8da4w's form there (and in compiled decode): the float activations' group sums in the same kernel
-            one = qw.fused_linear(ref_x, sums=x.unflatten(-1, (-1, qw.groupsize)).sum(-1))
-            torch.testing.assert_close(one + (lin.bias if bias else 0), ref, rtol=1e-4, atol=1e-4)
+    words = FQ.FastQuantizedLinear(fast, export_rows="words")  # an AOT Inductor package's dynamic length: the same
+    many = words.fused_linear(ref_x, offset=not split) + zt     # kernels for any number of rows
+    if split:  # 8da4w's form there (and in compiled decode): the float activations' group sums in the same kernel
+        one = words.fused_linear(ref_x, sums=x.unflatten(-1, (-1, qw.groupsize)).sum(-1))
+        torch.testing.assert_close(one + (lin.bias if bias else 0), ref, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(many + (lin.bias if bias else 0), ref, rtol=1e-4, atol=1e-4)
     # round to nearest: every stored value is the grid point nearest to the float weight, given the stored scales
     qw = lin.qweight
@@ -93,56 +97,58 @@ def test_bfloat16_native_kernels_match_dequantized_weights(name):
     """bfloat16 on CPU runs ATen's packed weight-only kernels (_weight_int8pack_mm, _weight_int4pack_mm_for_cpu)."""
     w, lin = _linear(name, N=96, K=256)
     lin = lin.to(torch.bfloat16)
+    fast = FQ.FastQuantizedLinear(lin)
     x = torch.randn(3, 256, dtype=torch.bfloat16)
-    y = lin.qweight.native_linear(x)
+    y = fast.native_linear(x)
     if y is None:
         pytest.skip("this torch build has no packed CPU kernel for this scheme")
     ref = F.linear(x.float(), lin.qweight.dequantize(torch.float32))
     torch.testing.assert_close(y.float(), ref, rtol=2e-2, atol=2e-2)
-    torch.testing.assert_close(lin(x).float(), ref, rtol=2e-2, atol=2e-2)
-    qw = lin.to(torch.float32).qweight  # float32 weight-only: bfloat16 activations for more than one row, the portable
-    torch.testing.assert_close(qw.native_linear(x.float()), ref, rtol=2e-2, atol=2e-2)  # path for one
-    assert qw.native_linear(x[:1].float()) is None
-    assert qw.native_linear(x.float(), float_rows=False) is None  # 8da4w's fake-quantized activations stay float32
+    torch.testing.assert_close(fast(x).float(), ref, rtol=2e-2, atol=2e-2)
+    fast = FQ.FastQuantizedLinear(lin.to(torch.float32))  # float32 weight-only: bfloat16 activations for more than
+    torch.testing.assert_close(fast.native_linear(x.float()), ref, rtol=2e-2, atol=2e-2)  # one row, the portable
+    assert fast.native_linear(x[:1].float()) is None                                      # path for one
+    assert fast.native_linear(x.float(), float_rows=False) is None  # 8da4w's fake-quantized activations stay float32
 
 
 def test_bfloat16_native_kernel_of_asymmetric_8da4w():
     """8da4w's packed copy holds the zero-point-free part (q - 8) s; the zero term is QuantizedLinear's."""
     w, lin = _linear("8da4w-g32", N=96, K=256)
-    qw = lin.to(torch.bfloat16).qweight
+    fast = FQ.FastQuantizedLinear(lin.to(torch.bfloat16))
     x = torch.randn(3, 256, dtype=torch.bfloat16)
-    y = qw.native_linear(x, offset=False)
+    y = fast.native_linear(x, offset=False)
     if y is None:
         pytest.skip("this torch build has no packed CPU int4 kernel")
-    ref = F.linear(x.float(), qw.dequantize(torch.float32, offset=False))
+    ref = F.linear(x.float(), fast.qweight.dequantize(torch.float32, offset=False))
     torch.testing.assert_close(y.float(), ref, rtol=2e-2, atol=2e-2)
-    assert qw.native_linear(x) is None  # with offsets: the portable path
+    assert fast.native_linear(x) is None  # with offsets: the portable path
 
 
 def test_8da8w_rows_are_one_integer_product():
     """8da8w, more than one row: torch._int_mm on the int8 activations and weights, whose int32 sums are exact (checked
     against int64 sums of the same integers); one row takes the fake-quantized float product (decode)."""
     w, lin = _linear("8da8w", K=256, bias=True)
-    qw = lin.qweight
+    qw, fast = lin.qweight, FQ.FastQuantizedLinear(lin)
     x = torch.randn(2, 7, 256) * torch.linspace(0.1, 4, 256)
     q, zp, scale = qops.quant_per_token_int8(x)
     acc = (q - zp).long() @ qw.qdata.long().T                      # [2, 7, 96] exact
     want = (acc.double() * scale.double() * qw.scales.double() + lin.bias.double()).float()
-    y = lin(x)
+    y = fast(x)
     torch.testing.assert_close(y, want, rtol=1e-6, atol=1e-6)
-    assert torch.equal(y, qw.int8_act_linear(x) + lin.bias)
+    assert torch.equal(y, fast.int8_act_linear(x) + lin.bias)
     ref = F.linear(qops.fake_quant_per_token_int8(x), qw.dequantize(), lin.bias)
-    torch.testing.assert_close(lin(x[:1, :1]), ref[:1, :1], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fast(x[:1, :1]), ref[:1, :1], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lin(x), ref, rtol=1e-5, atol=1e-5)  # qops' module: the fake-quantized product
 
 
 @pytest.mark.parametrize("name", ["8da4w-g32", "8da4w-sym-g32", "8da8w"])
 def test_dynamic_act_export_arithmetic_matches_eager(name):
     """The op pattern the exporters emit (torchao quantize/dequantize_affine, qb4w weights with zero point 8, plus the
     group-sum GEMM for asymmetric weights; 8da8w: per-channel int8 weights, qc8w) computes what the eager module
-    computes (8da8w: for several rows its integer GEMM); 4-bit scales are bfloat16 values."""
+    computes; 4-bit scales are bfloat16 values."""
     w, lin = _linear(name, bias=True)
     x = torch.randn(2, 5, 128)
-    torch.testing.assert_close(lin._forward_dynamic_act_export(x), lin(x), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(qexport.XnnpackLinear(lin)(x), lin(x), rtol=1e-5, atol=1e-5)
     s = lin.qweight.scales
     assert torch.equal(s, s.to(torch.bfloat16).to(s.dtype)) == (name != "8da8w")
     assert (lin.qweight.zeros is None) == (name != "8da4w-g32")
@@ -168,7 +174,7 @@ def test_int4_reproduces_a_weight_already_on_an_int4_grid():
 
 
 def test_8da4w_activation_quantization_matches_torchao():
-    qp = qops._torchao_primitives()
+    qp = qexport.torchao_primitives()
     x = torch.randn(3, 7, 64) * 3 + 0.5
     bs = (1, 1, 64)
     s, zp = qp.choose_qparams_affine(x, qp.MappingType.ASYMMETRIC, bs, torch.int8, -128, 127,
@@ -192,11 +198,11 @@ def test_compiled_decode_int8_layout_keeps_precision_in_bfloat16():
     bfloat16 activations that sum is far larger than the result, so it must be accumulated in float32. Compared with
     the same bfloat16 input through the dequantized weights in float32 (bfloat16 rounding of the result only)."""
     w, lin = _linear("int8", N=64, K=256)
-    qw = lin.qweight
-    assert qw._int8_words is not None  # the word layout this checks
+    fast = FQ.FastQuantizedLinear(lin)
+    assert fast.int8_words is not None  # the word layout this checks
     x = (torch.randn(1, 1, 256) + 2.0).to(torch.bfloat16)  # a mean far from 0: a large offset term
-    ref = F.linear(x.float(), qw.dequantize(torch.float32))
-    got = qw.fused_linear(x).float()
+    ref = F.linear(x.float(), lin.qweight.dequantize(torch.float32))
+    got = fast.fused_linear(x).float()
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
 
 
@@ -350,8 +356,8 @@ def test_compiled_prefill_matches_eager(peaked, monkeypatch, output):
     ref = engine.prefill(generate.TorchBackend(copy.deepcopy(m), 1, 64), [PROMPT], CPU)[0]  # eager, same kernels
     eager = _greedy(copy.deepcopy(m), n=8)
     traced = []
-    fused = qops.QuantizedWeight.fused_linear
-    monkeypatch.setattr(qops.QuantizedWeight, "fused_linear", lambda self, *a: traced.append(1) or fused(self, *a))
+    fused = FQ.FastQuantizedLinear.fused_linear
+    monkeypatch.setattr(FQ.FastQuantizedLinear, "fused_linear", lambda self, *a: traced.append(1) or fused(self, *a))
     torch._dynamo.reset()  # (graphs of earlier tests would serve this model: its weights are inputs)
     be = generate.TorchBackend(m, 1, 64, compile=True)
     graphs = counters["stats"]["unique_graphs"]
@@ -364,17 +370,17 @@ def test_compiled_prefill_matches_eager(peaked, monkeypatch, output):
 
 
 def test_eager_int8_long_product_bfloat16_gemm(monkeypatch):
-    """Eager int8 products of qops._BF16_ROWS rows or more on a CPU with bfloat16 dot products: one cast of the integer
+    """Eager int8 products of BF16_ROWS rows or more on a CPU with bfloat16 dot products: one cast of the integer
     weights to bfloat16 and oneDNN's bfloat16 GEMM (forced on here), the same arithmetic as the packed kernel (x in
     bfloat16, exact weights, float32 sums, output in bfloat16, float32 scales after); shorter ones keep the kernel."""
-    monkeypatch.setattr(qops, "_BF16_GEMM", True)
+    monkeypatch.setattr(FQ, "BF16_GEMM", True)
     _, lin = _linear("int8")
-    qw = lin.qweight
+    qw, lin = lin.qweight, FQ.FastQuantizedLinear(lin)
     bf = lambda t: t.to(torch.bfloat16).float()
     calls = []
     packed = torch.ops.aten._weight_int8pack_mm
     monkeypatch.setattr(torch.ops.aten, "_weight_int8pack_mm", lambda *a: calls.append(1) or packed(*a))
-    for rows, kernel in ((qops._BF16_ROWS - 1, True), (qops._BF16_ROWS + 8, False)):
+    for rows, kernel in ((FQ.BF16_ROWS - 1, True), (FQ.BF16_ROWS + 8, False)):
         x = torch.randn(rows, 128)
         want = bf(F.linear(bf(x), qw.qdata.float())) * qw.scales
         calls.clear()
@@ -384,20 +390,20 @@ def test_eager_int8_long_product_bfloat16_gemm(monkeypatch):
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_compiled_long_prefill_bfloat16_gemm(peaked, monkeypatch, mode):
-    """--compile's prompts of qops._BF16_ROWS tokens or more, on a CPU with bfloat16 dot products, where the weights
+    """--compile's prompts of BF16_ROWS tokens or more, on a CPU with bfloat16 dot products, where the weights
     have no prompt copies (fast_cpu.pack_prompt_weights): the weights go to bfloat16 in a generated kernel (words_bf16_t)
     for oneDNN's bfloat16 GEMM. Forced on here, so that any CPU runs it
     (oneDNN converts where the instructions are missing). Eager int8 casts qdata for the same GEMM, eager int4 keeps
     ATen's packed kernel: the prompt's last logits agree within bfloat16 rounding (int4's weights are rounded to it),
     and the greedy tokens match."""
-    monkeypatch.setattr(qops, "_BF16_GEMM", True)
+    monkeypatch.setattr(FQ, "BF16_GEMM", True)
     monkeypatch.setattr(fast_cpu, "available_memory", lambda: 0)  # no prompt copies (no memory for them)
     traced = []
-    words = qops.QuantizedWeight.words_bf16_t
-    monkeypatch.setattr(qops.QuantizedWeight, "words_bf16_t", lambda self: traced.append(1) or words(self))
+    words = FQ.FastQuantizedLinear.words_bf16_t
+    monkeypatch.setattr(FQ.FastQuantizedLinear, "words_bf16_t", lambda self: traced.append(1) or words(self))
     m = copy.deepcopy(peaked)
     Q.quantize_model(m, mode, 32, embedding="int8", log=False)
-    prompt = (PROMPT * 8)[:qops._BF16_ROWS + 4]
+    prompt = (PROMPT * 8)[:FQ.BF16_ROWS + 4]
     ref = engine.prefill(generate.TorchBackend(copy.deepcopy(m), 1, 64), [prompt], CPU)[0]
     eager, _ = generate.generate(generate.TorchBackend(copy.deepcopy(m), 1, 64), [prompt], 8, CPU)
     assert not traced  # eager: no word layouts
@@ -413,20 +419,20 @@ def test_compiled_long_prefill_bfloat16_gemm(peaked, monkeypatch, mode):
 @pytest.mark.parametrize("rows", ["short", "long"])
 def test_compiled_8da4w_prefill(peaked, monkeypatch, rows):
     """8da4w under --compile: a prompt's products take the activations' integer values q - zp (exact in bfloat16)
-    through ATen's packed int4 kernel (fewer than qops._BF16_ROWS tokens) or oneDNN's bfloat16 GEMM on words_bf16_t's
-    (q - 8) s (from qops._BF16_ROWS tokens; forced on here, so any CPU runs it), times the activations' scales after.
+    through ATen's packed int4 kernel (fewer than BF16_ROWS tokens) or oneDNN's bfloat16 GEMM on words_bf16_t's
+    (q - 8) s (from BF16_ROWS tokens; forced on here, so any CPU runs it), times the activations' scales after.
     Eager keeps the float32 product of the fake-quantized activations. One product agrees with that float32 product
     (computed in float64) to bfloat16 rounding; the prompt's last logits agree with eager's likewise (before the
     argmax), and the greedy tokens match."""
-    monkeypatch.setattr(qops, "_BF16_GEMM", True)
-    M = qops._BF16_ROWS + 4 if rows == "long" else qops._BF16_ROWS - 8
+    monkeypatch.setattr(FQ, "BF16_GEMM", True)
+    M = FQ.BF16_ROWS + 4 if rows == "long" else FQ.BF16_ROWS - 8
     _, lin = _linear("8da4w-g32", N=96, K=256)
-    qw = lin.qweight
+    qw, fast = lin.qweight, FQ.FastQuantizedLinear(lin)
     x = torch.randn(M, 256)
     want = F.linear(qops.fake_quant_per_token_int8(x).double(), qw.dequantize(torch.float64, offset=False))
-    w = qw.words_bf16_t() if rows == "long" else None  # what the compiled graph multiplies by (eager: packed kernel)
+    w = fast.words_bf16_t() if rows == "long" else None  # what the compiled graph multiplies by (eager: packed kernel)
     q, zp, scale = qops.quant_per_token_int8(x)
-    got = (torch.mm((q - zp).to(torch.bfloat16), w).float() * scale) if w is not None else qw.int4_act_linear(x)
+    got = (torch.mm((q - zp).to(torch.bfloat16), w).float() * scale) if w is not None else fast.int4_act_linear(x)
     torch.testing.assert_close(got.double(), want, rtol=2 ** -8, atol=2 ** -8 * want.abs().max().item())
     m = copy.deepcopy(peaked)
     Q.quantize_model(m, "8da4w", 32, log=False)
@@ -434,8 +440,8 @@ def test_compiled_8da4w_prefill(peaked, monkeypatch, rows):
     ref = engine.prefill(generate.TorchBackend(copy.deepcopy(m), 1, 64), [prompt], CPU)[0]
     eager, _ = generate.generate(generate.TorchBackend(copy.deepcopy(m), 1, 64), [prompt], 8, CPU)
     calls = []
-    act = qops.QuantizedWeight.int4_act_linear
-    monkeypatch.setattr(qops.QuantizedWeight, "int4_act_linear", lambda self, x: calls.append(1) or act(self, x))
+    act = FQ.FastQuantizedLinear.int4_act_linear
+    monkeypatch.setattr(FQ.FastQuantizedLinear, "int4_act_linear", lambda self, x: calls.append(1) or act(self, x))
     be = generate.TorchBackend(m, 1, 64, compile=True)
     last = engine.prefill(be, [prompt], CPU)[0]
     assert calls  # traced into the compiled prompt graph
@@ -449,26 +455,26 @@ def test_compiled_int8_prompts_use_bfloat16_copies(peaked, monkeypatch, capsys):
     weight a bfloat16 copy of q (exact) in oneDNN's packed layout that every product of a compiled prompt runs on, short
     or long (one graph), the scales after; not the output projection's, nor int4's or 8da4w's weights (not exact in
     bfloat16) or 8da8w's (integer GEMMs). The prompt's last logits equal eager's to float rounding and the greedy tokens
-    match. A weight rebuilt after compiling loses its copy (its products take the kernels as before); copies that would
+    match. A weight whose copy is dropped after compiling takes the kernels as before (a recompile); copies that would
     take more than half of the free memory are not made, with one line."""
     from torch._dynamo.utils import counters
-    monkeypatch.setattr(qops, "_BF16_GEMM", True)
+    monkeypatch.setattr(FQ, "BF16_GEMM", True)
     m = copy.deepcopy(peaked)
     Q.quantize_model(m, "int8", embedding="int8", log=False)
-    prompts = [PROMPT, (PROMPT * 8)[:qops._BF16_ROWS + 4]]
+    prompts = [PROMPT, (PROMPT * 8)[:FQ.BF16_ROWS + 4]]
     eager = generate.TorchBackend(copy.deepcopy(m), 1, 64)
     refs = [engine.prefill(eager, [p], CPU)[0] for p in prompts]
     want = [generate.generate(eager, [p], 8, CPU)[0] for p in prompts]
     torch._dynamo.reset()
     graphs = counters["stats"]["unique_graphs"]
     be = generate.TorchBackend(m, 1, 64, compile=True)
-    blocks = [mod.qweight for mod in m.layers.modules() if isinstance(mod, qops.QuantizedLinear)]
-    assert blocks and all(w._prompt_packed and common.packed_copy(w.qdata) is not None for w in blocks)
-    out = m.output.inner.qweight  # (the compiled prompt caller wraps the output projection)
-    assert not out._prompt_packed and common.packed_copy(out.qdata) is None
+    blocks = [mod for mod in m.layers.modules() if isinstance(mod, qops.QuantizedLinear)]
+    assert blocks and all(b.prompt_packed and common.packed_copy(b.qweight.qdata) is not None for b in blocks)
+    out = m.output.inner  # (the compiled prompt caller wraps the output projection)
+    assert not out.prompt_packed and common.packed_copy(out.qweight.qdata) is None
     looked_up = []
-    lookup = qops.packed_copy
-    monkeypatch.setattr(qops, "packed_copy", lambda w: looked_up.append(1) or lookup(w))
+    lookup = FQ.packed_copy
+    monkeypatch.setattr(FQ, "packed_copy", lambda w: looked_up.append(1) or lookup(w))
     for p, ref, tokens in zip(prompts, refs, want):
         looked_up.clear()
         last = engine.prefill(be, [p], CPU)[0]
@@ -476,15 +482,15 @@ def test_compiled_int8_prompts_use_bfloat16_copies(peaked, monkeypatch, capsys):
         torch.testing.assert_close(last, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
         assert generate.generate(be, [p], 8, CPU)[0] == tokens
     assert counters["stats"]["unique_graphs"] - graphs == 3  # decode, one block graph for both lengths, the output
-    w2 = m.layers[0].inner.feed_forward.w2.qweight
-    w2.rebuild()
+    m.layers[0].inner.feed_forward.w2.prompt_packed = False
     looked_up.clear()
     last = engine.prefill(be, [PROMPT], CPU)[0]
     torch.testing.assert_close(last, refs[0], rtol=1e-4, atol=1e-4 * refs[0].abs().max().item())
-    assert len(looked_up) == len(blocks) - 1 and not w2._prompt_packed
+    assert len(looked_up) == len(blocks) - 1
     for mode in ("int4", "8da4w", "8da8w"):
         m2 = copy.deepcopy(peaked)
         Q.quantize_model(m2, mode, 32, log=False)
+        FQ.swap_in(m2)
         assert fast_cpu.pack_prompt_weights(m2) == (0, True)
     m2 = copy.deepcopy(peaked)
     Q.quantize_model(m2, "int8", log=False)
@@ -492,7 +498,7 @@ def test_compiled_int8_prompts_use_bfloat16_copies(peaked, monkeypatch, capsys):
     capsys.readouterr()
     generate.TorchBackend(m2, 1, 64, compile=True)
     assert "would take more than half of the free memory" in capsys.readouterr().err
-    assert not any(mod.qweight._prompt_packed for mod in m2.layers.modules() if isinstance(mod, qops.QuantizedLinear))
+    assert not any(mod.prompt_packed for mod in m2.layers.modules() if isinstance(mod, qops.QuantizedLinear))
 
 
 def test_compiled_8da8w_prefill_matches_eager(peaked):
@@ -572,6 +578,10 @@ def test_8da4w_lowers_fully_to_xnnpack():
     pytest.importorskip("executorch")
     m = hf_to_model(tiny_hf("llama", seed=5, vocab_size=256, tie=True, num_hidden_layers=1))
     Q.quantize_model(m, "8da4w", 32, log=False)
+    for parent in list(m.modules()):  # qexport's export form of each 8da4w linear
+        for name, child in list(parent.named_children()):
+            if qexport.xnnpack_kind(child) and child.act == "int8":
+                setattr(parent, name, qexport.XnnpackLinear(child))
     low = _lowered(m)
     g = low.exported_program().graph_module.graph
     targets = [str(n.target) for n in g.nodes if n.op == "call_function"]

@@ -1,0 +1,402 @@
+# fast_cpu_quant.py: faster CPU products for qops.py's quantized weights, swapped in by fast_cpu.speed_up (swap_in):
+# FastQuantizedLinear computes what qops.QuantizedLinear does, through ATen's packed int8 / int4 kernels and oneDNN's
+# bfloat16 GEMM for prompts, one generated reduction over word layouts of the integer weights for compiled decode, and
+# integer GEMMs for 8da8w. The layouts are its own (derived from the stored weight when it is made, not saved).
+# Delete this file (with fast_cpu.py) and quantized models run qops.py's exact eager products.
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+import torch_internals as TI
+from common import keep_packed_copy, packed_copy
+from qops import (QuantizedLinear, fake_quant_per_token_int8, group_sums, quant_per_token_int8, unpack_int4)
+
+# Under torch.compile with freezing, Inductor folds every computation that depends only on weights into a new constant.
+# The nibble unpacking (>> 4, & 15) must stay in the kernel, or the packed int4 weights would be folded into two bytes
+# per value (the last two: words_bf16_t's shifts).
+TI.dont_constant_fold(*(getattr(getattr(torch.ops.aten, op.split(".")[0]), op.split(".")[1]) for op in (
+    "bitwise_right_shift.Tensor_Scalar", "__rshift__.Scalar", "bitwise_and.Scalar", "__and__.Scalar",
+    "bitwise_right_shift.Tensor", "__rshift__.Tensor")))
+_FORCE_STRIDE = TI.force_stride_order()  # materializes its input in a buffer of its own: see fused_linear
+
+def _linear_packed(x: Tensor, key: Tensor) -> Tensor:
+    """x [M, K] bfloat16 @ the packed bfloat16 copy hung on key (an int8 qdata; pack_prompt)."""
+    copy = packed_copy(key)
+    if copy is None:  # (compiled graphs take this op only for a weight whose copy was current when traced)
+        raise RuntimeError("a quantized weight changed in place after its prompt copy was made: swap it in again")
+    return torch.ops.mkldnn._linear_pointwise(x, copy, None, "none", [], "")
+
+
+# Two opaque ops for compiled prompts. fake_quant_per_token_int8: Inductor would otherwise inline the quantization into
+# the matmul kernel that consumes it, recomputing it for every weight (~50x slower per 8da4w layer); not for the word
+# kernels (decode), which put x in a buffer of their own (there the op's Python call per product held compiled 8da8w
+# decode at 0.65x llama.cpp Q8_0, 1.08x without it). linear_packed: a packed copy cannot be a graph's input.
+if not hasattr(torch.ops.llama_flat, "linear_packed"):
+    _LIB = torch.library.Library("llama_flat", "FRAGMENT")
+    _LIB.define("fake_quant_per_token_int8(Tensor x) -> Tensor")
+    _LIB.impl("fake_quant_per_token_int8", fake_quant_per_token_int8, "CompositeExplicitAutograd")
+    torch.library.register_fake("llama_flat::fake_quant_per_token_int8", lib=_LIB)(lambda x: torch.empty_like(x))
+    _LIB.define("linear_packed(Tensor x, Tensor key) -> Tensor")
+    _LIB.impl("linear_packed", _linear_packed, "CPU")
+    torch.library.register_fake("llama_flat::linear_packed", lib=_LIB)(
+        lambda x, key: x.new_empty((x.shape[0], key.shape[0])))
+_FAKE_QUANT_OP = torch.ops.llama_flat.fake_quant_per_token_int8
+
+# The word kernels (fused_linear) read byte / nibble j of a word in place, `w & mask_j` (its value times 256^j / 16^j),
+# not shifted down first: x's part for it comes pre-scaled by 256^-j / 16^-j, a power of two, so every product is the
+# same float32 as with shifts for one integer op less per byte / nibble. The top byte / nibble is shifted down.
+_BYTE_SCALES = torch.tensor([1.0, 2.0 ** -8, 2.0 ** -16, 1.0]).view(4, 1, 1)
+_NIBBLE_SCALES = torch.tensor([16.0 ** -j for j in range(7)] + [1.0]).view(8, 1, 1)
+# Products of many rows on a CPU with bfloat16 dot products (AVX512-BF16 or AMX): the weights go to bfloat16 in one
+# generated kernel reading the word layouts (words_bf16_t), then oneDNN's bfloat16 GEMM, about twice float32's rate;
+# ATen's packed weight-only kernels multiply in float32. 2 threads, 1536x576 int4 g32, compiled: 754 against 1461 us
+# at 128 rows, 274 against 218 at 16: below BF16_ROWS rows the packed kernels stay (a compiled prompt graph then
+# guards on the length: one recompile when prompts cross it).
+BF16_GEMM = any(getattr(torch.cpu, f, lambda: False)() for f in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
+BF16_ROWS = 32
+_SHIFTS = {8: torch.tensor([0, 8, 16, 24], dtype=torch.int32).view(4, 1, 1, 1),
+           4: torch.arange(0, 32, 4, dtype=torch.int32).view(8, 1, 1, 1, 1, 1)}
+_BYTE_OFFSETS = torch.tensor([0, 0, 0, 128], dtype=torch.int32).view(4, 1, 1, 1)  # see words_bf16_t
+LAYOUTS = ("int8_words", "int4_words", "int4_cpu", "int8_unit", "int8_sums", "qdata_int8", "int8_bf16_t")
+
+
+def _int4_words_bf16_t(w: Tensor, st: Tensor, zt: Optional[Tensor]) -> Tensor:
+    """An int4 w.T as bfloat16 [K, N] from its word layout: q * s + z (weight-only) or, zt None, (q - 8) * s, in
+    float32, rounded once. The tiles are read as stored, without views: in a package, a view of a constant that another
+    product also reads fails Inductor's freezing."""
+    N, K = w.shape[0] * 16, w.shape[2] * w.shape[3] * 8      # [N/16, 1, K/G, G/8 or 1, 16]; nibble j of
+    q = ((w >> _SHIFTS[4].to(w.device)) & 15).float()        # [t, 0, g, i, c]: q[16t + c, gG + jG/8 + i]
+    v = (q - 8) * st if zt is None else q * st + zt          # [8, N/16, 1, K/G, G/8, 16]
+    return v.to(torch.bfloat16).permute(3, 0, 4, 1, 2, 5).reshape(K, N)
+
+
+class FastQuantizedLinear(QuantizedLinear):
+    """qops.QuantizedLinear (the same weight, bias and activation mode) with CPU kernels. Which product runs:
+      * eager and compiled prompts (more than one row), weight-only: ATen's packed int8 / int4 kernels on bfloat16
+        activations (their float32 path is a reference loop), or from BF16_ROWS rows oneDNN's bfloat16 GEMM on
+        bfloat16 weights (int8: a copy of q, exact; int4: q s + z rounded once); a compiled prompt multiplies an int8
+        weight by its packed bfloat16 copy where fast_cpu.pack_prompt_weights made one (make_prompt_copy);
+      * 8da8w, more than one row: one integer GEMM (torch._int_mm); 8da4w compiled prompts: the activations' int8
+        values through the int4 kernels (int4_act_linear); eager 8da4w keeps qops' float32 products (the .pte's
+        reference);
+      * compiled decode (one row): one generated reduction over the word layouts (fused_linear);
+      * bfloat16 models: ATen's packed kernels at every length.
+    export_rows (qexport.py's AOT Inductor forms; torch.export only): "words" the word kernels for any number of rows;
+    "native" a package's prompt model (the packed kernels, int8 on its bfloat16 copy); "bf16" its long_prompt model."""
+
+    def __init__(self, lin: QuantizedLinear, export_rows: Optional[str] = None):
+        super().__init__(lin.qweight, None, lin.act)
+        self.bias, self.act_quant, self.export_rows = lin.bias, lin.act_quant, export_rows
+        self.prompt_packed = getattr(lin, "prompt_packed", False)
+        if isinstance(lin, FastQuantizedLinear):  # another form of the same weight: the same layouts
+            for name in LAYOUTS:
+                setattr(self, name, getattr(lin, name))
+        else:
+            self._make_layouts()
+
+    def _make_layouts(self):
+        """The layouts the kernels read, from qdata, scales and zeros (plain attributes: not saved, not moved)."""
+        qw, static = self.qweight, TI.mark_static
+        N, K = qw.out_features, qw.in_features
+        for name in LAYOUTS:
+            setattr(self, name, None)
+        if qw.bits == 8:  # unit bfloat16 scales for float32 activations (native_linear); per-channel sums of q
+            self.int8_unit = static(torch.ones(N, dtype=torch.bfloat16, device=qw.qdata.device))
+            self.int8_sums = static(qw.qdata.sum(1, dtype=torch.int32))
+        elif qw.symmetric or qw.xnnpack:  # q - 8 as int8 [N, K]: eager (q - 8) s in one pass (chunked_linear)
+            self.qdata_int8 = unpack_int4(qw.qdata, qw.groupsize).to(torch.int8) - 8
+        tiles = qw.qdata.is_cpu and N % 16 == 0  # the word layouts' tiles of 16 output channels
+        if qw.bits == 8 and tiles and K % 4 == 0:
+            # int32 words [N/16, 1, K/4, 16] (the 1: the rows of x): byte j of word [t, 0, i, c] holds
+            # q[16t + c, j*K/4 + i], plus 128 in bytes 0-2 (read as unsigned), as is in byte 3 (read signed)
+            u = qw.qdata.to(torch.int32).view(N // 16, 16, 4, K // 4)
+            w = (u[:, :, 0] + 128) | ((u[:, :, 1] + 128) << 8) | ((u[:, :, 2] + 128) << 16) | (u[:, :, 3] << 24)
+            self.int8_words = static(w.transpose(1, 2).contiguous().unsqueeze(1))
+        G = qw.groupsize
+        if qw.bits == 4 and tiles and G % 8 == 0:
+            # int32 words [N/16, 1, K/G, G/8, 16]: nibble j of word [t, 0, g, i, c] holds q[16t + c, g*G + j*G/8 + i],
+            # so each word's 8 nibbles lie in one group and a tile's words are contiguous; scales and zeros tiled alike
+            q = unpack_int4(qw.qdata, G).to(torch.int32).view(N, K // G, 8, G // 8)
+            w = q[:, :, 0]
+            for j in range(1, 8):
+                w = w | (q[:, :, j] << (4 * j))
+            tile = lambda t: static(t.reshape(N // 16, 16, *t.shape[1:]).movedim(1, -1).contiguous().unsqueeze(1))
+            self.int4_words = (tile(w), tile(qw.scales.float().unsqueeze(-1)),
+                               None if qw.zeros is None else tile(qw.zeros.float().unsqueeze(-1)))
+        if (qw.bits == 4 and tiles and hasattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu")
+                and (qw.scales.dtype == torch.bfloat16 or qw.weight_only  # (8da4w: see int4_act_linear)
+                     or torch.equal(qw.scales.to(torch.bfloat16).to(qw.scales.dtype), qw.scales))):
+            s = qw.scales  # ATen's blocked layout, bfloat16 scales and offsets: (q - 8) s + z'
+            z = torch.zeros_like(s) if qw.zeros is None or qw.xnnpack else qw.zeros + 8 * s
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(qw.int_values().to(torch.int32), 1)
+            self.int4_cpu = (static(packed), static(torch.stack([s.t(), z.t()], -1).to(torch.bfloat16).contiguous()))
+
+    # ------------------------------------------------------------------------------------------------- prompt copies
+    def prompt_copy_bytes(self) -> int:
+        """The bytes of make_prompt_copy's copy: weight-only int8 only (8da8w's prompts multiply int8 by int8; int4's
+        weights are not exact in bfloat16: a rounded copy parted SmolLM2's greedy tokens from eager on 1 of 6 prompts)."""
+        qw = self.qweight
+        return 2 * qw.qdata.numel() if self.act is None and qw.bits == 8 and BF16_GEMM and qw.qdata.is_cpu else 0
+
+    def pack_prompt(self):
+        """q as bfloat16 (exact; the scales come after the product) in oneDNN's packed layout, hung on qdata, for the
+        products of compiled prompts: 80 us for 15 rows of 1536x576 (2 threads) where ATen's int8 kernel took 194."""
+        qdata = self.qweight.qdata
+        if self.prompt_copy_bytes() and packed_copy(qdata) is None:
+            keep_packed_copy(qdata, torch.ops.mkldnn._reorder_linear_weight(qdata.to(torch.bfloat16), 16))
+        self.prompt_packed = packed_copy(qdata) is not None
+
+    def add_export_copy(self) -> bool:
+        """int8 with bfloat16 dot products: q.T as bfloat16 [K, N] (exact), a constant of a package's "prompt" model,
+        which multiplies by it with oneDNN's bfloat16 GEMM at every length (111 us for 15 rows of 1536x576 against the
+        int8 kernel's 194). A cast of qdata inside the graph would be folded by Inductor's freezing into a constant
+        that the shared package format cannot store."""
+        if self.prompt_copy_bytes():
+            self.int8_bf16_t = TI.mark_static(self.qweight.qdata.t().to(torch.bfloat16).contiguous())
+        return self.int8_bf16_t is not None
+
+    # ------------------------------------------------------------------------------------------------- dispatch
+    def _exporting(self) -> bool:
+        return self.export_rows is not None and torch.compiler.is_exporting()
+
+    def _native(self, x: Tensor) -> bool:
+        """ATen's CPU kernels may run: eager and compiled prompts (not compiled decode's one row), a package's prompt
+        models."""
+        if self._exporting():
+            return self.export_rows in ("native", "bf16")
+        return not (torch.compiler.is_exporting() or self._compiled_row(x))
+
+    @staticmethod
+    def _compiled_row(x: Tensor) -> bool:
+        """One row of activations under torch.compile (not export): the decode step (and a compiled prompt's output
+        projection, for its last token)."""
+        return torch.compiler.is_compiling() and not torch.compiler.is_exporting() and x.numel() == x.shape[-1]
+
+    def _words(self, x: Tensor) -> bool:
+        """The word kernels (fused_linear): compiled decode, and an AOT Inductor form where no other kernel applies."""
+        return self._compiled_row(x) or self._exporting()
+
+    def _int_rows(self, x: Tensor) -> bool:
+        """int8 x int8 products of more than one row (8da8w's prompts, 8da4w's tied int8 table); not tp.py's
+        row-parallel shards (their range is the whole row's)."""
+        return x.is_cpu and x.numel() > x.shape[-1] and self.act_quant is None and self._native(x)
+
+    def forward(self, x: Tensor) -> Tensor:
+        qw = self.qweight
+        if self.act != "int8":
+            y = self.product(x)
+            return y + self.bias if self.bias is not None else y
+        if qw.bits == 8 and self._int_rows(x):
+            y = self.int8_act_linear(x)
+            return y + self.bias if self.bias is not None else y
+        compiled = torch.compiler.is_compiling() and not torch.compiler.is_exporting()
+        many = (compiled or self._exporting()) and qw.bits == 4 and self._int_rows(x)  # int4_act_linear
+        zt = sums = None
+        if qw.xnnpack and qw.zeros is not None:  # asymmetric 8da4w: the zero term takes the float activations
+            if self.int4_words is not None and self._words(x) and not many:
+                sums = group_sums(x, qw.groupsize)  # the word kernel adds it (see fused_linear)
+            elif many and self.int4_words is not None:  # x (z + 8 s) from the tiled scales and zeros the word
+                _, st, z = self.int4_words           # kernels read (Inductor's freezing would fold z + 8 s anew)
+                xs = group_sums(x.float(), qw.groupsize).view(-1, st.shape[2], 1, 1)   # [M, K/G, 1, 1]
+                zt = (xs * z + (8 * xs) * st).sum((2, 3)).transpose(0, 1)           # [M, N/16, 16]
+                zt = zt.reshape(*x.shape[:-1], qw.out_features).to(x.dtype)
+            else:
+                zt = F.linear(group_sums(x, qw.groupsize), (qw.zeros + 8 * qw.scales).to(x.dtype))
+        y = self.int4_act_linear(x) if many else None
+        if y is None:
+            if self.act_quant is not None:  # tp.py's row-parallel shards: the range of the whole row
+                x = self.act_quant(x)
+            else:
+                x = _FAKE_QUANT_OP(x) if compiled and not self._words(x) else fake_quant_per_token_int8(x)
+            y = self.product(x, offset=zt is None, sums=sums)
+        y = y if zt is None else y + zt
+        return y + self.bias if self.bias is not None else y
+
+    def product(self, x: Tensor, offset: bool = True, sums: Optional[Tensor] = None) -> Tensor:
+        if self._native(x) and (y := self.native_linear(x, offset, self.act is None)) is not None:
+            return y
+        if self._words(x):
+            return self.fused_linear(x, offset, sums).to(x.dtype)
+        if torch.compiler.is_compiling():  # compiled batched decode, export: one dequantize, one GEMM
+            return F.linear(x, self.qweight.dequantize(x.dtype, offset=offset))
+        if self.qdata_int8 is not None and (self.qweight.zeros is None or not offset):
+            return self._chunked_int8(x)
+        return self.qweight.chunked_linear(x, offset=offset)
+
+    def _chunked_int8(self, x: Tensor, rows: int = 512) -> Tensor:
+        """Eager (q - 8) s in one pass over the unpacked copy, not the nibble unpacking's several (as chunked_linear)."""
+        qw = self.qweight
+        N, K, G = qw.out_features, qw.in_features, qw.groupsize
+        part = lambda i, j: F.linear(x, (self.qdata_int8[i:j].view(j - i, K // G, G)
+                                         * qw.scales[i:j, :, None].to(x.dtype)).view(j - i, K))
+        return part(0, N) if N <= rows else torch.cat([part(i, min(i + rows, N)) for i in range(0, N, rows)], -1)
+
+    # ------------------------------------------------------------------------------------------------- kernels
+    def native_linear(self, x: Tensor, offset: bool = True, float_rows: bool = True) -> Optional[Tensor]:
+        """x @ w.T with ATen's packed CPU kernels or oneDNN's bfloat16 GEMM when they apply (CPU; bfloat16 activations
+        and scales, or int8 / int4 weight-only with more than one row: bfloat16 inside), else None.
+        offset False: without the zero offsets of an asymmetric weight (w = (q - 8) * s).
+        float_rows False: x must not be rounded to bfloat16 (8da4w's fake-quantized activations)."""
+        qw = self.qweight
+        bf16 = x.dtype == torch.bfloat16 and qw.scales.dtype == torch.bfloat16
+        rows = float_rows and x.numel() > x.shape[-1] and (qw.bits == 8 or qw.weight_only)
+        if not x.is_cpu or not (bf16 or rows):
+            return None
+        if qw.zeros is not None and offset == qw.xnnpack:  # the packed copy holds the other variant
+            return None
+        x2 = x.reshape(-1, qw.in_features)
+        prompt_copy = self.prompt_packed and torch.compiler.is_compiling() and not torch.compiler.is_exporting() \
+            and not TI.freezing()
+        if rows and prompt_copy:  # (int8)
+            y = torch.ops.llama_flat.linear_packed(x2.to(torch.bfloat16), qw.qdata)
+            y = (y.float() * qw.scales.float()).to(x.dtype)
+        elif rows and (w := self._bf16_weight_t(x2)) is not None:
+            y = torch.mm(x2.to(torch.bfloat16), w)
+            y = (y.float() * qw.scales.float() if qw.bits == 8 else y).to(x.dtype)
+        elif qw.bits == 8 and bf16:
+            y = torch.ops.aten._weight_int8pack_mm(x2, qw.qdata, qw.scales)
+        elif qw.bits == 8:  # unit scales inside (a bfloat16 scale would round each channel), the float ones after
+            y = (torch.ops.aten._weight_int8pack_mm(x2.to(torch.bfloat16), qw.qdata, self.int8_unit).to(x.dtype)
+                 * qw.scales.to(x.dtype))
+        elif self.int4_cpu is not None:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.to(torch.bfloat16), self.int4_cpu[0], qw.groupsize,
+                                                           self.int4_cpu[1]).to(x.dtype)
+        else:
+            return None
+        return y.reshape(*x.shape[:-1], qw.out_features)
+
+    def _bf16_weight_t(self, x2: Tensor) -> Optional[Tensor]:
+        """w.T as bfloat16 [K, N] for oneDNN's bfloat16 GEMM of x2 [M, K], or None where the packed kernels run:
+        compiled, words_bf16_t; eager int8, one cast of qdata (2.4x the packed kernel at 128 rows of 1536x576, 1.3x at
+        32); not eager int4 (as ATen ops its conversion is several passes, slower than the product)."""
+        if not BF16_GEMM:
+            return None
+        if torch.compiler.is_exporting():  # a package's prompt models
+            if self.export_rows == "native" and self.int8_bf16_t is not None:  # int8's "prompt": any length
+                return self.int8_bf16_t
+            many = statically_known_true(x2.shape[0] >= BF16_ROWS)  # "long_prompt": BF16_ROWS tokens or more
+            return self.words_bf16_t() if self.export_rows == "bf16" and many else None
+        if x2.shape[0] < BF16_ROWS:
+            return None
+        if torch.compiler.is_compiling():
+            return self.words_bf16_t()
+        return self.qweight.qdata.t().to(torch.bfloat16) if self.qweight.bits == 8 else None
+
+    def words_bf16_t(self) -> Optional[Tensor]:
+        """w.T as bfloat16 [K, N] from the word layouts (None without them): int8 its integer values (exact; the scales
+        come after the product), weight-only int4 q * s + z in float32, rounded once. One pointwise kernel when
+        compiled; the shifts take a tensor of amounts, so that freezing does not fold their outputs into constants."""
+        qw = self.qweight
+        N, K = qw.out_features, qw.in_features
+        if qw.bits == 8 and self.int8_words is not None:  # byte j of word [t, 0, i, c]: q[16t + c, j K/4 + i]
+            w = self.int8_words.squeeze(1)                                           # [N/16, K/4, 16]
+            q = (((w >> _SHIFTS[8].to(w.device)) + _BYTE_OFFSETS.to(w.device)) & 255) - 128   # [4, N/16, K/4, 16]
+            # via float32: Inductor's int32 -> bfloat16 conversion is not vectorized (2.5x as long)
+            return q.float().to(torch.bfloat16).permute(0, 2, 1, 3).reshape(K, N)
+        if qw.bits == 4 and self.int4_words is not None:
+            w, st, zt = self.int4_words
+            return _int4_words_bf16_t(w, st, zt if qw.weight_only else None)
+        return None
+
+    def int8_act_linear(self, x: Tensor) -> Tensor:
+        """x @ w.T for int8 weights with per-token int8 activations as one integer GEMM, torch._int_mm (oneDNN's VNNI
+        kernel on x86; 8da8w's prompts): (q - zp) @ qdata.T = q @ qdata.T - zp * sum_k qdata, exact in int32, then
+        times both scales in float32: the fake-quantized product up to float rounding."""
+        qw = self.qweight
+        x2 = x.reshape(-1, qw.in_features)
+        q, zp, scale = quant_per_token_int8(x2.float())
+        acc = torch._int_mm(q.to(torch.int8), qw.qdata.t()) - zp.to(torch.int32) * self.int8_sums
+        y = acc.float() * scale * qw.scales.float()
+        return y.to(x.dtype).reshape(*x.shape[:-1], qw.out_features)
+
+    def int4_act_linear(self, x: Tensor) -> Optional[Tensor]:
+        """8da4w's x @ ((q - 8) s).T for more than one row under torch.compile and in a package's prompt models, or
+        None where it does not apply: x's per-token int8 values q - zp (exact in bfloat16) through ATen's packed int4
+        kernel (fewer than BF16_ROWS rows; scales on the bfloat16 grid) or oneDNN's bfloat16 GEMM on words_bf16_t's
+        (q - 8) s, then times x's scales. (The float32 product it replaces dequantized every weight per call.)"""
+        qw = self.qweight
+        if qw.bits != 4 or qw.weight_only:
+            return None
+        x2 = x.reshape(-1, qw.in_features)
+        w = self._bf16_weight_t(x2)
+        if w is None and self.int4_cpu is None:
+            return None
+        q, zp, scale = quant_per_token_int8(x2.float())
+        xi = (q - zp).to(torch.bfloat16)
+        if w is not None:
+            y = torch.mm(xi, w)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(xi, self.int4_cpu[0], qw.groupsize, self.int4_cpu[1])
+        return (y.float() * scale).to(x.dtype).reshape(*x.shape[:-1], qw.out_features)
+
+    def fused_linear(self, x: Tensor, offset: bool = True, sums: Optional[Tensor] = None) -> Tensor:
+        """x [..., K] @ w.T as one reduction over the integer weights (for torch.compile: one generated kernel that
+        reads each weight byte once; mixed-dtype products keep the weights out of Inductor's constant folding).
+        sums [..., K/G] (asymmetric 8da4w, int4 words only): x is the fake-quantized copy of float activations whose
+        group sums these are; returns x @ ((q - 8) s).T + sums @ (z + 8 s).T, the eager module's two products."""
+        qw = self.qweight
+        N, K, G = qw.out_features, qw.in_features, qw.groupsize
+        if qw.bits == 8:
+            w = self.int8_words
+            if w is None:
+                return (x.unsqueeze(-2) * qw.qdata).sum(-1) * qw.scales
+            # Full-width int32 loads, vectorized along a tile's 16 output channels (an outer reduction over its
+            # contiguous K/4 word rows: no horizontal sums). x is split into 4 quarters, one per byte: per word 3 ands,
+            # 1 shift, 4 conversions, 4 multiply-adds; the +128 of bytes 0-2 comes off once per row (128 * the sum of
+            # x's first three quarters). float32 throughout: in bfloat16 that offset's rounding would swamp the result.
+            K4 = K // 4
+            x32 = x.reshape(-1, K).float()
+            off = 128 * x32[:, :3 * K4].sum(-1, keepdim=True)
+            xq = x32.view(-1, 4, K4, 1) * _BYTE_SCALES.to(x32.device)  # masks, no shifts (see _BYTE_SCALES)
+            if _FORCE_STRIDE is not None:  # x in a buffer of its own (else the products were written to memory)
+                xq = _FORCE_STRIDE(xq, (K, K4, 1, 1))
+            t = (xq[:, 0] * (w & 255) + xq[:, 1] * (w & 0xFF00)        # [N/16, M, K/4, 16]: tiles outermost, the
+                 + xq[:, 2] * (w & 0xFF0000) + xq[:, 3] * (w >> 24))   # loop Inductor runs in parallel
+            y = (t.sum(-2).transpose(0, 1).reshape(-1, N) - off) * qw.scales
+            return y.reshape(*x.shape[:-1], N)
+        if self.int4_words is not None and (x.numel() == K or self.export_rows is not None):
+            # Vectorized along a tile's 16 output channels (an outer reduction over its K/8 word rows, tiles in
+            # parallel), full-width loads of words and tiled scales / zeros, x broadcast from scalars. Two reductions of
+            # 4 nibbles each (one fused loop): 8 terms in one expression exceed Inductor's limits on inlined reads.
+            w, st, zt = self.int4_words
+            x32 = x.reshape(-1, K).float()  # float32 throughout (scales too): bfloat16 loads of 8 lanes are partial
+            if _FORCE_STRIDE is not None:  # x in buffers of its own: else its producer (an RMSNorm) is recomputed in
+                x32 = _FORCE_STRIDE(x32, (K, 1))  # the kernels that read it (the group sums below, the scaled copy)
+            xn = x32.view(-1, K // G, 8, G // 8, 1) * _NIBBLE_SCALES.to(x32.device)  # masks, no shifts
+            if _FORCE_STRIDE is not None:
+                xn = _FORCE_STRIDE(xn, (K, G, G // 8, 1, 1))
+            xj = xn.movedim(2, 0)                                             # [8, M, K/G, G/8, 1]: x of nibble j
+            nib = [w & (15 << (4 * j)) for j in range(7)] + [(w >> 28) & 15]  # q_j * 16^j (the top one: q_7)
+            # [N/16, M, 16]: tiles outermost, the loop Inductor runs in parallel (rows outermost ran on one thread)
+            y = sum((sum(xj[j] * nib[j] for j in range(h, h + 4)) * st).sum((2, 3)) for h in (0, 4))
+            xs = group_sums(x32, G).view(-1, K // G, 1, 1)                   # [M, K/G, 1, 1]
+            if sums is not None:  # 8da4w: + 8 s (sums - xs) + z sums, in the same kernel
+                xf = sums.reshape(-1, K // G, 1, 1).float()
+                term = 8 * (xf - xs) * st + xf * zt
+            else:
+                if zt is None or not offset:  # w = (q - 8) s; -8 on x's side (on the scales it would be folded anew)
+                    xs, zt = -8 * xs, st
+                term = xs * zt
+            # (no slice of zt: Inductor's freezing folds a slice of a constant used elsewhere, then fails the package)
+            return (y + term.sum((2, 3))).transpose(0, 1).reshape(*x.shape[:-1], N)
+        xg = x.reshape(*x.shape[:-1], 1, K // G, 2, G // 2)        # [..., 1, K/G, 2, G/2]
+        p = qw.qdata.view(N, K // G, G // 2)                      # [N, K/G, G/2]
+        x_hi, x_lo = xg[..., 0, :], xg[..., 1, :]
+        t = x_hi * (p >> 4) + x_lo * (p & 15)                      # [..., N, K/G, G/2]
+        if qw.zeros is None or not offset:
+            t = (t - 8 * (x_hi + x_lo)) * qw.scales.unsqueeze(-1)
+        else:
+            t = t * qw.scales.unsqueeze(-1) + (x_hi + x_lo) * qw.zeros.unsqueeze(-1)
+        return t.sum((-2, -1))
+
+
+def swap_in(model: nn.Module) -> None:
+    """Replace every qops.QuantizedLinear in model with a FastQuantizedLinear over the same weight (idempotent)."""
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is QuantizedLinear:
+                setattr(parent, name, FastQuantizedLinear(child))
