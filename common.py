@@ -21,7 +21,8 @@ REPO = Path(__file__).resolve().parent
 DEFAULT_CHECKPOINT = REPO / "checkpoints" / "SmolLM2-135M-Instruct" / "model.pth"
 
 # every file tokenizer.py reads beside a checkpoint; converters and exporters copy exactly these
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer.tiktoken", "tiktoken_config.json",
+TIKTOKEN_FILES = ("tokenizer.tiktoken", "tiktoken_config.json")  # a tiktoken BPE file and its pattern / special tokens
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", *TIKTOKEN_FILES,
                    "tokenizer_config.json", "special_tokens_map.json", "generation_config.json", "chat_template.jinja",
                    "chat_template.json")
 

@@ -1,6 +1,6 @@
 # GPTQ (Frantar et al. 2022) for quantize.py's int4 modes, gpt-fast's GPTQ.py in a few functions: int4-gptq, and
-# 8da4w with --calibration_file. quantize.quantize_model imports this lazily; it takes the int4 grid from quantize.py
-# (group_params, _int4_round) and qops.py (_int4_values, the modules it swaps in), so the storage and kernels are qops.py's.
+# 8da4w with --calibration_file. quantize.quantize_model calls it; the int4 grid (group_params, _int4_round), the
+# storage and the modules it swaps in are qops.py's.
 import math
 import sys
 import time
@@ -9,8 +9,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from qops import QuantizedLinear, QuantizedWeight, _int4_values
-from quantize import _int4_round, _set_module, group_params
+from qops import QuantizedLinear, QuantizedWeight, _int4_round, _int4_values, group_params
 
 
 def gptq_quantize(W: Tensor, H: Tensor, scheme: dict, act_order: bool = False, damp: float = 0.1,
@@ -144,7 +143,8 @@ def gptq_model(model, recipe, targets, calib: Tensor, act_order=False, damp=0.1,
         for n, m in lins.items():
             qt = gptq_quantize(m.weight, hooks[n].H, recipe["linear"], act_order=act_order, damp=damp)
             qw = QuantizedWeight.from_quantized(qt, recipe["linear"], m.weight.dtype)
-            _set_module(root, n, QuantizedLinear(qw, m.bias, recipe["act"]))
+            parent, _, attr = n.rpartition(".")
+            setattr(root.get_submodule(parent), attr, QuantizedLinear(qw, m.bias, recipe["act"]))
 
     for li, layer in enumerate(model.layers):
         gptq_modules(layer, f"layers.{li}.", inputs, lambda inp: run(layer, inp))

@@ -38,12 +38,12 @@ from typing import Optional
 
 import torch
 import torch.nn as nn
-from torch import Tensor
 
 from common import GROUPSIZES, ArgumentParser, check_device, checkpoint_file, cli, default_checkpoint
 from model import checkpoint_state, save_checkpoint
 from model import load_model as load_float_or_hooked
-from qops import QuantizedEmbedding, QuantizedLinear, QuantizedWeight, _int4_values
+from qops import (SHRINKS, SYM_EXTRA, QuantizedEmbedding, QuantizedLinear, QuantizedWeight,  # noqa: F401
+                  _int4_round, group_params, quantize_tensor, quantize_weight)
 
 MODES = ("int8", "int4", "8da4w", "8da8w", "int4-gptq")
 EIGHT_BIT = ("int8", "8da8w")  # modes without a group size
@@ -57,77 +57,6 @@ def _scheme(bits: int, groupsize: Optional[int] = None, symmetric: bool = False,
     if xnnpack and bits == 4:
         d["xnnpack"] = True
     return d
-
-
-# ----------------------------------------------------------------------------------------------------------- rounding
-_EPS = 1e-10
-
-
-def _int4_group_params(wg: Tensor, shrink, symmetric: bool):
-    """wg [..., G] -> scale [...] and (asymmetric) zero offset [...]; shrink (float or tensor [...]) narrows the range."""
-    if symmetric:  # 8da4w: scales on the bfloat16 grid, as XNNPACK's qb4w kernels store them (the .pte == eager)
-        return (wg.abs().amax(-1) * shrink / 7.5).clamp(min=_EPS).to(torch.bfloat16).float(), None
-    lo, hi = wg.amin(-1), wg.amax(-1)
-    mid = (lo + hi) / 2
-    lo, hi = mid + (lo - mid) * shrink, mid + (hi - mid) * shrink
-    return ((hi - lo) / 15).clamp(min=_EPS), lo
-
-
-def _int4_round(wg: Tensor, s: Tensor, z: Optional[Tensor]) -> Tensor:
-    """Values of wg [..., G] on the int4 grid of per-group s, z [...]: integers in [0, 15] (stored as float)."""
-    if z is None:
-        return torch.clamp(torch.round(wg / s[..., None]), -8, 7) + 8
-    return torch.clamp(torch.round((wg - z[..., None]) / s[..., None]), 0, 15)
-
-
-
-SHRINKS = (1.0, 0.97, 0.94, 0.91, 0.88, 0.85, 0.82, 0.79)
-SYM_EXTRA = (7.5 / 7,)  # symmetric: amax / 7, so that a positive extreme is not clipped to 7 s
-
-
-def group_params(w: Tensor, scheme: dict):
-    """Per-group scale [N, K/G] and zero offset [N, K/G] (None when symmetric) of a 4-bit scheme for w [N, K]: each
-    group's range is scaled by the factor in SHRINKS (+ SYM_EXTRA if symmetric) that gives the least squared error
-    (1.0 wins ties, so a source already on an int4 grid, like SmolLM2's Q4_1 GGUF, is reproduced exactly). An xnnpack
-    scheme's scales go on the bfloat16 grid (XNNPACK stores them so)."""
-    groupsize, symmetric = scheme["groupsize"], scheme["symmetric"]
-    N, K = w.shape
-    wg = w.float().reshape(N, K // groupsize, groupsize)
-    best = torch.ones(wg.shape[:-1], device=w.device)
-    for r in range(0, N, 4096):  # bounded temporaries for big embedding tables
-        sub = wg[r:r + 4096]
-        best_err = None
-        for f in SHRINKS + (SYM_EXTRA if symmetric else ()):
-            s, z = _int4_group_params(sub, f, symmetric)
-            err = (_int4_values(_int4_round(sub, s, z), s, z) - sub).pow(2).sum(-1)
-            if best_err is None:
-                best_err = err
-            else:
-                better = err < best_err
-                best[r:r + 4096][better] = f
-                best_err = torch.where(better, err, best_err)
-    s, z = _int4_group_params(wg, best, symmetric)
-    return (s.to(torch.bfloat16).float() if scheme.get("xnnpack") else s), z
-
-
-def quantize_tensor(w: Tensor, scheme: dict) -> dict:
-    """Round-to-nearest quantization of w [N, K]: {"q": integer values (int8: [-127, 127], int4: [0, 15]) [N, K],
-    "scales": ..., "zeros": ... or None}."""
-    w = w.detach().float()
-    if scheme["bits"] == 8:
-        s = (w.abs().amax(-1) / 127).clamp(min=_EPS)
-        return {"q": torch.clamp(torch.round(w / s[:, None]), -127, 127), "scales": s, "zeros": None}
-    G = scheme["groupsize"]
-    s, z = group_params(w, scheme)
-    N, K = w.shape
-    q = _int4_round(w.reshape(N, K // G, G), s, z).reshape(N, K)
-    return {"q": q, "scales": s, "zeros": z}
-
-
-
-def quantize_weight(w: Tensor, scheme: dict) -> QuantizedWeight:
-    """w [N, K] rounded to nearest on scheme's grid, as a QuantizedWeight in w's dtype."""
-    return QuantizedWeight.from_quantized(quantize_tensor(w, scheme), scheme, w.dtype)
 
 
 # ----------------------------------------------------------------------------------------------------------- recipes
@@ -239,7 +168,7 @@ def quantize_model(model: nn.Module, mode: str, groupsize: int = 32, calibration
             model.output = QuantizedLinear(emb_qw, None, recipe["output_act"])
     targets = _targets(model, recipe)
     if gptq:
-        import gptq as GPTQ  # lazy: only GPTQ modes need it (it imports this module)
+        import gptq as GPTQ  # only GPTQ modes need it
         calib = GPTQ.calibration_batches(calibration_ids, min(calibration_seq_length, model.config.block_size))
         GPTQ.gptq_model(model, recipe, targets, calib, act_order=act_order, damp=damp, log=log)
     for name in targets:

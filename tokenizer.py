@@ -25,11 +25,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Optional
 
-from common import REPO, TOKENIZER_FILES as _HF_FILES, first_line
-
-# the files a tokenizer is read from: Hugging Face's, and a tiktoken BPE file with its pattern / special tokens
-TIKTOKEN_FILES = ("tokenizer.tiktoken", "tiktoken_config.json")
-TOKENIZER_FILES = tuple(dict.fromkeys(_HF_FILES + TIKTOKEN_FILES))
+from common import REPO, TIKTOKEN_FILES, TOKENIZER_FILES, first_line  # noqa: F401  (re-exported)
 
 # The regex ByteLevel(use_regex=True) splits with (GPT-2's, `regex` module syntax): `pattern` of such a tokenizer,
 # written into tokenizer.bin for the C++ encoder. Split-regex tokenizers (Llama 3, Qwen2) carry theirs in the file.
@@ -298,7 +294,8 @@ def _from_files(files: dict, where: Path) -> Tokenizer:
         meta = {**meta, "bos": meta["bos"] or cfg.get("bos_token"), "eos": meta["eos"] or cfg.get("eos_token"),
                 "add_bos": meta["add_bos"] if meta["add_bos"] is not None else bool(cfg.get("add_bos_token"))}
         from tokenizer_tiktoken import tokenizer_json  # lazy: only a tiktoken file needs it
-        return _load_bpe(tokenizer_json(read("tokenizer.tiktoken", "bytes"), cfg, label("tokenizer.tiktoken")),
+        return _load_bpe(tokenizer_json(read("tokenizer.tiktoken", "bytes"), cfg, label("tokenizer.tiktoken"),
+                                        GPT2_PATTERN, bytes_to_unicode()),
                          label("tokenizer.tiktoken"), meta)
     if "tokenizer.json" in files:
         try:

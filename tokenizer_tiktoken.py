@@ -14,9 +14,8 @@ from typing import Optional
 REPO = Path(__file__).resolve().parent
 if str(REPO / "scripts") not in sys.path:
     sys.path.insert(0, str(REPO / "scripts"))
-from common import write_atomic  # noqa: E402
+from common import TIKTOKEN_FILES, write_atomic  # noqa: E402
 from gguf_tokenizer import LLAMA3_PATTERN  # noqa: E402  (the same splits as cl100k's regex)
-from tokenizer import GPT2_PATTERN, TIKTOKEN_FILES, bytes_to_unicode  # noqa: E402
 
 # tiktoken's own spellings of the GPT-2 (r50k/p50k/gpt2) and cl100k regexes (possessive quantifiers, `\s++$`): the same
 # splits as GPT2_PATTERN and gguf_tokenizer.LLAMA3_PATTERN, which tokenizer.py and tokenizer.bin use in their place
@@ -25,12 +24,13 @@ TIKTOKEN_CL100K = (r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,
                    r"""|\s*[\r\n]|\s+(?!\S)|\s""")
 
 
-def tokenizer_json(data: bytes, cfg: dict, path: str) -> str:
+def tokenizer_json(data: bytes, cfg: dict, path: str, gpt2_pattern: str, byte_chars: dict) -> str:
     """A tiktoken BPE file (lines "base64(token bytes) rank", tiktoken.load.load_tiktoken_bpe's format) and
     tiktoken_config.json ({"pattern": pat_str, "special_tokens": {text: id}, "eos_token", "bos_token"}) as a
     byte-level BPE tokenizer.json the `tokenizers` library runs exactly as tiktoken does: the pieces of the pattern;
     a piece that is a token stays whole (ignore_merges); else adjacent parts merge, lowest rank of the merged bytes
-    first (a merge for every split of a token into two tokens, ordered by the token's rank)."""
+    first (a merge for every split of a token into two tokens, ordered by the token's rank). gpt2_pattern and
+    byte_chars: tokenizer.py's GPT2_PATTERN and bytes_to_unicode()."""
     ranks = {}
     try:
         for line in data.decode("ascii").splitlines():
@@ -44,8 +44,8 @@ def tokenizer_json(data: bytes, cfg: dict, path: str) -> str:
         raise ValueError(f"{path}: tiktoken ranks must be distinct and cover all 256 single bytes")
     if set(special.values()) & set(ranks.values()):
         raise ValueError(f"{path}: a special token's id is also a rank")
-    pattern = {TIKTOKEN_R50K: GPT2_PATTERN, TIKTOKEN_CL100K: LLAMA3_PATTERN}.get(pattern, pattern)
-    u = bytes_to_unicode()
+    pattern = {TIKTOKEN_R50K: gpt2_pattern, TIKTOKEN_CL100K: LLAMA3_PATTERN}.get(pattern, pattern)
+    u = byte_chars
     text = {b: "".join(u[c] for c in b) for b in ranks}
     merges = sorted((r, k, text[b[:k]], text[b[k:]]) for b, r in ranks.items() for k in range(1, len(b))
                     if b[:k] in ranks and b[k:] in ranks)
