@@ -1,50 +1,15 @@
 #!/usr/bin/env python
-"""Export model.py's Transformer to an AOT Inductor package (.pt2) that runs without Python (runner-aoti/) or from
-generate.py (--aoti_package), with the KV cache inside the package. Just over 500 lines: the exporter, the
-shared-weights package writer and AOTIBackend (the package's Python runtime) share the package contract below.
+"""aoti_export.py: model.py's Transformer as an AOT Inductor package (.pt2) that runs without Python (runner-aoti/)
+or from generate.py (--aoti_package), the KV cache inside the package; the package writer that stores the weights of
+its models once; AOTIBackend, the package's Python runtime.
 
     python aoti_export.py --checkpoint_path checkpoints/SmolLM2-135M-Instruct/model.pth --output_path smollm2.pt2
     python generate.py --aoti_package smollm2.pt2 --prompt "Once upon a time"
 
-The package holds one graph, forward(tokens int64[1, T], input_pos int64[T]) -> float32 logits[1, T, V], with a
-dynamic T in [1, max_seq_length]: the prompt goes in one call, each decode step is a call with T = 1. The KV cache
-buffers are constants of the package that the graph updates in place, so their state persists across calls of one
-loaded package (one conversation at a time; load the package again for a fresh cache -- positions decide what is
-attended to, so reusing a cache from position 0 is also fine). Model facts travel as package metadata (strings):
-vocab_size, max_seq_len, bos_id, eos_ids, tokenizer_kind, dtype, device, ... (see package_metadata()).
-
-Float checkpoints and quantize.py checkpoints export the same way: model.load_model() rebuilds whichever it is.
-
-Decoding modes (runner-aoti -M, generate.py / eval.py): a package holds more than one model when asked for:
-  * --prefill_chunk N: model "prefill", forward with a fixed T = N (the hybrid mode's AR-N program; the last chunk
-    is padded with positions after the prompt), beside "model" for single-token decode;
-  * --lookahead: model "lookahead", forward(tokens [1, T], input_pos [T], mask [1, 1, T, S] float32) with dynamic T:
-    speculative.py's lookahead contract (token k writes cache slot input_pos[0] + k; model.py's network through
-    speculative.StepCache at the kv_cache swap point). With causal masks it is also the prompt and plain decode.
-  * --fast_prefill: model "prompt", forward(tokens [1, T], input_pos [T], logits_at int64[1] = T - 1) -> logits
-    [1, 1, V], dynamic T, that kv mode uses for prompts: "model"'s GEMMs (Inductor's C++ template, tuned for decode)
-    run many rows at ~40% of oneDNN's rate; "prompt" is tuned at PROMPT_HINT tokens with ATen among the choices and
-    skips the other positions' logits. oneDNN's prepacked weights are opaque tensors that cannot be shared, so a float
-    model's "prompt" keeps its constants in its own library: a second copy of the weights (about twice the package
-    and the memory). A quantized model's "prompt" shares the records of "model" and adds the layouts of ATen's
-    int8 / int4 kernels for its many-row products (qops.word_kernel_export("native"); 8da8w: torch._int_mm; 8da4w:
-    the activations' int8 values through the int4 kernel). Weight-only int8 on a CPU with bfloat16 dot products
-    instead multiplies by q as bfloat16 (exact; oneDNN's bfloat16 GEMM, 2.4x the int8 kernel's rate at 15 rows),
-    packed by oneDNN: that "prompt" keeps its constants in its own library, as a float one. A weight-only int4 or an
-    8da4w model exported on a CPU with bfloat16 dot products adds "long_prompt" (same contract, lengths from
-    long_prompt_min = qops._BF16_ROWS): the decode words converted to bfloat16, oneDNN's bfloat16 GEMM.
-The models of such a package share their weights (except a float "prompt"): each is compiled without its constants
-(aot_inductor.package_constants_in_so=False) and the package holds every distinct constant once, as a record under
-data/weights/llama_flat/ (64-byte aligned, uncompressed) listed by that folder's `index` (one line per model and
-constant: model, internal name, record, dtype, storage offset, shape, stride). A loader maps the package file, makes
-tensors over those records (no copy) and gives them to each model it runs with update_constant_buffer(...,
-user_managed=True), with one KV cache it allocates (shape in the metadata, kv_cache_shape; the cache is not in the
-index). The constants are matched by content, not by name: AOT Inductor names the prepacked GEMM weights
-constantN in the order it makes them (with several per original FQN), so names need not line up between models;
-on SmolLM2-135M every model's constants are the same bytes and the package holds the weights once (see
-shared_constants() and runner-aoti/run.cpp). The metadata's `models` lists the models and `shared_weights` names
-the folder. The spellings of the source docs work too: --out-path (= --output_path), --device cpu|cuda.
-"""
+The package's "model" is forward(tokens int64[1, T], input_pos int64[T]) -> float32 logits[1, T, V], T dynamic in
+[1, max_seq_length]; the cache buffers are constants the graph updates in place (state persists across calls of one
+loaded package). Model facts travel as string metadata (package_metadata). export() lists the other models a package
+may hold; package_shared() the shared-weights layout."""
 import contextlib
 import hashlib
 import json
@@ -106,7 +71,19 @@ def package_metadata(model, tok, device: str, dtype: torch.dtype, checkpoint_pat
 def export(checkpoint_path, output_path, max_seq_length: int = 1024, dtype: Optional[str] = None, device: str = "cpu",
            tokenizer_path=None, so: bool = False, log=print, prefill_chunk: Optional[int] = None,
            lookahead: bool = False, fast_prefill: bool = False) -> Path:
-    """Export and write the package atomically (common.atomic_path). Returns its path."""
+    """Export and write the package atomically (common.atomic_path). Returns its path. Float and quantize.py
+    checkpoints export alike (quantized products on fast_cpu_quant's kernels, qexport.aoti_forms). Besides "model":
+      * prefill_chunk N: "prefill", forward with a fixed T = N (the runners' hybrid mode; the last chunk is padded);
+      * lookahead: "lookahead", forward(tokens [1, T], input_pos [T], mask [1, 1, T, S] float32), dynamic T:
+        speculative.py's lookahead contract (engine.StepCache at the kv_cache swap point);
+      * fast_prefill: "prompt", forward(tokens [1, T], input_pos [T], logits_at int64[1] = T - 1) -> [1, 1, V], the
+        kv mode's prompts: tuned at PROMPT_HINT tokens with ATen among the GEMM choices ("model"'s C++ templates,
+        tuned for decode, run many rows at ~40% of oneDNN's rate) and skipping the other positions' logits. A float
+        model's "prompt" keeps oneDNN's packed weights in its own library (opaque tensors cannot be shared: about
+        twice the package); a quantized one shares "model"'s records and adds ATen's int4 layout, except int8 on a
+        CPU with bfloat16 dot products (q as bfloat16, packed by oneDNN, in its own library). Weight-only int4 and
+        8da4w on such a CPU add "long_prompt" (from long_prompt_min = fast_cpu_quant.BF16_ROWS tokens: the decode
+        words converted to bfloat16, oneDNN's bfloat16 GEMM)."""
     from quantize import load_model
     from torch.export import Dim
 
@@ -179,10 +156,7 @@ def export(checkpoint_path, output_path, max_seq_length: int = 1024, dtype: Opti
             import speculative
             speculative.check_step_contract(model.config)
             # the example length is the size hint AOT Inductor tunes the GEMMs for: a typical step's call (the
-            # default 6,1,1: 5 to 15 tokens) rather than 2, the decode graph's. (SmolLM2-135M, one thread: a call
-            # of 12 tokens costs 98 ms CPU, 3.4x a one-token step: the C++ GEMM templates stream the weights once
-            # per 4 rows; oneDNN's packed weights would cost 75 ms, but they are opaque tensors a loader cannot
-            # map from the package, see package_shared)
+            # default 6,1,1: 5 to 15 tokens) rather than 2, the decode graph's
             T = min(LOOKAHEAD_HINT, S)
             ex = (torch.zeros(1, T, dtype=torch.long, device=device), torch.arange(T, device=device))
             kw = {"mask": speculative.causal_mask(range(T), S).to(device=device, dtype=run_dtype)}
@@ -262,7 +236,14 @@ def export(checkpoint_path, output_path, max_seq_length: int = 1024, dtype: Opti
 
 
 def package_shared(path, files: dict, log=print) -> None:
-    """Write a package of several models whose constants are stored once: each model's files from aot_compile
+    """The shared-weights layout: each model is compiled without its constants (package_constants_in_so=False) and
+    the package holds every distinct constant once (matched by content: AOT Inductor names prepacked weights
+    constantN in the order it makes them), as a 64-byte aligned, uncompressed record under SHARED_WEIGHTS listed by
+    its `index` (model, internal name, record, dtype, storage offset, shape, stride per line). A loader maps the file
+    and hands each model tensors over those records with update_constant_buffer(..., user_managed=True), plus one KV
+    cache it allocates (kv_cache_shape in the metadata; the cache is not in the index). Metadata `models` lists the
+    models, `shared_weights` the folder (shared_constants(), runner-aoti/run.cpp).
+    Writes a package of several models whose constants are stored once: each model's files from aot_compile
     (binary_blob: the constants in a separate <wrapper>_weights.blob), the blobs split into their constants, every
     distinct one (by content) a record under SHARED_WEIGHTS, and the index that maps each model's constants to them.
     KV cache buffers are left out (the loader allocates one cache for all models). A model compiled with its

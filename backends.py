@@ -16,7 +16,7 @@ def load_backend(args, device, dtype, max_batch_size, max_seq_length):
         from aoti_export import AOTIBackend
         return AOTIBackend(args.aoti_package, device=device, mode=mode)
     if getattr(args, "pte", None):
-        from et_export import PTEBackend
+        from pte_backend import PTEBackend
         return PTEBackend(args.pte, mode=mode)
     if getattr(args, "onnx", None):
         from onnx_backends import OnnxBackend

@@ -1,47 +1,11 @@
-# Export model.py's Transformer to an ExecuTorch .pte (XNNPACK delegate by default) and run a .pte from Python.
-# Over 500 lines: the exporter (swaps, methods for every decoding mode, lowering, kernel check) and PTEBackend,
-# the .pte's Python runtime in every mode, share the contract stated below and read best together.
+# et_export.py: model.py's Transformer as an ExecuTorch .pte (XNNPACK delegate by default; portable, QNN, Core ML,
+# MPS), for runner-et/ and generate.py --pte (pte_backend.py). The .pte's methods are export_pte's contract.
 #
 #   python et_export.py --checkpoint_path checkpoints/SmolLM2-135M-Instruct/model.pth --output_path smollm2.pte \
 #       [--quantize 8da4w --groupsize 32] [--max_seq_length 1024] [--backend xnnpack|portable|qnn|coreml|mps]
-#   python generate.py --pte smollm2.pte --prompt "..."        # PTEBackend below, through ExecuTorch's Python runtime
 #
-# The .pte contract (generate.py, eval.py and the C++ runner rely on it):
-#   * method `forward(tokens: int64[1, T], input_pos: int64[T]) -> float32 logits[1, T, V]`, T dynamic in
-#     [1, max_seq_len]; the KV cache is a set of mutable buffers: state persists across calls of one loaded program
-#     and starts zeroed (harmless: the attention mask comes from the positions).
-#   * constant methods named as ExecuTorch's own LLM runner reads them: get_max_seq_len, get_max_context_len,
-#     get_vocab_size, get_bos_id, get_eos_ids, use_kv_cache, enable_dynamic_shape (+ get_n_layers, get_max_batch_size,
-#     use_sdpa_with_kv_cache=False).
-#   * only standard ATen / quantized_decomposed ops and the XNNPACK delegate: no llama:: custom ops, so a standalone C++
-#     runner (portable + optimized + quantized kernels + XNNPACK) loads it. A program calling an operator ExecuTorch
-#     has no kernel for is refused at export with one line naming the operator(s) and the model family.
-#   * optional (`--prefill_chunk N`, the hybrid mode's AR-N program): extra methods `prefill` (tokens [1, N], fixed
-#     length; runners pad the last chunk with positions after the prompt) and `decode` (tokens [1, 1]) that share the
-#     weights and the KV cache with `forward`; get_prefill_chunk says N.
-#   * optional (`--fast_prefill`): method `prompt(tokens int64[1, T], input_pos int64[T], logits_at int64[1] = T - 1)
-#     -> logits [1, 1, V]`, T dynamic in [2, max_seq_len]: the last position's logits only (as a .pt2's "prompt"
-#     model), which kv-mode runners take for prompts: `forward`'s every-position logits cost SmolLM2 ~4 ms of a
-#     15-token prompt. XNNPACK packs each loaded method's weights, so a runner that loads it holds them twice.
-#   * optional (`--lookahead`): method `lookahead(tokens int64[1, T], input_pos int64[T], mask float32[1, 1, T, S])
-#     -> logits [1, T, V]`, T dynamic: speculative.py's lookahead contract (token k writes cache slot input_pos[0] + k,
-#     attends as the additive mask says), the same cache. With a causal mask it is also the prompt and plain decode,
-#     so a runner in lookahead mode loads only this method. model.py's network through speculative.StepCache at the
-#     kv_cache swap point.
 # Spellings of ExecuTorch's own docs work too: -d fp32|fp16|bf16 (= --dtype; XNNPACK has fp16 kernels, no bf16),
 # --quant (= --quantize), -xnnpack / -coreml / --mps (= --backend), --out-path (= --output_path).
-#
-# Export-time swaps (small pieces only; the network itself is model.py's), by assigning modules at model.py's
-# documented swap points (export_swaps):
-#   * each layer's kv_cache index_copy_s straight into its whole buffer (batch 1, positions [T]), so the mutation is
-#     reinplaced instead of copying the cache (model.py slices [:B] first);
-#   * RMSNorms take their mean over a 4-D view and rope rotates with a constant +-1 matrix (same arithmetic):
-#     XNNPACK rejects 3-D means and slices on the dynamic length;
-# and graph passes (et_passes.py):
-#   * scaled_dot_product_attention (grouped-query: enable_gqa or repeat_interleave'd k/v) becomes bmm / add-mask /
-#     softmax / bmm over head groups, so the cache is never copied per head and every piece lowers to XNNPACK (ATen's
-#     own SDPA decomposition adds NaN guards and copies that split the delegate);
-#   * reshapes on the dynamic length use -1 instead of a symbolic size (XNNPACK rejects symbolic reshapes).
 import contextlib
 import os
 import sys
@@ -55,7 +19,8 @@ from torch import Tensor, nn
 import et_passes
 import qexport
 import qops
-from common import ArgumentParser, atomic_path, cli, first_line, native_stderr_filtered, resolve_checkpoint
+from pte_backend import PTEBackend  # noqa: F401  (re-exported for older callers)
+from common import ArgumentParser, atomic_path, cli, first_line, resolve_checkpoint
 
 BACKENDS = ("xnnpack", "portable", "qnn", "coreml", "mps")
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -359,7 +324,25 @@ def export_pte(model, output_path, max_seq_length: int = DEFAULT_MAX_SEQ_LENGTH,
                bos_id: int = 1, eos_ids=(2,), prefill_chunk: Optional[int] = None, verbose: bool = True,
                lookahead: bool = False, fast_prefill: bool = False) -> dict:
     """Lower a model.py Transformer (float, or quantized by quantize.py: model.quantization names the recipe) to a
-    .pte at output_path, written atomically. Returns info: size, method names, op summary, times."""
+    .pte at output_path, written atomically. Returns info: size, method names, op summary, times. The .pte contract
+    (generate.py, eval.py and the C++ runner rely on it):
+      * `forward(tokens: int64[1, T], input_pos: int64[T]) -> float32 logits[1, T, V]`, T dynamic in [1, max_seq_len];
+        the KV cache is a set of mutable buffers: state persists across calls of one loaded program and starts zeroed
+        (harmless: the attention mask comes from the positions);
+      * constant methods named as ExecuTorch's own LLM runner reads them: get_max_seq_len, get_max_context_len,
+        get_vocab_size, get_bos_id, get_eos_ids, use_kv_cache, enable_dynamic_shape (+ get_n_layers,
+        get_max_batch_size, use_sdpa_with_kv_cache=False);
+      * standard ATen / quantized_decomposed ops and the XNNPACK delegate only, no llama:: custom ops, so a standalone
+        C++ runner loads it; an operator without an ExecuTorch kernel is refused at export, by name;
+      * prefill_chunk N (the hybrid mode's AR-N program): `prefill` (tokens [1, N], fixed; runners pad the last chunk
+        with positions after the prompt) and `decode` (tokens [1, 1]), sharing weights and cache; get_prefill_chunk;
+      * fast_prefill: `prompt(tokens, input_pos, logits_at int64[1] = T - 1) -> [1, 1, V]`, T in [2, max_seq_len], the
+        last position's logits only (forward's every-position logits cost SmolLM2 ~4 ms of a 15-token prompt);
+        XNNPACK packs each loaded method's weights, so a runner that loads it holds them twice;
+      * lookahead: `lookahead(tokens, input_pos, mask float32[1, 1, T, S]) -> [1, T, V]`, T dynamic: speculative.py's
+        lookahead contract (engine.StepCache at the kv_cache swap point); with a causal mask also the prompt and
+        plain decode, so a runner in lookahead mode loads only this method.
+    The export-time swaps (export_swaps) and graph passes (et_passes.py) keep every piece inside the delegate."""
     log = (lambda *a: print(*a, file=sys.stderr)) if verbose else (lambda *a: None)
     output_path = Path(output_path)
     _backend_partitioners(backend)  # fail fast, before the slow export, on a backend that cannot work here
@@ -423,133 +406,6 @@ def _ops_without_kernel(et) -> list:
     needed = {f"{op.name}.{op.overload}" if op.overload else op.name
               for plan in et.executorch_program.execution_plan for op in plan.operators}
     return sorted(n for n in needed if n not in kernels and n.split(".")[0] not in kernels)
-
-
-# ------------------------------------------------------------------------------------------------ running a .pte
-def _check_pte_file(path: Path):
-    """Cheap structural check so a truncated or foreign file gives a one-line error instead of a runtime abort."""
-    if not path.is_file():
-        raise FileNotFoundError(f".pte not found: {path}")
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        head = f.read(64)
-    if len(head) < 40 or head[4:6] != b"ET":
-        raise ValueError(f"{path} is not an ExecuTorch program (.pte): no 'ET' flatbuffer identifier")
-    if head[8:12] == b"eh00":
-        program_size = int.from_bytes(head[16:24], "little")
-        seg_base = int.from_bytes(head[24:32], "little")
-        seg_size = int.from_bytes(head[32:40], "little") if int.from_bytes(head[12:16], "little") >= 32 else 0
-        need = max(program_size, seg_base + seg_size if seg_base else 0)
-        if size < need:
-            raise ValueError(f"{path} is truncated: {size} bytes, the program says {need} (re-run et_export.py)")
-
-
-# what each decoding mode loads from a .pte, and the export flag that writes it (the runners say the same)
-MODE_METHODS = {"kv": ("forward", None), "hybrid": ("prefill", "--prefill_chunk N"),
-                "lookahead": ("lookahead", "--lookahead")}
-
-
-class PTEBackend:
-    """generate.py backend over an ExecuTorch .pte, through ExecuTorch's Python runtime.
-    forward(tokens [1, T], input_pos [T]) -> logits [1, T, V]; one sequence. mode (the runners' -M): "kv" runs
-    `forward` (any prompt length in one call); "hybrid" runs prompts through `prefill` in chunks of its length
-    (prefill_chunk; generate.py / eval.py pad the last one) and decodes with `decode`; "lookahead" runs everything
-    through `lookahead` (causal masks) and offers forward_masked() (speculative.py's contract). In kv mode a program's
-    `prompt` method (--fast_prefill) takes the calls that ask for one position's logits (engine.prefill's logits_at)."""
-
-    max_batch_size = 1
-    prefill_chunk = None
-    logits_at = False  # True with a `prompt` method (kv mode)
-
-    def __init__(self, path, method: str = "forward", mode: str = "kv"):
-        path = Path(path)
-        _check_pte_file(path)
-        try:
-            import executorch.kernels.quantized  # noqa: F401 - registers quantized_decomposed kernels (embeddings)
-        except Exception:  # noqa: BLE001 - only quantized programs need them; loading says so if they do
-            pass
-        from executorch.runtime import Runtime
-        try:
-            self.program = Runtime.get().load_program(path)
-            names = self.program.method_names
-        except Exception as e:  # noqa: BLE001 - the runtime raises RuntimeError with multi-line details
-            raise ValueError(f"cannot load {path}: not a valid ExecuTorch program, truncated or corrupt "
-                             f"({type(e).__name__})") from None
-        if mode not in MODE_METHODS:
-            raise ValueError(f"unknown mode {mode!r}: kv, hybrid or lookahead")
-        need, flag = MODE_METHODS[mode]
-        if mode != "kv" and need not in names:
-            raise ValueError(f"{path} has no `{need}` method, which {mode} mode needs: export it with et_export.py "
-                             f"{flag}")
-        method = need if mode != "kv" else method
-        if method not in names:
-            raise ValueError(f"{path} has no method {method!r} (methods: {', '.join(sorted(names))})")
-        self.mode = mode
-        self.path = path
-        self.method_names = names
-        self.constants = {}
-        for name in sorted(names):
-            if name.startswith(("get_", "use_", "enable_")):
-                try:
-                    vals = list(self.program.load_method(name).execute([]))
-                except Exception as e:  # noqa: BLE001
-                    raise ValueError(f"cannot run constant method {name} of {path} ({type(e).__name__})") from None
-                vals = [v.item() if isinstance(v, Tensor) and v.numel() == 1 else v for v in vals]
-                self.constants[name] = vals if name == "get_eos_ids" else vals[0]
-        if "get_max_seq_len" not in self.constants:
-            raise ValueError(f"{path} has no get_max_seq_len method: not exported by et_export.py")
-        self.max_seq_length = int(self.constants["get_max_seq_len"])
-        self.vocab_size = self.constants.get("get_vocab_size")
-        self.method = self._load(method)
-        self.has_masked = mode == "lookahead"
-        self.prompt = self._load("prompt") if mode == "kv" and "prompt" in names else None
-        self.logits_at = self.prompt is not None
-        if mode == "hybrid":
-            self.prefill_chunk = int(self.constants["get_prefill_chunk"])
-            self.decode = self._load("decode" if "decode" in names else "forward")
-
-    def _load(self, method):
-        try:
-            with native_stderr_filtered():  # the runtime's threadpool prints cpuinfo noise at the first load
-                return self.program.load_method(method)
-        except Exception as e:  # noqa: BLE001
-            raise ValueError(f"cannot load method {method!r} of {self.path}: {type(e).__name__}: "
-                             f"{first_line(e)}") from None
-
-    def forward_masked(self, tokens: Tensor, input_pos: Tensor, mask: Tensor) -> Tensor:
-        """The `lookahead` method: speculative.py's lookahead contract."""
-        if not self.has_masked:
-            raise ValueError(f"{self.path}: forward_masked needs mode='lookahead'")
-        return self.method.execute([tokens.to(torch.long).contiguous(), input_pos.to(torch.long).contiguous(),
-                                    mask.to(torch.float32).contiguous()])[0]
-
-    def forward(self, tokens: Tensor, input_pos: Tensor, logits_at: Optional[Tensor] = None) -> Tensor:
-        if tokens.dim() != 2 or tokens.shape[0] != 1:
-            raise ValueError(f"the .pte runs one sequence: tokens must be [1, T], got {list(tokens.shape)}")
-        if input_pos.dim() == 2 and input_pos.shape[0] == 1:
-            input_pos = input_pos[0]
-        T = tokens.shape[1]
-        if self.mode == "hybrid" and T == self.prefill_chunk:  # padding (-1) continues the positions (the runners too)
-            input_pos = (input_pos[0] + torch.arange(T)).clamp(max=self.max_seq_length - 1)
-        elif (input_pos < 0).any():
-            raise ValueError("the .pte takes shared positions input_pos [T] (no padding)")
-        if int(input_pos.max()) >= self.max_seq_length or T > self.max_seq_length:
-            raise ValueError(f"position {int(input_pos[-1])} is beyond the .pte's max_seq_len {self.max_seq_length}")
-        tokens, input_pos = tokens.to(torch.long).contiguous(), input_pos.to(torch.long).contiguous()
-        if self.mode == "lookahead":
-            return self.forward_masked(tokens, input_pos, _causal(input_pos, self.max_seq_length))
-        if self.mode == "hybrid" and T != self.prefill_chunk:
-            if T != 1:
-                raise ValueError(f"hybrid mode takes chunks of {self.prefill_chunk} tokens or one token, got {T}")
-            return self.decode.execute([tokens, input_pos])[0]
-        if self.prompt is not None and logits_at is not None and T > 1:
-            return self.prompt.execute([tokens, input_pos, logits_at.to(torch.long).reshape(1).contiguous()])[0]
-        return self.method.execute([tokens, input_pos])[0]
-
-
-def _causal(input_pos: Tensor, S: int) -> Tensor:
-    from speculative import causal_mask
-    return causal_mask(input_pos.cpu(), S)
 
 
 # ------------------------------------------------------------------------------------------------ CLI

@@ -18,6 +18,7 @@ sys.path.insert(0, str(REPO))
 pytest.importorskip("executorch")
 
 import et_export  # noqa: E402
+import pte_backend  # noqa: E402
 import engine  # noqa: E402
 import qops  # noqa: E402
 import quantize  # noqa: E402
@@ -84,7 +85,7 @@ def float_pte(float_ckpt):
 
 def test_float_pte_matches_eager(float_ckpt, float_pte):
     assert float_pte.is_file() and not float_pte.with_name(float_pte.name + ".tmp").exists()
-    pte = et_export.PTEBackend(float_pte)
+    pte = pte_backend.PTEBackend(float_pte)
     eager = engine.TorchBackend(load_model(float_ckpt), 1, 128)
     assert (pte.max_batch_size, pte.max_seq_length, pte.prefill_chunk) == (1, 128, None)
     # logits: a prompt in one call (dynamic length), then single-token decode steps over the persistent cache
@@ -112,7 +113,7 @@ def test_export_says_each_long_step(float_pte):
 
 
 def test_constant_methods(float_pte):
-    c = et_export.PTEBackend(float_pte).constants
+    c = pte_backend.PTEBackend(float_pte).constants
     assert c["get_max_seq_len"] == 128 and c["get_max_context_len"] == 128
     assert c["get_vocab_size"] == ARGS["vocab_size"] and c["get_n_layers"] == ARGS["n_layer"]
     assert c["get_eos_ids"] == [EOS]  # from the tokenizer beside the checkpoint
@@ -127,7 +128,7 @@ def test_portable_backend_with_prefill_and_decode_methods(float_ckpt, tmp_path):
     model = load_model(float_ckpt)
     info = et_export.export_pte(model, pte, 64, "portable", bos_id=1, eos_ids=[EOS], prefill_chunk=4, verbose=False)
     assert all(s["delegate_calls"] == 0 and s["portable_ops"] > 0 for s in info["summary"].values())
-    be = et_export.PTEBackend(pte)
+    be = pte_backend.PTEBackend(pte)
     assert {"forward", "prefill", "decode"} <= be.method_names and be.constants["get_prefill_chunk"] == 4
     eager = engine.TorchBackend(load_model(float_ckpt), 1, 64)
     assert _greedy(be) == _greedy(eager)
@@ -166,7 +167,7 @@ def pte_8da4w(tmp_path_factory):
 
 def test_8da4w_pte_matches_eager_8da4w(pte_8da4w, tmp_path):
     ckpt, pte = pte_8da4w
-    be = et_export.PTEBackend(pte)
+    be = pte_backend.PTEBackend(pte)
     eager = engine.TorchBackend(load_model(ckpt), 1, 128)
     toks = torch.tensor([PROMPT])
     torch.testing.assert_close(be.forward(toks, torch.arange(8)), eager.forward(toks, torch.arange(8)),
@@ -220,7 +221,7 @@ def test_truncated_or_corrupt_pte_is_a_one_line_error(float_pte, tmp_path):
         p = tmp_path / f"{name}.pte"
         p.write_bytes(blob)
         with pytest.raises(ValueError):
-            et_export.PTEBackend(p)
+            pte_backend.PTEBackend(p)
     r = _run([REPO / "generate.py", "--pte", tmp_path / "truncated.pte", "--tokenizer_path", float_pte.parent,
               "--prompt", "hi", "--max_new_tokens", "2"])
     assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr[-3000:]

@@ -160,6 +160,7 @@ def test_pte_and_runner(which, chimera, family, root):
     prints what generate.py --pte prints."""
     pytest.importorskip("executorch")
     import et_export
+    import pte_backend
     if which == "chimera":
         ckpt = chimera / "model.pth"
     else:
@@ -170,7 +171,7 @@ def test_pte_and_runner(which, chimera, family, root):
     pte = root / f"{which}.pte"
     r = run_cli("et_export.py", "--checkpoint_path", ckpt, "--output_path", pte, "--max_seq_length", MAX_SEQ)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert backend_tokens(lambda: et_export.PTEBackend(pte)) == eager_tokens(ckpt)
+    assert backend_tokens(lambda: pte_backend.PTEBackend(pte)) == eager_tokens(ckpt)
     ops = pte_operators(pte)  # every GEMM (8da4w: with its activation quantization) is XNNPACK's, not a portable op
     outside = {o for o in ops if o.split("::")[1] in ("linear", "mm", "addmm", "bmm", "matmul")
                or o.startswith("torchao::") or (o.startswith("quantized_decomposed::") and "embedding" not in o)}
