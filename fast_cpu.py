@@ -200,7 +200,7 @@ def speed_up(model: Transformer, compile: bool = False, export: bool = False) ->
                     fast = OneDNNLinear(child.in_features, child.out_features, bias=child.bias is not None,
                                         device="meta")
                     fast.weight, fast.bias = child.weight, child.bias
-                    setattr(parent, name, fast)
+                    fast_cpu_quant.replace_module(parent, name, fast)
     if compile and not isinstance(model.output, CompiledPrompt):
         configure_inductor()
         run = torch.compile(_call, dynamic=True, fullgraph=True)

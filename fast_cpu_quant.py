@@ -394,9 +394,18 @@ class FastQuantizedLinear(QuantizedLinear):
         return t.sum((-2, -1))
 
 
+def replace_module(parent: nn.Module, name: str, new: nn.Module) -> None:
+    """parent.name = new, keeping the hooks others put on the module it replaces (tp.py's all-reduce)."""
+    old = getattr(parent, name)
+    for hooks in ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks",
+                  "_forward_pre_hooks_with_kwargs"):
+        getattr(new, hooks).update(getattr(old, hooks))
+    setattr(parent, name, new)
+
+
 def swap_in(model: nn.Module) -> None:
     """Replace every qops.QuantizedLinear in model with a FastQuantizedLinear over the same weight (idempotent)."""
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is QuantizedLinear:
-                setattr(parent, name, FastQuantizedLinear(child))
+                replace_module(parent, name, FastQuantizedLinear(child))
