@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 
 import torch_internals as TI
-from common import ArgumentParser, atomic_path, check_device, checkpoint_file, cli, first_line, write_atomic
+from common import ArgumentParser, at_least, atomic_path, check_device, checkpoint_file, cli, first_line, write_atomic
 
 try:  # the CPU accelerator: without it a package reads its whole cache, quantized weights folded into float ones
     import fast_cpu
@@ -472,19 +472,19 @@ def parse_args(argv=None):
     p.add_argument("--output_path", "--out-path", type=Path, required=True,
                    help="the .pt2 to write (or a .so: --so, implied by the name)")
     p.add_argument("--tokenizer_path", type=Path, default=None, help="default: the checkpoint's directory")
-    p.add_argument("--max_seq_length", type=int, default=1024, help="KV cache length = longest prompt + reply")
+    p.add_argument("--max_seq_length", type=int, default=1024, help="KV cache length = longest prompt + reply", rule=at_least(1))
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="default: the checkpoint's own dtype")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--so", action="store_true", help="write a plain shared library (weights inside) instead of a .pt2")
     p.add_argument("--prefill_chunk", type=int, default=None,
-                   help="hybrid mode: add the model \"prefill\" (a fixed length of N tokens)")
+                   help="hybrid mode: add the model \"prefill\" (a fixed length of N tokens)", rule=at_least(1))
     p.add_argument("--lookahead", action="store_true",
                    help="lookahead mode: add the model \"lookahead\" (tokens, positions, attention mask)")
     p.add_argument("--fast_prefill", action="store_true",
                    help="add the model \"prompt\" (ATen GEMMs, last logits; a float model's weights twice)")
     p.add_argument("--threads", type=int, default=None,
-                   help="CPU threads the package's kernels are compiled for (default: torch's); run it with as many")
+                   help="CPU threads the package's kernels are compiled for (default: torch's); run it with as many", rule=at_least(1))
     return p.parse_args(argv)
 
 

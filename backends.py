@@ -4,7 +4,7 @@
 from pathlib import Path
 
 import tp  # tensor parallelism under torchrun
-from common import DEFAULT_CHECKPOINT, REPO, ArgumentParser
+from common import DEFAULT_CHECKPOINT, REPO, ArgumentParser, at_least
 from engine import TorchBackend
 from quantize import load_model
 
@@ -39,13 +39,13 @@ def add_backend_args(p: ArgumentParser):
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step and the prompts' blocks")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "mps"])
     p.add_argument("--threads", type=int, default=None,
-                   help="CPU threads (default: the cores not busy with other work; README: Threads)")
+                   help="CPU threads (default: the cores not busy with other work; README: Threads)", rule=at_least(1))
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--max_seq_length", type=int, default=None,
-                   help="KV cache length (default: prompt + new tokens; server.py: 2048)")
-    p.add_argument("--prefill_chunk", type=int, default=None, help="process prompts in fixed chunks of N tokens")
+                   help="KV cache length (default: prompt + new tokens; server.py: 2048)", rule=at_least(1))
+    p.add_argument("--prefill_chunk", type=int, default=None, help="process prompts in fixed chunks of N tokens", rule=at_least(1))
     p.add_argument("--full_batch_size", type=int, default=None,
-                   help="continuous batching with N cache slots (more prompts/requests than slots: slots are refilled)")
+                   help="continuous batching with N cache slots (more prompts/requests than slots: slots are refilled)", rule=at_least(1))
     p.add_argument("--aoti_package", "--dso", type=Path,
                    help="run an AOT Inductor .pt2 (or a .so from aoti_export.py --so) from aoti_export.py")
     p.add_argument("--pte", type=Path, help="run an ExecuTorch .pte from et_export.py")

@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from common import DEFAULT_CHECKPOINT, REPO, ArgumentParser, cli, peak_memory_mb, write_atomic
+from common import DEFAULT_CHECKPOINT, REPO, ArgumentParser, at_least, cli, peak_memory_mb, write_atomic
 
 CK = DEFAULT_CHECKPOINT.parent
 PY = sys.executable
@@ -422,12 +422,12 @@ def main():
     p.add_argument("--rows", default=",".join(DEFAULT_ROWS),
                    help=f"comma-separated rows or groups ({', '.join(GROUPS)}); rows: {', '.join(ROWS)}")
     p.add_argument("--checkpoint_dir", default=str(CK))
-    p.add_argument("--runs", type=int, default=5)
-    p.add_argument("--max_new_tokens", type=int, default=128)
+    p.add_argument("--runs", type=int, default=5, rule=at_least(1))
+    p.add_argument("--max_new_tokens", type=int, default=128, rule=at_least(1))
     p.add_argument("--device", default="cpu")
     p.add_argument("--json", default="bench.json")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads per row (default: torch's)")
-    p.add_argument("--rounds", type=int, default=1, help="run the row list N times, interleaved; medians over rounds")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads per row (default: torch's)", rule=at_least(1))
+    p.add_argument("--rounds", type=int, default=1, help="run the row list N times, interleaved; medians over rounds", rule=at_least(1))
     p.add_argument("--nproc", default="1", help="tensor-parallel world sizes (torchrun), e.g. 1,2,4")
     p.add_argument("--prompt_tokens", type=int, default=None, help="the rows' default prompt becomes the first N "
                    "tokens of the long prompt (prefill at a given length, e.g. 15 or 128; llama.cpp's rows alike)")

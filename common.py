@@ -244,35 +244,19 @@ def keep_packed_copy(w, copy) -> None:
 GROUPSIZES = (32, 64, 128, 256)  # int4 group sizes (quantize.py, et_export.py --groupsize)
 
 
-def _at_least(lo):
+def at_least(lo):
+    """A flag's rule (add_argument(..., rule=at_least(1))): the value is lo or more."""
     return f">= {lo}", lambda v: v >= lo
 
 
-def _within(lo, hi):
+def within(lo, hi):
     return f"in [{lo}, {hi}]", lambda v: lo <= v <= hi
 
 
-# Every numeric flag of every script, by argparse dest: (what the value must be, its test). A flag that a parser does
-# not define is not looked at; None (an unset optional flag) is not checked; a NaN or infinite float never passes.
-# Cross-flag checks (--prompt_len <= --ctx_len, eval's window >= 2, a group size that the mode uses) stay with their
-# scripts.
-NUMBER_RULES = {
-    # decoding: generate.py (speculative, lookahead, continuous batching), bench.py, scripts/llamacpp_peer.py
-    "max_new_tokens": _at_least(1), "num_samples": _at_least(1), "temperature": _at_least(0),
-    "top_k": _at_least(1), "top_p": ("in (0, 1]", lambda v: 0 < v <= 1), "seed": _at_least(0),
-    "speculate_k": _at_least(1), "prefill_chunk": _at_least(1), "full_batch_size": _at_least(1),
-    "max_seq_length": _at_least(1), "threads": _at_least(1), "runs": _at_least(1), "rounds": _at_least(1),
-    "n_ctx": _at_least(1), "port": _within(0, 65535),
-    # eval.py (perplexity needs two tokens)
-    "stride": _at_least(1), "max_tokens": _at_least(2),
-    # exports: export_onnx.py, compile_qaic.py (Cloud AI 100: 16 AI cores per device), et_export.py
-    "ctx_len": _at_least(1), "max_ctx_len": _at_least(1), "prompt_len": _at_least(1), "batch_size": _at_least(1),
-    "num_cores": _within(1, 16), "mos": (">= -1 (-1 = not set)", lambda v: v >= -1), "opset": _within(7, 23),
-    "atol": ("> 0", lambda v: v > 0), "bos_id": _at_least(0), "eos_ids": _at_least(0),
-    # quantize.py
-    "groupsize": (f"one of {', '.join(map(str, GROUPSIZES))}", lambda v: v in GROUPSIZES),
-    "calibration_tokens": _at_least(1), "calibration_seq_length": _at_least(1), "damp": _at_least(0),
-}
+def one_of(values):
+    return f"one of {', '.join(map(str, values))}", lambda v: v in values
+
+
 # flags naming something to read: it must be there ("<what> not found: <path>")
 INPUT_PATHS = {
     "checkpoint_path": "checkpoint", "draft_checkpoint_path": "draft checkpoint", "tokenizer_path": "tokenizer path",
@@ -302,13 +286,14 @@ def _check_onnx(path: Path) -> None:
         raise ValueError(f"{path} is not an ONNX graph (no IR version or no graph inputs)")
 
 
-def check_flag(flag: str, dest: str, value) -> None:
-    """Check one parsed flag value against the tables above (looked up by argparse dest; flag is the option as the
-    user wrote it, for the message): FileNotFoundError for an input that is not there, ValueError for the rest, so
-    that in-process callers get exceptions and cli() prints them as one `error:` line."""
+def check_flag(flag: str, dest: str, value, rule=None) -> None:
+    """Check one parsed flag value against its rule (what the value must be, its test: declared with the flag) and the
+    path tables above (by argparse dest; flag is the option as the user wrote it, for the message): FileNotFoundError
+    for an input that is not there, ValueError for the rest, so that in-process callers get exceptions and cli()
+    prints them as one `error:` line. A NaN or infinite float never passes a rule."""
     for v in value if isinstance(value, list) else [value]:
-        if dest in NUMBER_RULES and isinstance(v, (int, float)):
-            what, ok = NUMBER_RULES[dest]
+        if rule is not None and isinstance(v, (int, float)):
+            what, ok = rule
             if not ((isinstance(v, int) or math.isfinite(v)) and ok(v)):
                 raise ValueError(f"{flag} must be {what}, got {_show(v)}")
         if dest in INPUT_PATHS:
@@ -335,11 +320,16 @@ def check_flag(flag: str, dest: str, value) -> None:
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse.ArgumentParser for every script. Parsing checks each flag the parser defines with check_flag(), before
-    the script loads anything; a violation is an exception (one `error:` line, exit 1, under cli()). argparse's own
-    errors (unknown flag, a value that is no number, a bad choice) are also one `error: ...` line with exit code 1,
-    without the usage dump. A script opts in by building its parser with common.ArgumentParser; its subcommands'
-    parsers are of this class too."""
+    """argparse.ArgumentParser for every script: add_argument(..., rule=(what, test)) declares a numeric flag's rule
+    beside it (at_least, within, one_of); parsing checks every flag with check_flag() before the script loads
+    anything, and a violation is an exception (one `error:` line, exit 1, under cli()). argparse's own errors
+    (unknown flag, a value that is no number, a bad choice) are also one `error: ...` line with exit code 1, without
+    the usage dump. Its subcommands' parsers are of this class too."""
+
+    def add_argument(self, *args, rule=None, **kwargs):
+        action = super().add_argument(*args, **kwargs)
+        action.rule = rule
+        return action
 
     def error(self, message):
         fail(message)
@@ -347,11 +337,11 @@ class ArgumentParser(argparse.ArgumentParser):
     def parse_known_args(self, args=None, namespace=None):
         ns, extras = super().parse_known_args(args, namespace)
         # numbers first (a value alone is wrong whatever the files are), then the paths
-        for action in sorted(self._actions, key=lambda a: a.dest not in NUMBER_RULES):
+        for action in sorted(self._actions, key=lambda a: getattr(a, "rule", None) is None):
             value = getattr(ns, action.dest, None) if action.dest != argparse.SUPPRESS else None
             if value is not None and not isinstance(value, bool):
                 check_flag(max(action.option_strings, key=len) if action.option_strings else action.dest,
-                           action.dest, value)
+                           action.dest, value, getattr(action, "rule", None))
         return ns, extras
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Optional
 
 import export_onnx
-from common import ArgumentParser, checkpoint_file, cli, first_line, resolve_checkpoint, write_atomic
+from common import ArgumentParser, at_least, checkpoint_file, cli, first_line, resolve_checkpoint, within, write_atomic
 from onnx_backends import DONE_FILE, QpcBackend, check_runtime, parse_device_group, read_specializations  # noqa: F401
 
 SDK_EXEC = "/opt/qti-aic/exec"
@@ -402,18 +402,18 @@ def parse_args(argv=None):
     p.add_argument("--checkpoint_path", type=Path, default=None, help="model.pth (exported first if needed)")
     p.add_argument("--onnx_path", type=Path, default=None, help="compile this graph instead of <output_dir>/model.onnx")
     p.add_argument("--output_dir", type=Path, default=Path("out"), help="graph and QPC cache directory (default: out)")
-    p.add_argument("--num_cores", type=int, default=16, help="AI cores per device")
-    p.add_argument("--batch_size", type=int, default=1)
-    p.add_argument("--prompt_len", type=int, default=32, help="prefill chunk length")
-    p.add_argument("--ctx_len", type=int, default=128, help="KV cache length")
+    p.add_argument("--num_cores", type=int, default=16, help="AI cores per device", rule=within(1, 16))
+    p.add_argument("--batch_size", type=int, default=1, rule=at_least(1))
+    p.add_argument("--prompt_len", type=int, default=32, help="prefill chunk length", rule=at_least(1))
+    p.add_argument("--ctx_len", type=int, default=128, help="KV cache length", rule=at_least(1))
     p.add_argument("--mxfp6", action="store_true", help="MXFP6 weights for the matmuls (-mxfp6-matmul)")
     p.add_argument("--mxint8", action="store_true", help="MXINT8 KV cache (custom IO precision)")
-    p.add_argument("--mos", type=int, default=-1, help="-mos=N (effort to reduce on-chip memory); -1 = not set")
+    p.add_argument("--mos", type=int, default=-1, help="-mos=N (effort to reduce on-chip memory); -1 = not set", rule=(">= -1 (-1 = not set)", lambda v: v >= -1))
     p.add_argument("--mdts_mos", type=int, default=-1,
                    help="-mdts-mos=N (the same across a multi-device partition; qaic-compile); -1 = not set")
     p.add_argument("--aic_enable_depth_first", action="store_true")
     p.add_argument("--device_group", default="0", help="device ids, e.g. 0 or 0,1 (several = multi-device partition)")
-    p.add_argument("--full_batch_size", type=int, default=None, help="continuous batching with this many slots")
+    p.add_argument("--full_batch_size", type=int, default=None, help="continuous batching with this many slots", rule=at_least(1))
     p.add_argument("--sub_functions", action="store_true",
                    help="export decoder layers as ONNX functions and compile them once (-sub-functions; qaic-compile)")
     p.add_argument("--aic_hw_version", default=None, choices=["ai100", "ai200", "2.0"],
@@ -423,7 +423,7 @@ def parse_args(argv=None):
     p.add_argument("--qaic_exec", default=None, metavar="PATH", help="an older SDK's qaic-exec at PATH")
     p.add_argument("--dry_run", action="store_true", help="write the compiler inputs and print the command only")
     p.add_argument("--prompt", default=None, help="then generate from these prompts ('|' separates) on the card")
-    p.add_argument("--max_new_tokens", type=int, default=None, help="with --prompt (default: up to ctx_len)")
+    p.add_argument("--max_new_tokens", type=int, default=None, help="with --prompt (default: up to ctx_len)", rule=at_least(1))
     args = p.parse_args(argv)
     if args.compiler and args.qaic_exec:
         raise ValueError("choose one of --compiler and --qaic_exec")

@@ -20,7 +20,7 @@ import et_passes
 import qexport
 import qops
 from pte_backend import PTEBackend  # noqa: F401  (re-exported for older callers)
-from common import ArgumentParser, atomic_path, cli, first_line, resolve_checkpoint
+from common import GROUPSIZES, ArgumentParser, at_least, atomic_path, cli, first_line, one_of, resolve_checkpoint
 
 BACKENDS = ("xnnpack", "portable", "qnn", "coreml", "mps")
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -419,22 +419,22 @@ def parse_args(argv=None):
                    help="quantize a float checkpoint first with quantize.py (int8, 8da4w, ...)")
     p.add_argument("-d", "--dtype", default="fp32", choices=sorted(DTYPES),
                    help="precision of a float checkpoint's program (XNNPACK: fp32, fp16)")
-    p.add_argument("--groupsize", type=int, default=32, help="group size for --quantize")
+    p.add_argument("--groupsize", type=int, default=32, help="group size for --quantize", rule=one_of(GROUPSIZES))
     p.add_argument("--max_seq_length", type=int, default=DEFAULT_MAX_SEQ_LENGTH,
-                   help="KV cache length = longest prompt + generation (capped at the model's block_size)")
+                   help="KV cache length = longest prompt + generation (capped at the model's block_size)", rule=at_least(1))
     p.add_argument("--backend", default="xnnpack", choices=BACKENDS, help="portable = no delegate (debugging)")
     for b in ("xnnpack", "coreml", "mps"):  # ExecuTorch's docs spell the backend as a switch
         p.add_argument(f"-{b}", f"--{b}", dest="backend", action="store_const", const=b, help=f"= --backend {b}")
     p.add_argument("--prefill_chunk", type=int, default=None,
-                   help="hybrid mode: also add fixed-length `prefill` (N tokens) and `decode` (1 token) methods")
+                   help="hybrid mode: also add fixed-length `prefill` (N tokens) and `decode` (1 token) methods", rule=at_least(1))
     p.add_argument("--lookahead", action="store_true",
                    help="lookahead mode: also add the `lookahead` method (tokens, positions, attention mask)")
     p.add_argument("--fast_prefill", action="store_true",
                    help="also add the `prompt` method (the last position's logits: faster prompts, a second copy of "
                         "the packed weights in a runner's memory)")
     p.add_argument("--tokenizer_path", type=Path, default=None, help="for bos/eos ids (default: checkpoint directory)")
-    p.add_argument("--bos_id", type=int, default=None)
-    p.add_argument("--eos_ids", type=int, nargs="+", default=None)
+    p.add_argument("--bos_id", type=int, default=None, rule=at_least(0))
+    p.add_argument("--eos_ids", type=int, nargs="+", default=None, rule=at_least(0))
     return p.parse_args(argv)
 
 

@@ -25,7 +25,7 @@ from typing import Optional
 
 import torch
 
-from common import ArgumentParser, check_device, cli, resolve_checkpoint, set_threads
+from common import ArgumentParser, at_least, check_device, cli, resolve_checkpoint, set_threads
 from backends import load_backend
 
 
@@ -125,19 +125,19 @@ def parse_args(argv=None):
                    help="model.pth (float or quantized); default: the default model")
     p.add_argument("--text_file", type=Path, required=True, help="UTF-8 text to score")
     p.add_argument("--tokenizer_path", type=Path, default=None, help="default: the checkpoint's directory")
-    p.add_argument("--max_seq_length", type=int, default=512, help="window length in tokens (default 512)")
-    p.add_argument("--stride", type=int, default=None, help="tokens between window starts (default: half a window)")
-    p.add_argument("--max_tokens", type=int, default=None, help="score only the first N tokens of the text (N >= 2)")
+    p.add_argument("--max_seq_length", type=int, default=512, help="window length in tokens (default 512)", rule=at_least(1))
+    p.add_argument("--stride", type=int, default=None, help="tokens between window starts (default: half a window)", rule=at_least(1))
+    p.add_argument("--max_tokens", type=int, default=None, help="score only the first N tokens of the text (N >= 2)", rule=at_least(2))
     p.add_argument("--bos", choices=["auto", "yes", "no"], default="auto",
                    help="prepend BOS (auto: the tokenizer's default)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "mps"])
-    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: the cores not busy with other work)")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: the cores not busy with other work)", rule=at_least(1))
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--compile", action="store_true", help="torch.compile the blocks (dynamic length)")
     p.add_argument("--mode", default="kv", choices=["kv", "hybrid", "lookahead"],
                    help="the program of a runner decoding mode (-M): forward, the fixed-length prefill, lookahead")
     p.add_argument("--prefill_chunk", type=int, default=None,
-                   help="--mode hybrid on a checkpoint: the chunk length (an artifact carries its own)")
+                   help="--mode hybrid on a checkpoint: the chunk length (an artifact carries its own)", rule=at_least(1))
     p.add_argument("--aoti_package", type=Path, help="an AOT Inductor .pt2 from aoti_export.py")
     p.add_argument("--pte", type=Path, help="an ExecuTorch .pte from et_export.py")
     p.add_argument("--onnx", type=Path, help="an ONNX graph from export_onnx.py")

@@ -27,8 +27,8 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from common import (ArgumentParser, checkpoint_file, cli, copy_tokenizer_files, has_tokenizer, resolve_checkpoint,
-                    temp_dir)
+from common import (ArgumentParser, at_least, checkpoint_file, cli, copy_tokenizer_files, has_tokenizer,
+                    resolve_checkpoint, temp_dir, within)
 from model import Transformer
 from quantize import load_model
 from onnx_backends import OnnxBackend, json_metadata  # noqa: F401 (OnnxBackend: re-exported for old callers)
@@ -472,16 +472,16 @@ def parse_args(argv=None):
                    help="model.pth from scripts/convert_checkpoint.py (default: the SmolLM2-135M-Instruct checkpoint)")
     p.add_argument("--output_dir", type=Path, default=Path("out"), help="where model.onnx (+ .data) go (default: out)")
     p.add_argument("--ctx_len", type=int, default=None, help="context length recorded as the default for runners "
-                   "(the axis stays dynamic); default min(1024, max_ctx_len)")
+                   "(the axis stays dynamic); default min(1024, max_ctx_len)", rule=at_least(1))
     p.add_argument("--max_ctx_len", type=int, default=None,
-                   help="longest context the graph supports (rotary table size); default the model's block_size")
-    p.add_argument("--full_batch_size", type=int, default=None, help="continuous batching: a batch_index input")
-    p.add_argument("--opset", type=int, default=17)
+                   help="longest context the graph supports (rotary table size); default the model's block_size", rule=at_least(1))
+    p.add_argument("--full_batch_size", type=int, default=None, help="continuous batching: a batch_index input", rule=at_least(1))
+    p.add_argument("--opset", type=int, default=17, rule=within(7, 23))
     kind = p.add_mutually_exclusive_group()  # subfunction export is the TorchScript exporter's
     kind.add_argument("--dynamo", action="store_true", help="the dynamo exporter (opset >= 18), not TorchScript")
     kind.add_argument("--sub_functions", action="store_true", help="decoder layers as calls of one ONNX function")
     p.add_argument("--skip_check", action="store_true", help="do not run the ONNX Runtime self-check")
-    p.add_argument("--atol", type=float, default=1e-3, help="self-check: largest allowed |logits difference|")
+    p.add_argument("--atol", type=float, default=1e-3, help="self-check: largest allowed |logits difference|", rule=("> 0", lambda v: v > 0))
     return p.parse_args(argv)
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 import tp  # tensor parallelism under torchrun
-from common import ArgumentParser, check_device, cli, peak_memory_mb, resolve_checkpoint, set_threads
+from common import ArgumentParser, at_least, check_device, cli, peak_memory_mb, resolve_checkpoint, set_threads
 from backends import add_backend_args, load_backend
 from engine import Sampling, TorchBackend, check_vocab, generate, generate_continuous, weight_bytes
 from quantize import load_model
@@ -22,15 +22,15 @@ def parse_args(argv=None):
     p.add_argument("--prompts_file", type=Path, help="one prompt per line, run as one batch")
     p.add_argument("--chat", action="store_true", help="multi-turn chat with the model's chat template")
     p.add_argument("--system", default=None, help="system message for --chat")
-    p.add_argument("--num_samples", type=int, default=1)
-    p.add_argument("--max_new_tokens", type=int, default=200)
-    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
-    p.add_argument("--top_k", type=int, default=200)
-    p.add_argument("--top_p", type=float, default=None)
-    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--num_samples", type=int, default=1, rule=at_least(1))
+    p.add_argument("--max_new_tokens", type=int, default=200, rule=at_least(1))
+    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy", rule=at_least(0))
+    p.add_argument("--top_k", type=int, default=200, rule=at_least(1))
+    p.add_argument("--top_p", type=float, default=None, rule=("in (0, 1]", lambda v: 0 < v <= 1))
+    p.add_argument("--seed", type=int, default=1234, rule=at_least(0))
     p.add_argument("--draft_checkpoint_path", type=Path, default=None,
                    help="speculative decoding with this draft model (e.g. a quantize.py version of the target)")
-    p.add_argument("--speculate_k", type=int, default=5, help="draft tokens per speculative step")
+    p.add_argument("--speculate_k", type=int, default=5, help="draft tokens per speculative step", rule=at_least(1))
     p.add_argument("--lookahead", default=None, metavar="NGRAM,WINDOW,GCAP", help="lookahead decoding (greedy)")
     p.add_argument("--quiet", action="store_true", help="print only the generated text")
     p.add_argument("--ignore_eos", action="store_true", help="never stop at EOS: always --max_new_tokens (benchmarks)")

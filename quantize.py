@@ -39,7 +39,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from common import GROUPSIZES, ArgumentParser, check_device, checkpoint_file, cli, default_checkpoint
+from common import GROUPSIZES, ArgumentParser, at_least, check_device, checkpoint_file, cli, default_checkpoint, one_of
 from model import checkpoint_state, save_checkpoint
 from model import load_model as load_float_or_hooked
 from qops import (SHRINKS, SYM_EXTRA, QuantizedEmbedding, QuantizedLinear, QuantizedWeight,  # noqa: F401
@@ -201,15 +201,15 @@ def parse_args(argv=None):
     p = ArgumentParser(description="Quantize a model.py checkpoint (writes model_<mode>[.g<G>].pth beside it).")
     p.add_argument("--checkpoint_path", type=Path, default=None, help="float checkpoint (default: the default model)")
     p.add_argument("--mode", required=True, help=f"one of {', '.join(MODES)}")
-    p.add_argument("--groupsize", type=int, default=32, help=f"int4 modes: one of {GROUPSIZES} (default 32)")
+    p.add_argument("--groupsize", type=int, default=32, help=f"int4 modes: one of {GROUPSIZES} (default 32)", rule=one_of(GROUPSIZES))
     p.add_argument("--embedding", default=None,
                    help="int8 | int4 | none (default int8; a tied output projection shares the quantized table)")
     p.add_argument("--calibration_file", type=Path,
                    help="int4-gptq (required) and 8da4w (optional): text to calibrate GPTQ on")
-    p.add_argument("--calibration_tokens", type=int, default=16384, help="GPTQ: at most this many tokens")
-    p.add_argument("--calibration_seq_length", type=int, default=512, help="GPTQ: tokens per sequence")
+    p.add_argument("--calibration_tokens", type=int, default=16384, help="GPTQ: at most this many tokens", rule=at_least(1))
+    p.add_argument("--calibration_seq_length", type=int, default=512, help="GPTQ: tokens per sequence", rule=at_least(1))
     p.add_argument("--act_order", action="store_true", help="GPTQ: quantize columns by decreasing Hessian diagonal")
-    p.add_argument("--damp", type=float, default=0.1, help="GPTQ: Hessian dampening (fraction of mean diagonal)")
+    p.add_argument("--damp", type=float, default=0.1, help="GPTQ: Hessian dampening (fraction of mean diagonal)", rule=at_least(0))
     p.add_argument("--tokenizer_path", type=Path, default=None, help="GPTQ: default the checkpoint's directory")
     p.add_argument("--output", type=Path, default=None, help="default: beside the input, model_<mode>[.g<G>].pth")
     p.add_argument("--device", default="cpu", help="where to run GPTQ (cpu, cuda)")

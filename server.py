@@ -30,7 +30,7 @@ import torch
 
 import engine as E
 from backends import add_backend_args, load_backend
-from common import REPO, ArgumentParser, check_device, cli, resolve_checkpoint, set_threads
+from common import REPO, ArgumentParser, check_device, cli, resolve_checkpoint, set_threads, within
 
 DEFAULT_CONTEXT = 2048
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
@@ -377,7 +377,7 @@ def parse_args(argv=None):
     p = ArgumentParser(description="OpenAI-compatible server (chat, completions, a chat page) on any backend.")
     add_backend_args(p)
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000, help="0 = pick a free port (printed)")
+    p.add_argument("--port", type=int, default=8000, help="0 = pick a free port (printed)", rule=within(0, 65535))
     return p.parse_args(argv)
 
 

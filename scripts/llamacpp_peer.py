@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import ArgumentParser, atomic_path, checkpoint_file, cli, peak_memory_mb  # noqa: E402
+from common import ArgumentParser, at_least, atomic_path, checkpoint_file, cli, peak_memory_mb  # noqa: E402
 
 TYPES = {"f32": "F32", "f16": "F16", "q8_0": "Q8_0", "q4_0": "Q4_0"}
 
@@ -180,11 +180,11 @@ def main(argv=None):
     t = sub.add_parser("time")
     t.add_argument("--gguf", type=Path, required=True)
     t.add_argument("--tokenizer_path", type=Path)
-    t.add_argument("--threads", type=int, default=1)
+    t.add_argument("--threads", type=int, default=1, rule=at_least(1))
     t.add_argument("--prompt", default="Once upon a time")
-    t.add_argument("--max_new_tokens", type=int, default=128)
-    t.add_argument("--n_ctx", type=int, default=512)
-    t.add_argument("--runs", type=int, default=3)
+    t.add_argument("--max_new_tokens", type=int, default=128, rule=at_least(1))
+    t.add_argument("--n_ctx", type=int, default=512, rule=at_least(1))
+    t.add_argument("--runs", type=int, default=3, rule=at_least(1))
     t.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)
     write(args) if args.cmd == "write" else time_decode(args)
