@@ -1,0 +1,234 @@
+# qops.py, fast_cpu_quant.py and qexport.py: every kernel and export form of a quantized product against references
+# computed from the weights' own dequantized values; the int4 layouts; the 8da4w pattern XNNPACK lowers.
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fast_cpu_quant as FQ
+import qexport
+import qops
+import quantize as Q
+from conftest import hf_to_model, tiny_hf
+
+CPU = torch.device("cpu")
+SCHEMES = {  # name: (scheme, activation quantization)
+    "int8": (Q._scheme(8), None),
+    "int4-g32": (Q._scheme(4, 32), None),
+    "int4-g64": (Q._scheme(4, 64), None),
+    "8da4w-g32": (Q._scheme(4, 32, xnnpack=True), "int8"),            # what --mode 8da4w makes
+    "8da4w-sym-g32": (Q._scheme(4, 32, symmetric=True), "int8"),     # ExecuTorch's own 8da4w (older checkpoints)
+    "8da8w": (Q._scheme(8), "int8"),                                  # what --mode 8da8w makes
+}
+
+
+def _linear(name, N=96, K=128, bias=False, seed=0):
+    torch.manual_seed(seed)
+    w = torch.randn(N, K) * 0.05
+    scheme, act = SCHEMES[name]
+    qw = Q.quantize_weight(w, scheme)
+    return w, qops.QuantizedLinear(qw, torch.randn(N) if bias else None, act)
+
+
+# ----------------------------------------------------------------------------------------------------------- kernels
+@pytest.mark.parametrize("name", list(SCHEMES))
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_matches_its_dequantized_weights(name, bias):
+    w, lin = _linear(name, bias=bias)
+    fast = FQ.FastQuantizedLinear(lin)
+    x = torch.randn(2, 5, 128)
+    qw = lin.qweight
+    ref_x = qops.fake_quant_per_token_int8(x) if lin.act else x
+    split = qw.xnnpack and qw.zeros is not None  # 8da4w: int8 x (q - 8) s, plus float x's group sums x (z + 8 s)
+    zt = F.linear(x.unflatten(-1, (-1, qw.groupsize)).sum(-1), qw.zeros + 8 * qw.scales) if split else 0
+    ref = F.linear(ref_x, qw.dequantize(offset=not split), lin.bias) + zt
+    bf = lambda t: t.to(torch.bfloat16).float()  # float32 products and sums, output in bfloat16 (one flip allowed)
+    want = None  # weight-only, more than one row: ATen's packed kernel, bfloat16 activations
+    if qw.weight_only:  # int4: scales and offsets (z + 8 s) in bfloat16
+        G, N = qw.groupsize, qw.out_features
+        w16 = ((qw.int_values().view(N, -1, G) - 8) * bf(qw.scales)[..., None] + bf(qw.zeros + 8 * qw.scales)[..., None])
+        want = bf(F.linear(bf(x), w16.view(N, -1))) + (lin.bias if bias else 0)
+    elif qw.bits == 8 and not lin.act:  # int8: float32 scales after
+        want = bf(F.linear(bf(x), qw.qdata.float())) * qw.scales + (lin.bias if bias else 0)
+    if qw.bits == 8 and not lin.act:  # compiled prefill's bfloat16 w.T (words_bf16_t): the integer values, exact
+        assert torch.equal(fast.words_bf16_t(), qw.qdata.t().to(torch.bfloat16))
+    elif qw.weight_only:  # q s + z in float32, rounded once
+        q = qw.int_values().view(qw.out_features, -1, qw.groupsize).float()
+        w32 = (q * qw.scales[..., None] + qw.zeros[..., None]).view(qw.out_features, -1)
+        assert torch.equal(fast.words_bf16_t(), w32.t().to(torch.bfloat16))
+    torch.testing.assert_close(lin(x), ref, rtol=1e-5, atol=1e-5)  # qops' module: the exact eager product
+    if want is None:
+        torch.testing.assert_close(fast(x), ref, rtol=1e-5, atol=1e-5)
+    else:
+        torch.testing.assert_close(fast(x), want, rtol=2 ** -8, atol=1e-6)
+        torch.testing.assert_close(fast(x[:1, :1]), ref[:1, :1], rtol=1e-5, atol=1e-5)  # one row: float32
+    # the compile-path formulation (one reduction over the integer weights), run eagerly on one row
+    fused = fast.fused_linear(ref_x[:1, :1], offset=not split) + (zt[:1, :1] if split else 0)
+    torch.testing.assert_close(fused + (lin.bias if bias else 0), ref[:1, :1], rtol=1e-4, atol=1e-4)
+    words = FQ.FastQuantizedLinear(fast, export_rows="words")  # an AOT Inductor package's dynamic length: the same
+    many = words.fused_linear(ref_x, offset=not split) + zt     # kernels for any number of rows
+    if split:  # 8da4w's form there (and in compiled decode): the float activations' group sums in the same kernel
+        one = words.fused_linear(ref_x, sums=x.unflatten(-1, (-1, qw.groupsize)).sum(-1))
+        torch.testing.assert_close(one + (lin.bias if bias else 0), ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(many + (lin.bias if bias else 0), ref, rtol=1e-4, atol=1e-4)
+    # round to nearest: every stored value is the grid point nearest to the float weight, given the stored scales
+    qw = lin.qweight
+    if qw.bits == 8:
+        expect = torch.clamp(torch.round(w / qw.scales[:, None]), -127, 127) * qw.scales[:, None]
+    else:
+        G = qw.groupsize
+        wg = w.view(w.shape[0], -1, G)
+        expect = qops._int4_values(Q._int4_round(wg, qw.scales, qw.zeros), qw.scales, qw.zeros).view_as(w)
+    torch.testing.assert_close(qw.dequantize(), expect, rtol=0, atol=1e-7)
+
+
+@pytest.mark.parametrize("name", ["int8", "int4-g32", "int4-g64"])
+def test_bfloat16_native_kernels_match_dequantized_weights(name):
+    """bfloat16 on CPU runs ATen's packed weight-only kernels (_weight_int8pack_mm, _weight_int4pack_mm_for_cpu)."""
+    w, lin = _linear(name, N=96, K=256)
+    lin = lin.to(torch.bfloat16)
+    fast = FQ.FastQuantizedLinear(lin)
+    x = torch.randn(3, 256, dtype=torch.bfloat16)
+    y = fast.native_linear(x)
+    if y is None:
+        pytest.skip("this torch build has no packed CPU kernel for this scheme")
+    ref = F.linear(x.float(), lin.qweight.dequantize(torch.float32))
+    torch.testing.assert_close(y.float(), ref, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(fast(x).float(), ref, rtol=2e-2, atol=2e-2)
+    fast = FQ.FastQuantizedLinear(lin.to(torch.float32))  # float32 weight-only: bfloat16 activations for more than
+    torch.testing.assert_close(fast.native_linear(x.float()), ref, rtol=2e-2, atol=2e-2)  # one row, the portable
+    assert fast.native_linear(x[:1].float()) is None                                      # path for one
+    assert fast.native_linear(x.float(), float_rows=False) is None  # 8da4w's fake-quantized activations stay float32
+
+
+def test_bfloat16_native_kernel_of_asymmetric_8da4w():
+    """8da4w's packed copy holds the zero-point-free part (q - 8) s; the zero term is QuantizedLinear's."""
+    w, lin = _linear("8da4w-g32", N=96, K=256)
+    fast = FQ.FastQuantizedLinear(lin.to(torch.bfloat16))
+    x = torch.randn(3, 256, dtype=torch.bfloat16)
+    y = fast.native_linear(x, offset=False)
+    if y is None:
+        pytest.skip("this torch build has no packed CPU int4 kernel")
+    ref = F.linear(x.float(), fast.qweight.dequantize(torch.float32, offset=False))
+    torch.testing.assert_close(y.float(), ref, rtol=2e-2, atol=2e-2)
+    assert fast.native_linear(x) is None  # with offsets: the portable path
+
+
+def test_8da8w_rows_are_one_integer_product():
+    """8da8w, more than one row: torch._int_mm on the int8 activations and weights, whose int32 sums are exact (checked
+    against int64 sums of the same integers); one row takes the fake-quantized float product (decode)."""
+    w, lin = _linear("8da8w", K=256, bias=True)
+    qw, fast = lin.qweight, FQ.FastQuantizedLinear(lin)
+    x = torch.randn(2, 7, 256) * torch.linspace(0.1, 4, 256)
+    q, zp, scale = qops.quant_per_token_int8(x)
+    acc = (q - zp).long() @ qw.qdata.long().T                      # [2, 7, 96] exact
+    want = (acc.double() * scale.double() * qw.scales.double() + lin.bias.double()).float()
+    y = fast(x)
+    torch.testing.assert_close(y, want, rtol=1e-6, atol=1e-6)
+    assert torch.equal(y, fast.int8_act_linear(x) + lin.bias)
+    ref = F.linear(qops.fake_quant_per_token_int8(x), qw.dequantize(), lin.bias)
+    torch.testing.assert_close(fast(x[:1, :1]), ref[:1, :1], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lin(x), ref, rtol=1e-5, atol=1e-5)  # qops' module: the fake-quantized product
+
+
+@pytest.mark.parametrize("name", ["8da4w-g32", "8da4w-sym-g32", "8da8w"])
+def test_dynamic_act_export_arithmetic_matches_eager(name):
+    """The op pattern the exporters emit (torchao quantize/dequantize_affine, qb4w weights with zero point 8, plus the
+    group-sum GEMM for asymmetric weights; 8da8w: per-channel int8 weights, qc8w) computes what the eager module
+    computes; 4-bit scales are bfloat16 values."""
+    w, lin = _linear(name, bias=True)
+    x = torch.randn(2, 5, 128)
+    torch.testing.assert_close(qexport.XnnpackLinear(lin)(x), lin(x), rtol=1e-5, atol=1e-5)
+    s = lin.qweight.scales
+    assert torch.equal(s, s.to(torch.bfloat16).to(s.dtype)) == (name != "8da8w")
+    assert (lin.qweight.zeros is None) == (name != "8da4w-g32")
+
+
+def test_int4_pack_roundtrip_and_layout():
+    q = torch.randint(0, 16, (7, 64))
+    p = qops.pack_int4(q, 32)
+    assert p.dtype == torch.uint8 and p.shape == (7, 32)
+    assert torch.equal(qops.unpack_int4(p, 32).long(), q)
+    assert int(p[0, 0]) == int(q[0, 0]) * 16 + int(q[0, 16])  # byte j of a group: element j (high), j + G/2 (low)
+
+
+def test_int4_reproduces_a_weight_already_on_an_int4_grid():
+    """SmolLM2's default checkpoint comes from a Q4_1 GGUF: g32 asymmetric int4 must give it back exactly."""
+    torch.manual_seed(0)
+    d, m = torch.rand(16, 4, 1) * 0.01 + 1e-3, torch.randn(16, 4, 1) * 0.05
+    q = torch.randint(0, 16, (16, 4, 32)).float()
+    q[..., 0], q[..., 1] = 0, 15  # Q4_1 groups use their full range
+    w = (q * d + m).view(16, 128)
+    qw = Q.quantize_weight(w, Q._scheme(4, 32))
+    torch.testing.assert_close(qw.dequantize(), w, rtol=0, atol=1e-6)
+
+
+def test_8da4w_activation_quantization_matches_torchao():
+    qp = qexport.torchao_primitives()
+    x = torch.randn(3, 7, 64) * 3 + 0.5
+    bs = (1, 1, 64)
+    s, zp = qp.choose_qparams_affine(x, qp.MappingType.ASYMMETRIC, bs, torch.int8, -128, 127,
+                                     zero_point_dtype=torch.int8)
+    ref = qp.dequantize_affine(qp.quantize_affine(x, bs, s, zp, torch.int8, -128, 127), bs, s, zp, torch.int8,
+                               -128, 127, output_dtype=x.dtype)
+    torch.testing.assert_close(qops.fake_quant_per_token_int8(x), ref, rtol=0, atol=1e-6)
+
+
+def test_embedding_rows_match_dequantized_table():
+    torch.manual_seed(0)
+    w = torch.randn(50, 64)
+    idx = torch.randint(0, 50, (2, 9))
+    for scheme in (Q._scheme(8), Q._scheme(4, 32), Q._scheme(4, 64, symmetric=True)):
+        qw = Q.quantize_weight(w, scheme)
+        torch.testing.assert_close(qops.QuantizedEmbedding(qw)(idx), F.embedding(idx, qw.dequantize()), rtol=0, atol=0)
+
+
+def test_compiled_decode_int8_layout_keeps_precision_in_bfloat16():
+    """The compiled int8 decode reduction reads bytes 0-2 offset by 128 and subtracts 128 * sum(x) once per row: with
+    bfloat16 activations that sum is far larger than the result, so it must be accumulated in float32. Compared with
+    the same bfloat16 input through the dequantized weights in float32 (bfloat16 rounding of the result only)."""
+    w, lin = _linear("int8", N=64, K=256)
+    fast = FQ.FastQuantizedLinear(lin)
+    assert fast.int8_words is not None  # the word layout this checks
+    x = (torch.randn(1, 1, 256) + 2.0).to(torch.bfloat16)  # a mean far from 0: a large offset term
+    ref = F.linear(x.float(), lin.qweight.dequantize(torch.float32))
+    got = fast.fused_linear(x).float()
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+
+
+# ----------------------------------------------------------------------------------------------------------- export
+def _lowered(model):
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+    from executorch.exir import to_edge_transform_and_lower
+    model.setup_caches(1, 16)
+    ep = torch.export.export(model, (torch.tensor([[5, 17, 99, 3]]), torch.arange(4)))
+    return to_edge_transform_and_lower(ep, partitioner=[XnnpackPartitioner()])
+
+
+def test_8da4w_lowers_fully_to_xnnpack():
+    pytest.importorskip("executorch")
+    m = hf_to_model(tiny_hf("llama", seed=5, vocab_size=256, tie=True, num_hidden_layers=1))
+    Q.quantize_model(m, "8da4w", 32, log=False)
+    for parent in list(m.modules()):  # qexport's export form of each 8da4w linear
+        for name, child in list(parent.named_children()):
+            if qexport.xnnpack_kind(child) and child.act == "int8":
+                setattr(parent, name, qexport.XnnpackLinear(child))
+    low = _lowered(m)
+    g = low.exported_program().graph_module.graph
+    targets = [str(n.target) for n in g.nodes if n.op == "call_function"]
+    left = [t for t in targets if any(k in t for k in ("aten.linear", "aten.mm", "aten.addmm", "dequantize_affine",
+                                                        "quantize_affine", "choose_qparams"))]
+    assert not left, left
+    assert sum("executorch_call_delegate" in t for t in targets) >= 1
+    # with et_export.py's swaps (its own norm / rope / cache forms), no matmul or quantize op is left out
+    import et_export
+    m = hf_to_model(tiny_hf("llama", seed=5, vocab_size=256, tie=True, num_hidden_layers=1))
+    Q.quantize_model(m, "8da4w", 32, log=False)
+    with et_export.export_swaps(m):
+        low = _lowered(m)
+    names = [getattr(n.target, "__name__", str(n.target)) for n in low.exported_program().graph_module.graph.nodes
+             if n.op == "call_function"]
+    assert any("embedding" in t for t in names), names  # the names are what this check expects
+    left = [t for t in names if t.removeprefix("aten.").split(".")[0] in ("linear", "mm", "addmm", "bmm")
+            or "affine" in t or "choose_qparams" in t]
+    assert not left, left
+    # (running the program, with its KV-cache buffers, is et_export.py's business: tests/test_et_export.py)
