@@ -2,8 +2,9 @@
 # and qaic-exec of older SDKs): each takes exactly the options its real CLI documents for these flows and fails on any
 # other, and checks the compiler inputs against the graph. Here: the command each CLI gets, the compiler search order,
 # the inputs, the QPC cache, --dry_run, --sub_functions (the function graph equals the flat one on ONNX Runtime) and the
-# error paths; QpcBackend and the one command (--prompt) run through a fake device session that runs the same graph
-# on ONNX Runtime and enforces the compiled specializations the way the card does.
+# error paths. QpcBackend and the one command (--prompt) run through a fake device session, and end to end through
+# tests/fake_qaic/qaicrt.py (QaicSession's own code), both running the compiled graph on ONNX Runtime the way the card
+# runs the QPC (only the compiled specializations, the KV cache kept inside).
 import json
 import os
 import re
@@ -374,7 +375,7 @@ def test_sub_function_graph_equals_flat_graph(graphs, ckpt, tmp_path, compiler):
 # ------------------------------------------------------------------------------------------------- error paths
 def _cli(args, env_extra=None):
     env = {k: v for k, v in os.environ.items() if k not in ("QAIC_EXEC", "QAIC_COMPILE")}
-    env.update(PYTHONWARNINGS="ignore", PATH="/usr/bin:/bin", **(env_extra or {}))
+    env.update({"PYTHONWARNINGS": "ignore", "PATH": "/usr/bin:/bin", **(env_extra or {})})
     return subprocess.run([sys.executable, "compile_qaic.py", *map(str, args)], cwd=REPO, capture_output=True,
                           text=True, env=env, timeout=300)
 
@@ -589,3 +590,24 @@ def test_one_command_checkpoint_to_text(ckpt, tmp_path, compiler, monkeypatch, c
     text = capsys.readouterr().out
     assert "using" in text and "reusing" in text and all(w in text for w in want)
     assert len(calls(compiler)) == 2
+
+
+def test_one_command_through_the_sdk_runtime(ckpt, tmp_path, compiler):
+    """The command line end to end with the fakes where the SDK's would be: qaic-compile on PATH, qaicrt and
+    QAicApi_pb2 (tests/fake_qaic) on PYTHONPATH, so QaicSession's own code drives a runtime that runs the compiled graph
+    on ONNX Runtime. The text equals generate.py's greedy text on the checkpoint; generate.py --qpc gives it too."""
+    env = {"PYTHONPATH": str(FAKE.parent), "PATH": f"{compiler.parent}:/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
+    prompts, out = "hello world|the capital of", tmp_path / "out"
+    r = _cli(["--checkpoint_path", ckpt, "--output_dir", out, "--num_cores", 14, "--batch_size", 2, "--prompt_len", 4,
+              "--ctx_len", 32, "--prompt", prompts, "--max_new_tokens", 6], env_extra=env)
+    assert r.returncode == 0, r.stderr
+    assert f"compiler: {compiler} (qaic-compile, version: qaic-compile version {SDK_VERSION})" in r.stdout
+    gen = ["--prompt", prompts, "--temperature", 0, "--max_new_tokens", 6, "--quiet"]
+    want = subprocess.run([sys.executable, "generate.py", "--checkpoint_path", ckpt, *map(str, gen)], cwd=REPO,
+                          capture_output=True, text=True, env={**os.environ, **env}, timeout=300)
+    assert want.returncode == 0 and want.stdout.count("-" * 40) == 2, want.stderr
+    assert want.stdout in r.stdout
+    cache = out / "qpc_14cores_2bs_4pl_32cl_-1mos_1devices_fp16"
+    got = subprocess.run([sys.executable, "generate.py", "--qpc", str(cache), *map(str, gen)], cwd=REPO,
+                         capture_output=True, text=True, env={**os.environ, **env}, timeout=300)
+    assert got.returncode == 0 and got.stdout == want.stdout, got.stderr
