@@ -342,14 +342,10 @@ inline void derive_tables(Tokenizer& t) {
             [&](int a, int b) { return t.pieces[a].size() > t.pieces[b].size(); });
 }
 
-inline Tokenizer load_tokenizer(const std::string& path) {
+// A tokenizer.bin's bytes d -> the Tokenizer; path names it in errors (the fuzz target runner-common/fuzz/ calls this).
+inline Tokenizer parse_tokenizer(const std::string& d, const std::string& path) {
   Tokenizer t;
   t.path = path;
-  std::ifstream f(path, std::ios::binary);
-  if (!f) throw Error("cannot open tokenizer file " + path);
-  std::stringstream ss;
-  ss << f.rdbuf();
-  const std::string d = ss.str();
   if (d.size() < 4) throw Error(path + ": too small to be a tokenizer.bin");
   size_t part_a_end = d.size(), ext = 0;
   if (d.size() >= 4 + 16 && d.compare(d.size() - 8, 8, "LLTOKEND") == 0) {
@@ -383,6 +379,14 @@ inline Tokenizer load_tokenizer(const std::string& path) {
   else llama2c_defaults(t);
   derive_tables(t);
   return t;
+}
+
+inline Tokenizer load_tokenizer(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f) throw Error("cannot open tokenizer file " + path);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return parse_tokenizer(ss.str(), path);
 }
 
 }  // namespace llm

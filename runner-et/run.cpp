@@ -19,6 +19,7 @@
 #include <cstring>
 #include <fstream>
 
+#include "pte_check.h"
 #include "runner.h"
 
 // The wheel ships the thread pool library but not its header (extension/threadpool/threadpool.h): the two calls
@@ -43,10 +44,8 @@ std::string err(Error e) {
          ")";
 }
 
-// A .pte is a flatbuffer with the file identifier "ET" + 2 digits at bytes 4..8 and, from et_export.py, an extended
-// header "eh00" (header length, program size, segment base offset, segment data size): check them against the file
-// (the root table inside the program, the segments after it and inside the file) before the runtime sees it. Then
-// load() has ExecuTorch verify the whole flatbuffer (Program::Verification::InternalConsistency).
+// The .pte's header, checked against the file before the runtime sees it (pte_check.h); then load() has ExecuTorch
+// verify the whole flatbuffer (Program::Verification::InternalConsistency).
 void check_pte(const std::string& path) {
   std::ifstream f(path, std::ios::binary | std::ios::ate);
   if (!f) throw llm::Error("cannot open ExecuTorch program " + path);
@@ -54,30 +53,7 @@ void check_pte(const std::string& path) {
   char head[64] = {};
   f.seekg(0);
   f.read(head, std::min<std::streamoff>(size, 64));
-  if (size < 16 || head[4] != 'E' || head[5] != 'T' || !std::isdigit((unsigned char)head[6]) ||
-      !std::isdigit((unsigned char)head[7]))
-    throw llm::Error(path + ": not an ExecuTorch program (expected a .pte from et_export.py)");
-  uint32_t root, header_len;
-  std::memcpy(&root, head, 4);
-  std::memcpy(&header_len, head + 12, 4);
-  if (std::memcmp(head + 8, "eh00", 4) == 0 && size >= 40) {
-    uint64_t program_size, segment_base, segment_size;
-    std::memcpy(&program_size, head + 16, 8);
-    std::memcpy(&segment_base, head + 24, 8);
-    std::memcpy(&segment_size, head + 32, 8);
-    if (header_len < 32 || header_len > 64 || program_size > uint64_t(size) || segment_base > uint64_t(size) ||
-        segment_size > uint64_t(size))
-      throw llm::Error(path + ": truncated or corrupt ExecuTorch program (its header says " +
-                       std::to_string(program_size) + " program bytes, segments " + std::to_string(segment_size) +
-                       " bytes at " + std::to_string(segment_base) + "; the file has " + std::to_string(size) + ")");
-    if (segment_size && (segment_base < program_size || segment_base + segment_size > uint64_t(size)))
-      throw llm::Error(path + ": truncated ExecuTorch program (" + std::to_string(size) + " of " +
-                       std::to_string(segment_base + segment_size) + " bytes)");
-    if (root < 8 + header_len || root >= program_size)
-      throw llm::Error(path + ": corrupt ExecuTorch program (its root table is outside the program)");
-  } else if (root < 8 || root >= uint64_t(size)) {
-    throw llm::Error(path + ": corrupt ExecuTorch program (its root table is outside the file)");
-  }
+  check_pte_header(head, uint64_t(size), path);
 }
 
 class EtModel : public llm::Model {
