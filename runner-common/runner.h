@@ -24,6 +24,7 @@
 
 #include <signal.h>
 #include <sys/mman.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -311,8 +312,13 @@ inline int supervise() {
   g_doing = static_cast<char*>(page);
   doing("starting");
   std::fflush(nullptr);
-  const pid_t pid = fork();
-  if (pid <= 0) return -1;  // the child, or no child: run here
+  const pid_t parent = getpid(), pid = fork();
+  if (pid == 0) {  // the child: ends with the parent (a parent killed by SIGKILL leaves no orphan running)
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (getppid() != parent) _exit(1);
+    return -1;
+  }
+  if (pid < 0) return -1;  // no child: run here
   g_child = pid;
   for (int sig : {SIGINT, SIGTERM, SIGHUP, SIGQUIT}) signal(sig, [](int s) { kill(g_child, s); });
   int status = 0;
