@@ -288,7 +288,7 @@ def compile_qpc(onnx_path, output_dir, opts: CompileOptions, compiler: Compiler,
     compiler, its version, the command, the inputs and the graph's export id. A QPC whose record matches all of
     them is reused. dry_run stops after printing the command. Returns the cache directory."""
     if compiler.path is None and not dry_run:
-        find_compiler(compiler.kind)  # raises the one-line hint
+        compiler = find_compiler(compiler.kind)  # or the one-line hint
     opts.check_for(compiler)
     onnx_path = Path(onnx_path).resolve()
     meta, info = export_onnx.read_metadata(onnx_path), graph_info(onnx_path)

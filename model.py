@@ -14,8 +14,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from common import atomic_path, checkpoint_file
+from common import atomic_path, checkpoint_file, first_line
 from model_configs import ModelArgs, rope_frequencies, longrope_attention_factor, transformer_configs  # noqa: F401
+from validation import CHECKSUMS, check_shapes, check_sizes, check_state, checksums
 
 
 class KVCache(nn.Module):
@@ -408,11 +409,19 @@ def _json_object(value, key: str, path) -> dict:
     """A checkpoint's JSON field (_config, _quantization, config.json) as a dict, or one clear ValueError."""
     try:
         obj = json.loads(value) if isinstance(value, (str, bytes)) else None
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, UnicodeDecodeError):
         obj = None
     if not isinstance(obj, dict):
         raise ValueError(f"checkpoint {path}: {key} is not a JSON object string (got {type(value).__name__})")
     return obj
+
+
+def _checked(build, path, key):
+    """build() (ModelArgs from a config, a recipe's modules), its complaint as one ValueError naming file and key."""
+    try:
+        return build()
+    except (ValueError, TypeError, KeyError, AttributeError, ZeroDivisionError) as e:
+        raise ValueError(f"checkpoint {path}: {key}: {first_line(e)}") from None
 
 
 def load_model(checkpoint_path, device="cpu", dtype: Optional[torch.dtype] = None,
@@ -421,8 +430,10 @@ def load_model(checkpoint_path, device="cpu", dtype: Optional[torch.dtype] = Non
 
     The file carries its own config under "_config" (a JSON string of ModelArgs) and, when quantized, its recipe
     under "_quantization" (JSON, applied by `quantized` before the weights are assigned: quantize.load_model passes
-    quantize.apply_recipe), so no flag and no filename parsing. Older files without "_config" fall back to
-    config.json beside them, then to the directory's name."""
+    quantize.apply_recipe, which checks it), so no flag and no filename parsing. Older files without "_config" fall
+    back to config.json beside them, then to the directory's name. Nothing in the file is trusted before it is
+    checked (validation.py): the config's fields, its sizes against the tensors, every tensor's name, type, shape,
+    finiteness and checksum; any failure is one ValueError naming the file and the field or tensor."""
     path = checkpoint_file(checkpoint_path)
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint not found: {path}")
@@ -432,12 +443,17 @@ def load_model(checkpoint_path, device="cpu", dtype: Optional[torch.dtype] = Non
         raise ValueError(f"cannot read checkpoint {path}: not a valid PyTorch weights file ({type(e).__name__})") from None
     if not isinstance(sd, dict):
         raise ValueError(f"checkpoint {path} does not hold a state dict")
+    check_state(sd, path)
+    sd.pop(CHECKSUMS, None)
     if "_config" in sd:
-        args = ModelArgs.from_dict(_json_object(sd.pop("_config"), "_config", path))
+        cfg = _json_object(sd.pop("_config"), "_config", path)
+        args = _checked(lambda: ModelArgs.from_dict(cfg), path, "_config")
     elif (path.parent / "config.json").is_file():
-        args = ModelArgs.from_dict(_json_object((path.parent / "config.json").read_text(), "config.json", path))
+        cfg = _json_object((path.parent / "config.json").read_bytes(), "config.json", path)
+        args = _checked(lambda: ModelArgs.from_dict(cfg), path, "config.json")
     else:
         args = ModelArgs.from_name(path.parent.name)
+    check_sizes(sd, args, path)
     recipe = sd.pop("_quantization", None)
     recipe = None if recipe is None else _json_object(recipe, "_quantization", path)
     with torch.device("meta"):
@@ -445,10 +461,11 @@ def load_model(checkpoint_path, device="cpu", dtype: Optional[torch.dtype] = Non
     if recipe:  # quantized(model, recipe) swaps in the quantized modules (quantize.load_model passes its own)
         if quantized is None:
             raise ValueError(f"checkpoint {path} is quantized ({recipe.get('mode')}): load it with quantize.load_model")
-        model = quantized(model, recipe)
+        model = _checked(lambda: quantized(model, recipe), path, "_quantization")
     model.quantization = recipe or None
     if args.tie_embeddings:
         sd.pop("output.weight", None)
+    check_shapes(sd, model.state_dict(), path)
     missing, unexpected = model.load_state_dict(sd, strict=False, assign=True)
     missing = [k for k in missing if not (args.tie_embeddings and k == "output.weight")]
     if missing or unexpected:
@@ -469,6 +486,13 @@ def checkpoint_state(model: Transformer, quantization: Optional[dict] = None) ->
 
 
 def save_checkpoint(sd: dict, path) -> None:
-    """Write atomically (common.atomic_path), so no half-written checkpoint is left behind."""
+    """Write atomically (common.atomic_path), so no half-written checkpoint is left behind, with every tensor's CRC32
+    (validation.checksums: load_model verifies them). What load_model would refuse is never written: a "_config"
+    that is no valid ModelArgs, a NaN or infinite weight."""
+    if "_config" in sd:
+        _checked(lambda: ModelArgs.from_dict(_json_object(sd["_config"], "_config", path)), path, "_config")
+    sd = {k: v for k, v in sd.items() if k != CHECKSUMS}
+    check_state(sd, path)
+    sd[CHECKSUMS] = checksums(sd)
     with atomic_path(path) as tmp:
         torch.save(sd, str(tmp))

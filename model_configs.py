@@ -8,6 +8,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from validation import check_fields, check_rope_scaling
+
 
 @dataclass
 class ModelArgs:
@@ -57,6 +59,9 @@ class ModelArgs:
     family: str = ""                  # the Hugging Face model_type it came from, for messages ("" = not recorded)
 
     def __post_init__(self):
+        """Checks every field (validation.py: types, ranges, rope scaling keys) and fills in the derived defaults;
+        a bad field is one ValueError naming it."""
+        check_fields(self)
         if self.n_local_heads == -1:
             self.n_local_heads = self.n_head
         if self.head_dim is None:
@@ -70,10 +75,7 @@ class ModelArgs:
             raise ValueError(f"n_head ({self.n_head}) must be a multiple of n_local_heads ({self.n_local_heads})")
         if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
             raise ValueError(f"rotary_dim {self.rotary_dim} must be even and in 2..head_dim ({self.head_dim})")
-        if self.norm_type not in ("rms", "layer") or self.mlp_act not in ("silu", "gelu_tanh", "gelu"):
-            raise ValueError(f"unknown norm_type {self.norm_type!r} or mlp_act {self.mlp_act!r}")
-        if self.parallel_norms not in (1, 2):
-            raise ValueError(f"parallel_norms must be 1 or 2, not {self.parallel_norms}")
+        check_rope_scaling(self)
 
     def is_sliding(self, layer: int) -> bool:
         return bool(self.sliding_window) and (self.sliding_layers is None or layer in self.sliding_layers)

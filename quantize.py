@@ -124,21 +124,68 @@ def _targets(model: nn.Module, recipe: dict) -> list:
             and not (recipe["tied_output"] and n == "output")]
 
 
+RECIPE_KEYS = ("format", "mode", "groupsize", "linear", "act", "embedding", "tied_output", "output_act", "skip")
+
+
+def _check_scheme(scheme, key: str) -> None:
+    if not isinstance(scheme, dict) or scheme.get("bits") not in (4, 8):
+        raise ValueError(f"{key} must be a scheme with bits 4 or 8, got {scheme!r:.80}")
+    G = scheme.get("groupsize")
+    if (G not in GROUPSIZES) if scheme["bits"] == 4 else G is not None:
+        raise ValueError(f"{key}.groupsize must be {'one of ' + str(GROUPSIZES) if scheme['bits'] == 4 else 'null'} "
+                         f"for {scheme['bits']} bits, got {G!r}")
+    if not isinstance(scheme.get("symmetric"), bool) or not isinstance(scheme.get("xnnpack", False), bool):
+        raise ValueError(f"{key}.symmetric (and xnnpack) must be true or false, got {scheme!r:.80}")
+
+
+def check_recipe(recipe) -> dict:
+    """A quantization recipe (what make_recipe writes, what a checkpoint's "_quantization" claims) before anything is
+    built from it or written: format FORMAT_VERSION, every key of RECIPE_KEYS with its type and range (a group size in
+    GROUPSIZES, never 0). One ValueError naming the key. Returns the recipe."""
+    if not isinstance(recipe, dict) or recipe.get("format") != FORMAT_VERSION:
+        raise ValueError(f"unsupported quantization recipe (format "
+                         f"{recipe.get('format') if isinstance(recipe, dict) else recipe!r}); this quantize.py reads "
+                         f"format {FORMAT_VERSION}")
+    missing = [k for k in RECIPE_KEYS if k not in recipe]
+    if missing:
+        raise ValueError(f"the recipe lacks {', '.join(missing)}")
+    if recipe["mode"] not in MODES:
+        raise ValueError(f"mode must be one of {', '.join(MODES)}, got {recipe['mode']!r:.40}")
+    _check_scheme(recipe["linear"], "linear")
+    if recipe["groupsize"] != recipe["linear"]["groupsize"]:
+        raise ValueError(f"groupsize {recipe['groupsize']!r:.20} differs from linear.groupsize")
+    if recipe["embedding"] is not None:
+        _check_scheme(recipe["embedding"], "embedding")
+    for k in ("act", "output_act"):
+        if recipe[k] not in (None, "int8"):
+            raise ValueError(f"{k} must be null or \"int8\", got {recipe[k]!r:.40}")
+    if not isinstance(recipe["tied_output"], bool):
+        raise ValueError(f"tied_output must be true or false, got {recipe['tied_output']!r:.20}")
+    if not (isinstance(recipe["skip"], list) and all(isinstance(n, str) for n in recipe["skip"])):
+        raise ValueError(f"skip must be a list of module names, got {recipe['skip']!r:.60}")
+    return recipe
+
+
 def apply_recipe(model: nn.Module, recipe: dict) -> nn.Module:
     """Swap modules for the quantized ones a checkpoint's recipe names (shapes only: typically on the meta device,
-    before load_state_dict(assign=True) brings the stored tensors)."""
-    if not isinstance(recipe, dict) or recipe.get("format") != FORMAT_VERSION:
-        raise ValueError(f"unsupported quantization recipe (format {recipe.get('format') if isinstance(recipe, dict) else recipe!r}); "
-                         f"this quantize.py reads format {FORMAT_VERSION}")
+    before load_state_dict(assign=True) brings the stored tensors). The recipe is checked first (check_recipe), and
+    its group sizes against the model's matrices."""
+    check_recipe(recipe)
     ref = model.norm.weight
     dtype, device = ref.dtype, ref.device
     for name in _targets(model, recipe):
         lin = model.get_submodule(name)
+        if lin.in_features % (recipe["linear"]["groupsize"] or 1):
+            raise ValueError(f"linear.groupsize {recipe['linear']['groupsize']} does not divide in_features "
+                             f"{lin.in_features} of {name}")
         qw = QuantizedWeight(lin.out_features, lin.in_features, recipe["linear"], dtype, device)
         bias = torch.empty(lin.out_features, dtype=dtype, device=device) if lin.bias is not None else None
         _set_module(model, name, QuantizedLinear(qw, bias, recipe["act"]))
     if recipe["embedding"]:
         emb = model.tok_embeddings
+        if emb.embedding_dim % (recipe["embedding"]["groupsize"] or 1):
+            raise ValueError(f"embedding.groupsize {recipe['embedding']['groupsize']} does not divide the embedding "
+                             f"dim {emb.embedding_dim}")
         qw = QuantizedWeight(emb.num_embeddings, emb.embedding_dim, recipe["embedding"], dtype, device)
         model.tok_embeddings = QuantizedEmbedding(qw)
         if recipe["tied_output"]:
@@ -178,7 +225,7 @@ def quantize_model(model: nn.Module, mode: str, groupsize: int = 32, calibration
             _set_module(model, name, QuantizedLinear(qw, lin.bias, recipe["act"]))
     if gptq:
         recipe["gptq"] = {"act_order": act_order, "damp": damp, "calibration_tokens": int(calib.numel())}
-    return recipe
+    return check_recipe(recipe)
 
 
 # ----------------------------------------------------------------------------------------------------------- CLI

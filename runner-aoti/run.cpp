@@ -57,23 +57,85 @@ std::string first_line(const std::string& s) {
   return out.size() > 300 ? out.substr(0, 300) + "..." : out;
 }
 
-// A .pt2 is a zip archive: check its local header and end-of-central-directory record before libtorch sees it,
-// so that a truncated or wrong file is a clear error.
+// CRC-32 (zip's: reflected polynomial 0xEDB88320) of n bytes.
+uint32_t crc32(const unsigned char* p, size_t n) {
+  static const std::vector<uint32_t> table = [] {
+    std::vector<uint32_t> t(256);
+    for (uint32_t i = 0; i < 256; i++) {
+      uint32_t c = i;
+      for (int k = 0; k < 8; k++) c = c & 1 ? 0xEDB88320u ^ (c >> 1) : c >> 1;
+      t[i] = c;
+    }
+    return t;
+  }();
+  uint32_t c = 0xFFFFFFFFu;
+  for (size_t i = 0; i < n; i++) c = table[(c ^ p[i]) & 0xFF] ^ (c >> 8);
+  return c ^ 0xFFFFFFFFu;
+}
+
+// A .pt2 is a zip archive (PyTorch's writer: entries stored, not compressed). Before libtorch sees it: the local
+// header and the end-of-central-directory record must be there, every entry's data must lie inside the file, and
+// the entries libtorch unpacks and loads (under data/aotinductor/: the models' libraries, their metadata and
+// sources) must match their CRC-32, so that a changed byte in a library is an error here rather than a crash in
+// dlopen. The weight records (data/weights/, data/constants/) are only bounds-checked: reading them all would cost
+// seconds for a large model, and a changed weight byte changes numbers, not control flow.
 void check_zip(const std::string& path) {
-  std::ifstream f(path, std::ios::binary | std::ios::ate);
-  if (!f) throw llm::Error("cannot open AOT Inductor package " + path);
-  const std::streamoff size = f.tellg();
-  char head[4] = {};
-  f.seekg(0);
-  f.read(head, 4);
-  if (size < 22 || std::memcmp(head, "PK\x03\x04", 4) != 0)
+  const int fd = open(path.c_str(), O_RDONLY);
+  struct stat st {};
+  if (fd < 0 || fstat(fd, &st) != 0) {
+    if (fd >= 0) close(fd);
+    throw llm::Error("cannot open AOT Inductor package " + path);
+  }
+  const size_t size = size_t(st.st_size);
+  void* m = size ? mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0) : MAP_FAILED;
+  close(fd);
+  const auto* d = static_cast<const unsigned char*>(m);
+  struct Unmap {
+    void* m;
+    size_t n;
+    ~Unmap() { if (m != MAP_FAILED) munmap(m, n); }
+  } unmap{m, size};
+  if (m == MAP_FAILED || size < 22 || std::memcmp(d, "PK\x03\x04", 4) != 0)
     throw llm::Error(path + ": not an AOT Inductor package (expected a .pt2 zip archive from aoti_export.py)");
-  const std::streamoff tail = std::min<std::streamoff>(size, 65536 + 22);
-  std::string buf(size_t(tail), '\0');
-  f.seekg(size - tail);
-  f.read(&buf[0], tail);
-  if (buf.rfind(std::string("PK\x05\x06", 4)) == std::string::npos)
+  auto u16 = [&](size_t o) { return uint32_t(d[o]) | uint32_t(d[o + 1]) << 8; };
+  auto u32 = [&](size_t o) { return u16(o) | u16(o + 2) << 16; };
+  auto corrupt = [&](const std::string& what) { return llm::Error(path + ": corrupt AOT Inductor package (" + what + ")"); };
+  size_t eocd = size - 22;
+  while (eocd > 0 && eocd + 65536 + 22 > size && std::memcmp(d + eocd, "PK\x05\x06", 4) != 0) eocd--;
+  if (std::memcmp(d + eocd, "PK\x05\x06", 4) != 0)
     throw llm::Error(path + ": truncated or corrupt AOT Inductor package (no zip directory at the end)");
+  uint64_t n = u16(eocd + 10), dir = u32(eocd + 16);
+  if (eocd >= 20 && std::memcmp(d + eocd - 20, "PK\x06\x07", 4) == 0) {  // zip64: the directory's real place
+    uint64_t z64;
+    std::memcpy(&z64, d + eocd - 12, 8);
+    if (z64 + 56 > size || std::memcmp(d + z64, "PK\x06\x06", 4) != 0) throw corrupt("zip64 directory");
+    std::memcpy(&n, d + z64 + 32, 8);
+    std::memcpy(&dir, d + z64 + 48, 8);
+  }
+  for (uint64_t i = 0, p = dir; i < n; i++) {
+    if (p > size || size - p < 46 || std::memcmp(d + p, "PK\x01\x02", 4) != 0) throw corrupt("zip directory");
+    const uint32_t crc = u32(p + 16), name_len = u16(p + 28), extra_len = u16(p + 30), comment_len = u16(p + 32);
+    uint64_t csize = u32(p + 20), local = u32(p + 42);
+    if (p + 46 + name_len + extra_len > size) throw corrupt("zip directory");
+    const std::string name(reinterpret_cast<const char*>(d + p + 46), name_len);
+    for (size_t e = p + 46 + name_len; e + 4 <= p + 46 + name_len + extra_len;) {  // zip64 sizes / offset
+      const uint32_t id = u16(e), len = u16(e + 2);
+      if (id == 1) {
+        size_t f = e + 4;
+        if (u32(p + 24) == 0xFFFFFFFFu) f += 8;  // the uncompressed size
+        if (u32(p + 20) == 0xFFFFFFFFu && f + 8 <= e + 4 + len) std::memcpy(&csize, d + f, 8), f += 8;
+        if (u32(p + 42) == 0xFFFFFFFFu && f + 8 <= e + 4 + len) std::memcpy(&local, d + f, 8);
+      }
+      e += 4 + len;
+    }
+    if (local > size || size - local < 30 || std::memcmp(d + local, "PK\x03\x04", 4) != 0)
+      throw corrupt("entry " + name.substr(0, 200) + ": no local header");
+    const uint64_t data = local + 30 + u16(local + 26) + u16(local + 28);
+    if (data > size || csize > size - data) throw corrupt("entry " + name.substr(0, 200) + " past the end of the file");
+    if (name.find("/data/aotinductor/") != std::string::npos && u16(p + 10) == 0 && crc32(d + data, csize) != crc)
+      throw corrupt("entry " + name.substr(0, 200) + ": CRC-32 mismatch");
+    p += 46 + name_len + extra_len + comment_len;
+  }
 }
 
 // The metadata file aoti_export.py --so writes beside a plain .so: a flat JSON object of strings.
@@ -307,6 +369,17 @@ class AotiModel : public llm::Model {
     info_.bos_id = meta_int(meta, "bos_id", -1);
     info_.tokenizer_vocab_size = meta_int(meta, "tokenizer_vocab_size", -1);
     info_.tokenizer_kind = meta.count("tokenizer_kind") ? meta["tokenizer_kind"] : "";
+    if (meta.count("vocab_fingerprint")) {  // runner-common/README.md: Vocabulary fingerprint (decimal, int64 or uint64)
+      const std::string& v = meta["vocab_fingerprint"];
+      const bool neg = !v.empty() && v[0] == '-';
+      errno = 0;
+      char* end = nullptr;
+      const uint64_t x = neg ? uint64_t(std::strtoll(v.c_str(), &end, 10)) : std::strtoull(v.c_str(), &end, 10);
+      if (v.empty() || !std::isdigit((unsigned char)v[neg]) || *end || errno == ERANGE)
+        throw llm::Error(path + ": bad package metadata vocab_fingerprint=" + v.substr(0, 40));
+      info_.has_vocab_fingerprint = true;
+      info_.vocab_fingerprint = x;
+    }
     if (meta.count("eos_ids")) {
       std::stringstream ss(meta["eos_ids"]);
       std::string item;

@@ -2,12 +2,13 @@
 // split, then the GPT-2 / Llama 3 (= cl100k) / Qwen2 / o200k (Phi-4-mini) pre-tokenizer regex written out by hand as
 // its alternatives in order (Falcon: punctuation runs first, then GPT-2's regex, then digit runs in 3-digit groups)
 // (contractions, letters, numbers, other symbols, whitespace with the \s+(?!\S) look-ahead) over tokenizer.bin's
-// Unicode class tables; each pre-token's bytes start as single-byte tokens and the lowest-rank pair is merged
-// everywhere until none applies (ignore_merges: a pre-token that is itself a token stays whole).
+// Unicode class tables; each pre-token's bytes start as single-byte tokens and merge by rank as `tokenizers` does
+// (merge_word: O(n log n)) until no pair applies (ignore_merges: a pre-token that is itself a token stays whole).
 #pragma once
 
-#include <climits>
 #include <cstdint>
+#include <functional>
+#include <queue>
 #include <string>
 #include <vector>
 
@@ -149,6 +150,54 @@ inline size_t pretoken(const Tokenizer& t, const std::vector<uint32_t>& c, size_
 }
 
 // ------------------------------------------------------------------------------------------------- merges
+// One pre-token's bytes, each a single-byte token (-1000 - byte where the vocabulary lacks it: never merges), merged
+// as `tokenizers`' Word::merge_all does it: a min-heap of (rank, position) over adjacent pairs, a doubly linked list
+// of symbols, and lazy invalidation (an entry whose pair has changed since it was pushed is skipped when popped).
+// The lowest-rank pair merges first, the leftmost of equal ranks first; a merge pushes the pairs it forms with its
+// neighbours. O(n log n) for a word of n bytes (the quadratic "merge the best pair everywhere, rescan" loop took
+// seconds on a 200k-byte word); the same merges as that loop for merge lists where a merge's result ranks after it.
+inline std::vector<int> merge_word(const Tokenizer& t, const std::string& word) {
+  struct Sym {
+    int id, prev, next;  // prev / next: neighbouring live symbols, -1 none
+  };
+  struct Entry {
+    int rank, pos, result;
+    bool operator>(const Entry& o) const { return rank != o.rank ? rank > o.rank : pos > o.pos; }
+  };
+  const int n = int(word.size());
+  std::vector<Sym> sym(n);
+  for (int i = 0; i < n; i++) {
+    const int b = uint8_t(word[i]);
+    sym[i] = {t.byte_ids[b] >= 0 ? t.byte_ids[b] : -1000 - b, i - 1, i + 1 < n ? i + 1 : -1};
+  }
+  std::priority_queue<Entry, std::vector<Entry>, std::greater<Entry>> heap;
+  auto push = [&](int pos) {  // the pair (pos, its next) if it has a merge
+    const int r = sym[pos].next;
+    if (r < 0 || sym[pos].id < 0 || sym[r].id < 0) return;
+    auto it = t.merges.find(merge_key(sym[pos].id, sym[r].id));
+    if (it != t.merges.end()) heap.push({it->second.first, pos, it->second.second});
+  };
+  for (int i = 0; i + 1 < n; i++) push(i);
+  std::vector<bool> gone(n, false);
+  while (!heap.empty()) {
+    const Entry e = heap.top();
+    heap.pop();
+    const int r = sym[e.pos].next;
+    if (gone[e.pos] || r < 0) continue;
+    auto it = t.merges.find(merge_key(sym[e.pos].id, sym[r].id));
+    if (it == t.merges.end() || it->second.second != e.result) continue;  // stale: the pair has changed
+    sym[e.pos].id = e.result;  // merge r into pos
+    gone[r] = true;
+    sym[e.pos].next = sym[r].next;
+    if (sym[r].next >= 0) sym[sym[r].next].prev = e.pos;
+    if (sym[e.pos].prev >= 0) push(sym[e.pos].prev);
+    push(e.pos);
+  }
+  std::vector<int> parts;
+  for (int i = 0; i >= 0 && n > 0; i = sym[i].next) parts.push_back(sym[i].id);
+  return parts;
+}
+
 // One pre-token's bytes -> ids appended to out (memoized).
 inline void bpe_word(const Tokenizer& t, const std::string& word, std::vector<int>& out) {
   auto hit = t.bpe_cache.find(word);
@@ -162,30 +211,7 @@ inline void bpe_word(const Tokenizer& t, const std::string& word, std::vector<in
     auto it = t.piece_to_id.find(word);
     if (it != t.piece_to_id.end()) parts = {it->second}, whole = true;
   }
-  if (!whole) {
-    for (unsigned char c : word) parts.push_back(t.byte_ids[c] >= 0 ? t.byte_ids[c] : -1000 - int(c));
-    while (parts.size() > 1) {  // merge the lowest-rank adjacent pair everywhere, until no pair has a merge
-      int best = INT_MAX, l = 0, r = 0, res = 0;
-      for (size_t j = 0; j + 1 < parts.size(); j++) {
-        if (parts[j] < 0 || parts[j + 1] < 0) continue;
-        auto it = t.merges.find(merge_key(parts[j], parts[j + 1]));
-        if (it != t.merges.end() && it->second.first < best)
-          best = it->second.first, l = parts[j], r = parts[j + 1], res = it->second.second;
-      }
-      if (best == INT_MAX) break;
-      std::vector<int> merged;
-      merged.reserve(parts.size());
-      for (size_t j = 0; j < parts.size();) {
-        if (parts[j] == l && j + 1 < parts.size() && parts[j + 1] == r) {
-          merged.push_back(res);
-          j += 2;
-        } else {
-          merged.push_back(parts[j++]);
-        }
-      }
-      parts.swap(merged);
-    }
-  }
+  if (!whole) parts = merge_word(t, word);
   std::vector<int> ids;
   for (int id : parts) {
     if (id >= 0) ids.push_back(id);

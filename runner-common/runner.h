@@ -9,6 +9,7 @@
 // chat mode reads user lines after a "> " prompt. Timings go to stderr.
 #pragma once
 
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -17,9 +18,14 @@
 #include <functional>
 #include <iostream>
 #include <memory>
+#include <new>
 #include <string>
 #include <vector>
 
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include "options.h"
@@ -40,6 +46,8 @@ struct ModelInfo {
   int bos_id = -1;               // -1: unknown (the tokenizer.bin extension usually says)
   std::vector<int> eos_ids;      // empty: unknown
   int tokenizer_vocab_size = -1; // -1: unknown; used to warn about a tokenizer.bin that belongs to another model
+  bool has_vocab_fingerprint = false;  // the artifact records its tokenizer's Tokenizer::fingerprint (README)
+  uint64_t vocab_fingerprint = 0;
   std::string tokenizer_kind;    // "sentencepiece" | "bpe" | ""
   std::string description;       // one line for the log
   int prefill_len = 0;           // hybrid: the fixed length N of the loaded `prefill` program (0: not loaded)
@@ -201,8 +209,13 @@ inline void report(const GenStats& st, int threads) {
 }
 
 // The tokenizer must fit the model's vocabulary (its ids index the embedding); a model with more ids than the
-// tokenizer is fine (padded vocabularies; ids past the tokenizer decode to nothing, as in tokenizer.py).
+// tokenizer is fine (padded vocabularies; ids past the tokenizer decode to nothing, as in tokenizer.py). An artifact
+// that records its tokenizer's fingerprint takes only that vocabulary (another one of the same size included).
 inline void check_pairing(const Tokenizer& tok, const ModelInfo& mi) {
+  if (mi.has_vocab_fingerprint && mi.vocab_fingerprint != tok.fingerprint)
+    throw Error(tok.path + " is not the vocabulary the model was exported with (fingerprint " +
+                std::to_string(tok.fingerprint) + ", the model's " + std::to_string(mi.vocab_fingerprint) +
+                "): use the tokenizer.bin of its checkpoint");
   if (tok.n_vocab > mi.vocab_size)
     throw Error("the tokenizer has " + std::to_string(tok.n_vocab) + " tokens but the model's vocabulary is " +
                 std::to_string(mi.vocab_size) + ": wrong tokenizer.bin for this model?");
@@ -263,8 +276,69 @@ inline int chat_loop(Model& model, Tokenizer& tok, Sampler& sampler, const Optio
   return 0;
 }
 
+// What the run is doing ("loading x.pte"), in a page shared with the supervising parent (supervise()).
+inline char* g_doing = nullptr;
+constexpr size_t DOING_SIZE = 4096;
+inline void doing(const std::string& what) {
+  if (g_doing) std::snprintf(g_doing, DOING_SIZE, "%s", what.c_str());
+}
+
+inline const char* crash_signal(int sig) {
+  switch (sig) {
+    case SIGSEGV: return "SIGSEGV";
+    case SIGABRT: return "SIGABRT";
+    case SIGBUS: return "SIGBUS";
+    case SIGFPE: return "SIGFPE";
+    case SIGILL: return "SIGILL";
+    case SIGTRAP: return "SIGTRAP";
+    case SIGSYS: return "SIGSYS";
+    default: return nullptr;  // not a crash (SIGINT, SIGTERM, SIGPIPE, SIGKILL, ...)
+  }
+}
+
+inline pid_t g_child = 0;
+
+// Crash isolation. The runtimes verify a program's structure when they load it (ExecuTorch's InternalConsistency,
+// the zip checks of runner-aoti), but not all a corrupt or foreign file can hold: an operator index past the
+// table segfaults in ExecuTorch's Method::init, a constant that makes a kernel's ET_CHECK fail aborts, a broken
+// library inside a package crashes dlopen. So the run happens in a child process: returns -1 there (go on and run)
+// and, in the parent, the child's exit status; a child that dies by a crash signal becomes one line "error: <what it
+// was doing>: crashed (SIGSEGV): a corrupt or incompatible file?" and status 1. SIGINT / SIGTERM / SIGHUP / SIGQUIT
+// sent to the parent are passed on, and a child ended by a signal that is not a crash ends the parent by the same
+// signal (`run ... | head` still ends by SIGPIPE). Without fork() the run happens in-process.
+inline int supervise() {
+  void* page = mmap(nullptr, DOING_SIZE, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+  if (page == MAP_FAILED) return -1;
+  g_doing = static_cast<char*>(page);
+  doing("starting");
+  std::fflush(nullptr);
+  const pid_t parent = getpid(), pid = fork();
+  if (pid == 0) {  // the child: ends with the parent (a parent killed by SIGKILL leaves no orphan running)
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (getppid() != parent) _exit(1);
+    return -1;
+  }
+  if (pid < 0) return -1;  // no child: run here
+  g_child = pid;
+  for (int sig : {SIGINT, SIGTERM, SIGHUP, SIGQUIT}) signal(sig, [](int s) { kill(g_child, s); });
+  int status = 0;
+  while (waitpid(pid, &status, 0) < 0)
+    if (errno != EINTR) return 1;
+  if (WIFEXITED(status)) return WEXITSTATUS(status);
+  const int sig = WTERMSIG(status);
+  if (const char* name = crash_signal(sig)) {
+    g_doing[DOING_SIZE - 1] = '\0';
+    std::fprintf(stderr, "error: %s: crashed (%s): a corrupt or incompatible file?\n", g_doing, name);
+    return 1;
+  }
+  signal(sig, SIG_DFL);
+  raise(sig);
+  return 128 + sig;
+}
+
 inline int run_main_inner(int argc, char** argv, const char* name, const ModelLoader& load) {
   Options o = parse_args(argc, argv, std::string(name) == "runner-aoti" ? "model.pt2" : "model.pte");
+  doing("reading " + o.tokenizer_path);
   Tokenizer tok = load_tokenizer(o.tokenizer_path);
   if (o.encode_only) {
     std::vector<int> ids = encode(tok, o.prompt);
@@ -273,7 +347,9 @@ inline int run_main_inner(int argc, char** argv, const char* name, const ModelLo
     return 0;
   }
   const double t0 = now_s();
+  doing("loading " + o.model_path);
   std::unique_ptr<Model> model = load(o);
+  doing("running " + o.model_path);
   const ModelInfo& mi = model->info();
   check_pairing(tok, mi);
   if (!o.quiet)
@@ -302,10 +378,17 @@ inline int run_main_inner(int argc, char** argv, const char* name, const ModelLo
   return 0;
 }
 
-// Parses the command line, loads tokenizer and model, runs; any error becomes "error: ..." on stderr and exit 1.
+// Parses the command line, loads tokenizer and model, runs (in a child process: supervise()); any error becomes
+// "error: ..." on stderr and exit 1.
 inline int run_main(int argc, char** argv, const char* name, const ModelLoader& load) {
+  const int supervised = supervise();
+  if (supervised >= 0) return supervised;
   try {
     return run_main_inner(argc, argv, name, load);
+  } catch (const std::bad_alloc&) {  // e.g. a corrupt size field in a model file
+    std::fflush(stdout);
+    std::fprintf(stderr, "error: %s: out of memory\n", g_doing ? g_doing : "running");
+    return 1;
   } catch (const std::exception& e) {
     std::string msg = e.what();
     std::fflush(stdout);

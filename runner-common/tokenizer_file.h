@@ -85,6 +85,22 @@ struct Tokenizer {
   std::unordered_map<std::string, int> piece_to_id;  // SP: pieces the encoder may produce; BPE: byte-level vocab
   std::vector<int> user_defined;                     // SP user-defined pieces (atomic in the encoder), longest first
   mutable std::unordered_map<std::string, std::vector<int>> bpe_cache;  // pre-token -> ids
+  uint64_t fingerprint = 0;  // vocab_fingerprint() of part A: what a model exported with this vocabulary records
+};
+
+// The vocabulary's fingerprint (README: "Vocabulary fingerprint"): FNV-1a 64 over part A's token records without
+// their scores, id 0 to n_vocab - 1: each token's length as uint32 little-endian, then its bytes.
+struct VocabHash {
+  uint64_t h = 0xcbf29ce484222325ull;
+  void add(const char* p, size_t n) {
+    for (size_t i = 0; i < n; i++) h = (h ^ uint8_t(p[i])) * 0x100000001b3ull;
+  }
+  void token(const std::string& bytes) {
+    const uint32_t n = uint32_t(bytes.size());
+    const char le[4] = {char(n & 0xFF), char((n >> 8) & 0xFF), char((n >> 16) & 0xFF), char(n >> 24)};
+    add(le, 4);
+    add(bytes.data(), bytes.size());
+  }
 };
 
 inline int token_type(const Tokenizer& t, int id) { return id >= 0 && id < t.n_vocab ? (t.types[id] & 0x7F) : T_HOLE; }
@@ -326,14 +342,10 @@ inline void derive_tables(Tokenizer& t) {
             [&](int a, int b) { return t.pieces[a].size() > t.pieces[b].size(); });
 }
 
-inline Tokenizer load_tokenizer(const std::string& path) {
+// A tokenizer.bin's bytes d -> the Tokenizer; path names it in errors (the fuzz target runner-common/fuzz/ calls this).
+inline Tokenizer parse_tokenizer(const std::string& d, const std::string& path) {
   Tokenizer t;
   t.path = path;
-  std::ifstream f(path, std::ios::binary);
-  if (!f) throw Error("cannot open tokenizer file " + path);
-  std::stringstream ss;
-  ss << f.rdbuf();
-  const std::string d = ss.str();
   if (d.size() < 4) throw Error(path + ": too small to be a tokenizer.bin");
   size_t part_a_end = d.size(), ext = 0;
   if (d.size() >= 4 + 16 && d.compare(d.size() - 8, 8, "LLTOKEND") == 0) {
@@ -346,6 +358,7 @@ inline Tokenizer load_tokenizer(const std::string& path) {
     ext = part_a_end = size_t(off);
   }
   Reader r{d, 0, part_a_end, path, "token table"};
+  VocabHash fingerprint;
   uint32_t max_len = r.u32();
   if (max_len == 0 || max_len > (1u << 16)) r.fail("not a tokenizer.bin (implausible max_token_length)");
   while (r.pos < r.end) {
@@ -355,7 +368,9 @@ inline Tokenizer load_tokenizer(const std::string& path) {
     if (std::isnan(score)) r.fail("corrupt token table (a score is not a number)");
     t.pieces.push_back(r.bytes(len));
     t.scores.push_back(score);
+    fingerprint.token(t.pieces.back());
   }
+  t.fingerprint = fingerprint.h;
   t.n_vocab = int(t.pieces.size());
   if (t.n_vocab < 3) r.fail("not a tokenizer.bin (fewer than 3 tokens)");
   t.types.assign(t.n_vocab, T_NORMAL);
@@ -364,6 +379,14 @@ inline Tokenizer load_tokenizer(const std::string& path) {
   else llama2c_defaults(t);
   derive_tables(t);
   return t;
+}
+
+inline Tokenizer load_tokenizer(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f) throw Error("cannot open tokenizer file " + path);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return parse_tokenizer(ss.str(), path);
 }
 
 }  // namespace llm

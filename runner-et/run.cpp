@@ -4,6 +4,7 @@
 // loops live in runner-common/ and are shared with runner-aoti. The .pte contract (et_export.py): method
 // forward(tokens int64[1, T], input_pos int64[T]) -> float32 logits[1, T, V] with dynamic T and the KV cache in
 // mutable buffers; constant methods get_max_seq_len, get_vocab_size, get_bos_id, get_eos_ids, use_kv_cache, ...
+// (get_vocab_fingerprint, when present: the tokenizer.bin must have that fingerprint, runner-common/README.md)
 // Decoding modes load other methods of the same program (sharing the cache): -M hybrid `prefill` (T fixed,
 // get_prefill_chunk) and `decode` (T = 1; `forward` when absent), -M lookahead only `lookahead` (tokens, positions,
 // mask float32[1, 1, T, S]). In kv mode a `prompt` method (et_export.py --fast_prefill: tokens, positions, logits_at
@@ -13,10 +14,12 @@
 #include <executorch/extension/tensor/tensor.h>
 #include <executorch/runtime/platform/runtime.h>
 
+#include <cctype>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
 
+#include "pte_check.h"
 #include "runner.h"
 
 // The wheel ships the thread pool library but not its header (extension/threadpool/threadpool.h): the two calls
@@ -41,8 +44,8 @@ std::string err(Error e) {
          ")";
 }
 
-// A .pte is a flatbuffer with the file identifier "ET" + 2 digits at bytes 4..8: check it (and that the file is
-// not cut short of the size the program header records) before the runtime sees the file.
+// The .pte's header, checked against the file before the runtime sees it (pte_check.h); then load() has ExecuTorch
+// verify the whole flatbuffer (Program::Verification::InternalConsistency).
 void check_pte(const std::string& path) {
   std::ifstream f(path, std::ios::binary | std::ios::ate);
   if (!f) throw llm::Error("cannot open ExecuTorch program " + path);
@@ -50,19 +53,7 @@ void check_pte(const std::string& path) {
   char head[64] = {};
   f.seekg(0);
   f.read(head, std::min<std::streamoff>(size, 64));
-  if (size < 16 || head[4] != 'E' || head[5] != 'T')
-    throw llm::Error(path + ": not an ExecuTorch program (expected a .pte from et_export.py)");
-  // extended header "eh00": header length, program size, segment base offset, segment data size
-  if (std::memcmp(head + 8, "eh00", 4) == 0 && size >= 40) {
-    uint64_t program_size, segment_base, segment_size;
-    std::memcpy(&program_size, head + 16, 8);
-    std::memcpy(&segment_base, head + 24, 8);
-    std::memcpy(&segment_size, head + 32, 8);
-    const uint64_t need = segment_size ? segment_base + segment_size : program_size;
-    if (need > uint64_t(size))
-      throw llm::Error(path + ": truncated ExecuTorch program (" + std::to_string(size) + " of " +
-                       std::to_string(need) + " bytes)");
-  }
+  check_pte_header(head, uint64_t(size), path);
 }
 
 class EtModel : public llm::Model {
@@ -71,7 +62,9 @@ class EtModel : public llm::Model {
     check_pte(path);
     // share_memory_arenas: methods exported together (et_export.py's share_mutable_buffers) use one KV cache
     module_ = std::make_unique<Module>(path, Module::LoadMode::Mmap, nullptr, nullptr, nullptr, true);
-    Error e = module_->load();
+    Error e = module_->load(executorch::runtime::Program::Verification::InternalConsistency);
+    if (e == Error::InvalidProgram)
+      throw llm::Error(path + ": corrupt or truncated ExecuTorch program (ExecuTorch's verification failed)");
     if (e != Error::Ok) throw llm::Error(path + ": cannot load ExecuTorch program: " + err(e));
     auto names = module_->method_names();
     if (!names.ok() || !names->count("forward"))
@@ -103,6 +96,10 @@ class EtModel : public llm::Model {
         for (auto& v : *r)
           if (v.isInt()) info_.eos_ids.push_back(int(v.toInt()));
     }
+    if (names->count("get_vocab_fingerprint")) {  // runner-common/README.md: Vocabulary fingerprint
+      info_.has_vocab_fingerprint = true;
+      info_.vocab_fingerprint = uint64_t(constant(*names, "get_vocab_fingerprint", 0));
+    }
     if (names->count("use_kv_cache") && !constant(*names, "use_kv_cache", 1))
       throw llm::Error(path + ": program without a KV cache (use_kv_cache is false); export it with et_export.py");
     if (info_.max_seq_len <= 0 || info_.vocab_size <= 0)
@@ -110,6 +107,11 @@ class EtModel : public llm::Model {
     info_.description = "ExecuTorch, vocab " + std::to_string(info_.vocab_size) + ", context " +
                         std::to_string(info_.max_seq_len);
     if (prompt_) info_.description += ", prompts through \"prompt\"";
+    if (decoding == "kv") {  // warm up (as runner-aoti): a call of each method sets up its kernels before the first
+      const int64_t w[2] = {0, 0};  // prompt is timed, and a program whose kernels fail on it fails here, before any
+      forward(w, 1, 0);             // output (cache positions 0-1 are written again before they are read)
+      if (prompt_) forward(w, 2, 0);
+    }
   }
 
   const llm::ModelInfo& info() const override { return info_; }

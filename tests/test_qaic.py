@@ -369,7 +369,7 @@ def test_sub_function_graph_equals_flat_graph(graphs, ckpt, tmp_path, compiler):
 # ------------------------------------------------------------------------------------------------- error paths
 def _cli(args, env_extra=None):
     env = {k: v for k, v in os.environ.items() if k not in ("QAIC_EXEC", "QAIC_COMPILE")}
-    env.update(PYTHONWARNINGS="ignore", PATH="/usr/bin:/bin", **(env_extra or {}))
+    env.update({"PYTHONWARNINGS": "ignore", "PATH": "/usr/bin:/bin", **(env_extra or {})})
     return subprocess.run([sys.executable, "compile_qaic.py", *map(str, args)], cwd=REPO, capture_output=True,
                           text=True, env=env, timeout=300)
 

@@ -16,7 +16,7 @@ import engine
 import onnx_backends
 from compile_qaic import QpcBackend
 from quantize import load_model
-from test_qaic import REPO, calls, ckpt, compiler, graphs, no_env_compilers, run_main  # noqa: F401 (fixtures)
+from test_qaic import FAKE, REPO, SDK_VERSION, _cli, calls, ckpt, compiler, graphs, no_env_compilers, run_main  # noqa: F401
 
 pytest.importorskip("onnxruntime")
 
@@ -162,3 +162,24 @@ def test_one_command_checkpoint_to_text(ckpt, tmp_path, compiler, monkeypatch, c
     text = capsys.readouterr().out
     assert "using" in text and "reusing" in text and all(w in text for w in want)
     assert len(calls(compiler)) == 2
+
+
+def test_one_command_through_the_sdk_runtime(ckpt, tmp_path, compiler):
+    """The command line end to end with the fakes where the SDK's would be: qaic-compile on PATH, qaicrt and
+    QAicApi_pb2 (tests/fake_qaic) on PYTHONPATH, so QaicSession's own code drives a runtime that runs the compiled graph
+    on ONNX Runtime. The text equals generate.py's greedy text on the checkpoint; generate.py --qpc gives it too."""
+    env = {"PYTHONPATH": str(FAKE.parent), "PATH": f"{compiler.parent}:/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
+    prompts, out = "hello world|the capital of", tmp_path / "out"
+    r = _cli(["--checkpoint_path", ckpt, "--output_dir", out, "--num_cores", 14, "--batch_size", 2, "--prompt_len", 4,
+              "--ctx_len", 32, "--prompt", prompts, "--max_new_tokens", 6], env_extra=env)
+    assert r.returncode == 0, r.stderr
+    assert f"compiler: {compiler} (qaic-compile, version: qaic-compile version {SDK_VERSION})" in r.stdout
+    gen = ["--prompt", prompts, "--temperature", 0, "--max_new_tokens", 6, "--quiet"]
+    want = subprocess.run([sys.executable, "generate.py", "--checkpoint_path", ckpt, *map(str, gen)], cwd=REPO,
+                          capture_output=True, text=True, env={**os.environ, **env}, timeout=300)
+    assert want.returncode == 0 and want.stdout.count("-" * 40) == 2, want.stderr
+    assert want.stdout in r.stdout
+    cache = out / "qpc_14cores_2bs_4pl_32cl_-1mos_1devices_fp16"
+    got = subprocess.run([sys.executable, "generate.py", "--qpc", str(cache), *map(str, gen)], cwd=REPO,
+                         capture_output=True, text=True, env={**os.environ, **env}, timeout=300)
+    assert got.returncode == 0 and got.stdout == want.stdout, got.stderr

@@ -1,7 +1,14 @@
 # runner-et/: the ExecuTorch C++ runner (runner-common's tokenizer / sampler / loops over executorch's Module) prints
 # exactly what `generate.py --pte x.pte --temperature 0` prints, for a tiny random model exported by et_export.py in
-# float32 and 8da4w, with a SentencePiece and a byte-level BPE tokenizer; broken programs are clear errors.
+# float32 and 8da4w, with a SentencePiece and a byte-level BPE tokenizer; broken programs are clear errors, and a
+# program with bytes changed at random never kills the runner by a signal (RUNNER_ET_FUZZ_SEED=N repeats a sweep).
 # Skips (with the reason) when et_export.py or the executorch package is missing, or cmake / a compiler is.
+import os
+import random
+import resource
+import signal
+import struct
+import subprocess
 import sys
 from pathlib import Path
 
@@ -137,3 +144,90 @@ def test_modes_need_their_methods(env, runner):
     last = r.stderr.strip().splitlines()[-1]  # (importing executorch / torchao may log lines before it)
     assert r.returncode == 1 and last.startswith("error: ") and "et_export.py --lookahead" in last, r.stderr
     assert "Traceback" not in r.stderr
+
+
+def _limit_memory():
+    """A corrupt memory plan can ask for many GB: let the allocation fail at once instead of paging for minutes."""
+    resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))
+
+
+def test_mutated_programs_never_crash(env, runner, tmp_path):
+    """80 copies of a fresh .pte with one byte changed (fresh offsets every run, from a printed seed; most inside the
+    flatbuffer, where ExecuTorch's structures are, the rest in the weights) plus the earlier sweep's crashes
+    (offset 64: a root-table offset, SIGSEGV before; offsets 306 + 3775: SIGABRT inside ExecuTorch): each run ends
+    with status 0 or 1 (one `error:` line), never by a signal."""
+    seed = int(os.environ.get("RUNNER_ET_FUZZ_SEED", random.SystemRandom().randrange(1 << 30)))
+    rng = random.Random(seed)
+    good = env["pte"].read_bytes()
+    program_size = struct.unpack_from("<Q", good, 16)[0] if good[8:12] == b"eh00" else len(good)
+    cases = [[(64, 0x4D)], [(306, 0xC1), (3775, 0x57)]]
+    for _ in range(80):
+        off = rng.randrange(program_size) if rng.random() < 0.8 else rng.randrange(len(good))
+        cases.append([(off, (good[off] + rng.randrange(1, 256)) % 256)])
+    bad, f = [], tmp_path / "m.pte"
+    for case in cases:
+        data = bytearray(good)
+        for off, value in case:
+            data[off] = value
+        f.write_bytes(data)
+        try:
+            r = run([runner, f, "-z", env["bins"]["bpe"], "-i", "hi", "-n", 4, "-t", 0, "-q", "-j", 1], timeout=120,
+                    preexec_fn=_limit_memory, errors="replace")
+        except subprocess.TimeoutExpired:
+            bad.append(f"{case}: no answer in 120 s")
+            continue
+        errors = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
+        if r.returncode < 0 or r.returncode > 1:
+            name = signal.Signals(-r.returncode).name if r.returncode < 0 else r.returncode
+            bad.append(f"{case}: died by {name}: {r.stderr[-300:]}")
+        elif r.returncode == 1 and (len(errors) != 1 or not r.stderr.endswith(errors[0] + "\n")):
+            bad.append(f"{case}: exit 1 without one final error line: {r.stderr[-300:]}")
+    assert not bad, f"seed {seed} (RUNNER_ET_FUZZ_SEED={seed} repeats it):\n" + "\n".join(bad)
+
+
+def vocab_fingerprint(tokenizer_bin: bytes) -> int:
+    """runner-common/README.md's vocabulary fingerprint: FNV-1a 64 over part A's token records without their scores
+    (per id: uint32 length little-endian, then the bytes); part A ends at the extension (footer) or the file's end."""
+    end = struct.unpack_from("<Q", tokenizer_bin, len(tokenizer_bin) - 16)[0] \
+        if tokenizer_bin.endswith(b"LLTOKEND") else len(tokenizer_bin)
+    h, pos = 0xCBF29CE484222325, 4
+    while pos < end:
+        n = struct.unpack_from("<I", tokenizer_bin, pos + 4)[0]
+        for b in tokenizer_bin[pos + 4:pos + 8 + n]:
+            h = ((h ^ b) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
+        pos += 8 + n
+    return h
+
+
+def test_vocabulary_fingerprint(env, runner, tmp_path, monkeypatch):
+    """A .pte with the constant method get_vocab_fingerprint (here added to et_export.py's constants by the test)
+    runs only with the tokenizer.bin of that fingerprint: another vocabulary of the same size (two tokens of the
+    same length swapped) is one error line; a program without the method takes any tokenizer of a fitting size."""
+    import et_export
+    good = env["bins"]["bpe"].read_bytes()
+    fp = vocab_fingerprint(good)
+    lower = et_export.lower
+    monkeypatch.setattr(et_export, "lower", lambda progs, backend, constants, verbose=False: lower(
+        progs, backend, {**constants, "get_vocab_fingerprint": fp - (1 << 64) if fp >= 1 << 63 else fp}, verbose))
+    pte = tmp_path / "fp.pte"
+    et_export.main(["--checkpoint_path", str(env["ckpt"]), "--output_path", str(pte), "--max_seq_length", str(MAX_SEQ)])
+    # another vocabulary of the same size: the part A records of two tokens of equal length swapped
+    records, pos = [], 4
+    while len(records) < 300:
+        n = struct.unpack_from("<I", good, pos + 4)[0]
+        records.append((pos, 8 + n))
+        pos += 8 + n
+    (a, la), (b, lb) = next((x, y) for x in records[260:] for y in records[260:] if x[0] < y[0] and x[1] == y[1])
+    other = bytearray(good)
+    other[a + 4:a + la], other[b + 4:b + lb] = good[b + 4:b + lb], good[a + 4:a + la]
+    (tmp_path / "other.bin").write_bytes(other)
+    assert vocab_fingerprint(bytes(other)) != fp
+    want = run([runner, env["pte"], "-z", env["bins"]["bpe"], "-i", "Once upon a time", "-n", 12, "-t", 0])
+    r = run([runner, pte, "-z", env["bins"]["bpe"], "-i", "Once upon a time", "-n", 12, "-t", 0])
+    assert r.returncode == 0 and r.stdout == want.stdout, r.stderr
+    r = run([runner, pte, "-z", tmp_path / "other.bin", "-i", "Once upon a time", "-n", 12, "-t", 0])
+    last = r.stderr.strip().splitlines()[-1]
+    assert r.returncode == 1 and r.stdout == "" and last.startswith("error: "), r.stderr
+    assert "other.bin is not the vocabulary the model was exported with" in last and str(fp) in last, last
+    r = run([runner, env["pte"], "-z", tmp_path / "other.bin", "-i", "Once upon a time", "-n", 12, "-t", 0])
+    assert r.returncode == 0, r.stderr  # no fingerprint in the program: only the size is checked

@@ -2,12 +2,17 @@
 # with --prefill_chunk and --lookahead (through the source docs' flag spellings): every mode of both runners prints
 # exactly what `generate.py --temperature 0` prints; lookahead takes the same forwards in C++ as speculative.py;
 # generate.py --lookahead runs the same programs; eval.py's perplexity is the same in every mode in the three phases
-# (float, quantized, exported); the aliases parse to the canonical flags; bad mode flags are one error line.
+# (float, quantized, exported); the aliases parse to the canonical flags; bad mode flags are one error line; a .pt2
+# with bytes changed at random is one error line, never a crash (RUNNER_AOTI_FUZZ_SEED=N repeats a sweep).
 # The programs that lack a method are refused in test_runner_et.py / test_aoti.py (their kv-only artifacts).
 import contextlib
 import io
+import os
+import random
 import re
+import signal
 import subprocess
+import zipfile
 import sys
 from pathlib import Path
 
@@ -209,3 +214,30 @@ def test_runner_mode_flags_are_checked(arts, runners):
             r = run([runners[kind], arts[kind], "-z", arts["bin"], "-i", "hi", *args])
             assert_clean_error(r, msg)
             assert r.stdout == ""
+
+
+def test_mutated_packages_never_crash(arts, runners, tmp_path):
+    """30 copies of the modes .pt2 with one byte changed (fresh offsets every run, from a printed seed): half in the
+    models' libraries and metadata (runner-aoti checks their CRC-32 before libtorch unpacks and dlopens them), the
+    rest anywhere, the zip directory included. Each run ends with status 0 or 1 and one error line, never a signal."""
+    seed = int(os.environ.get("RUNNER_AOTI_FUZZ_SEED", random.SystemRandom().randrange(1 << 30)))
+    rng = random.Random(seed)
+    good = arts["pt2"].read_bytes()
+    code = [i for i in zipfile.ZipFile(arts["pt2"]).infolist() if "/data/aotinductor/" in i.filename]
+    bad, f = [], tmp_path / "m.pt2"
+    for _ in range(30):
+        entry = rng.choice(code)
+        off = (entry.header_offset + rng.randrange(30 + len(entry.filename) + 64 + entry.file_size)
+               if rng.random() < 0.5 else rng.randrange(len(good)))
+        data = bytearray(good)
+        data[off] = (data[off] + rng.randrange(1, 256)) % 256
+        f.write_bytes(data)
+        r = run([runners["pt2"], f, "-z", arts["bin"], "-i", "hi", "-n", 4, "-t", 0, "-q", "-j", 1], timeout=300,
+                errors="replace")
+        errors = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
+        if r.returncode < 0 or r.returncode > 1:
+            name = signal.Signals(-r.returncode).name if r.returncode < 0 else r.returncode
+            bad.append(f"offset {off}: died by {name}: {r.stderr[-300:]}")
+        elif r.returncode == 1 and len(errors) != 1:
+            bad.append(f"offset {off}: exit 1 without one error line: {r.stderr[-300:]}")
+    assert not bad, f"seed {seed} (RUNNER_AOTI_FUZZ_SEED={seed} repeats it):\n" + "\n".join(bad)

@@ -128,14 +128,15 @@ def make_sp_dir(d: Path, vocab_size=400, chat_template=LLAMA2_TEMPLATE) -> Path:
 BPE_PRE = {"smollm": "digits+bytelevel", "gpt2": "bytelevel", "llama3": G.LLAMA3_PATTERN, "qwen2": G.QWEN2_PATTERN}
 
 
-def make_bpe_dir(d: Path, variant="smollm", vocab_size=500, chat_template=SMOLLM2_TEMPLATE) -> Path:
-    """A tiny byte-level BPE tokenizer.json (SmolLM2-style by default: digit split + GPT-2 regex, ChatML)."""
+def make_bpe_dir(d: Path, variant="smollm", vocab_size=500, chat_template=SMOLLM2_TEMPLATE, texts=None) -> Path:
+    """A tiny byte-level BPE tokenizer.json (SmolLM2-style by default: digit split + GPT-2 regex, ChatML), trained on
+    texts (default: corpus())."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     d.mkdir(parents=True, exist_ok=True)
     tok = Tokenizer(models.BPE(ignore_merges=variant == "llama3"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(corpus(), trainers.BpeTrainer(
+    tok.train_from_iterator(texts or corpus(), trainers.BpeTrainer(
         vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=SPECIALS,
         show_progress=False))
     pre = BPE_PRE[variant]
@@ -393,3 +394,28 @@ def test_stop_id_outside_the_vocabulary_is_refused_at_export(tmp_path):
     n = Tokenizer.from_file(str(d / "tokenizer.json")).get_vocab_size()
     assert len(errors) == 1 and "id 32000 " in errors[0] and f"{n} tokens" in errors[0], r.stderr
     assert not out.exists()
+
+
+def test_long_words_merge_like_the_library(tool, tmp_path):
+    """encode_bpe.h's merge (a heap of pair ranks over a linked list of symbols, O(n log n)) on words of 200k letters
+    and long words with repeats, under a tokenizer with ~3000 merges among the letters: the same ids as the
+    `tokenizers` library (the quadratic loop it replaced took ~9 s on the 200k word). Times are printed (-s)."""
+    import time
+    rng = random.Random(11)
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    train = [" ".join("".join(rng.choice(letters[:rng.randint(3, 26)]) for _ in range(rng.randint(2, 12)))
+                      for _ in range(50)) for _ in range(400)]
+    d = make_bpe_dir(tmp_path / "letters", vocab_size=3500, texts=train)
+    b = export_bin(d, tmp_path / "letters.bin")
+    encode, _ = reference(d)
+    chunk = "".join(rng.choice(letters) for _ in range(37))
+    words = ["".join(rng.choice(letters) for _ in range(200_000)), "ab" * 20_000, "a" * 30_001,
+             "".join(rng.choice("aab") for _ in range(50_000)), (chunk * 1500)[:50_000] + "q",
+             " " + "".join(rng.choice(letters[:5]) for _ in range(20_000))]
+    for w in words:
+        t0 = time.perf_counter()
+        got = c_encode(tool, b, [w])[0]
+        took = time.perf_counter() - t0
+        assert got == encode(w), (len(w), w[:40])
+        print(f"tok_tool: {len(w)}-letter word in {took:.3f} s, {len(got)} ids")
+    assert len(json.loads((d / "tokenizer.json").read_text())["model"]["merges"]) > 3000  # a real workout
