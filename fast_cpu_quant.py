@@ -79,7 +79,7 @@ class FastQuantizedLinear(QuantizedLinear):
       * eager and compiled prompts (more than one row), weight-only: ATen's packed int8 / int4 kernels on bfloat16
         activations (their float32 path is a reference loop), or from BF16_ROWS rows oneDNN's bfloat16 GEMM on
         bfloat16 weights (int8: a copy of q, exact; int4: q s + z rounded once); a compiled prompt multiplies an int8
-        weight by its packed bfloat16 copy where fast_cpu.pack_prompt_weights made one (make_prompt_copy);
+        weight by its packed bfloat16 copy where fast_cpu.pack_prompt_weights made one (pack_prompt);
       * 8da8w, more than one row: one integer GEMM (torch._int_mm); 8da4w compiled prompts: the activations' int8
         values through the int4 kernels (int4_act_linear); eager 8da4w keeps qops' float32 products (the .pte's
         reference);
@@ -137,7 +137,7 @@ class FastQuantizedLinear(QuantizedLinear):
 
     # ------------------------------------------------------------------------------------------------- prompt copies
     def prompt_copy_bytes(self) -> int:
-        """The bytes of make_prompt_copy's copy: weight-only int8 only (8da8w's prompts multiply int8 by int8; int4's
+        """The bytes of pack_prompt's copy: weight-only int8 only (8da8w's prompts multiply int8 by int8; int4's
         weights are not exact in bfloat16: a rounded copy parted SmolLM2's greedy tokens from eager on 1 of 6 prompts)."""
         qw = self.qweight
         return 2 * qw.qdata.numel() if self.act is None and qw.bits == 8 and BF16_GEMM and qw.qdata.is_cpu else 0

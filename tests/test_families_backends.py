@@ -47,7 +47,7 @@ CHIMERA = ModelArgs(
     nope_layers=[2], n_experts=3, n_experts_per_tok=2, tie_embeddings=True,
     # GPT-2, GPT-J, Falcon, MPT: learned positions, ALiBi, parallel attention + MLP with two norms (Falcon-40B; the
     # MLP's sandwich norm still applies), clip_qkv, biased output layer. Multi-query (one KV head) is not here: with
-    # the soft-capped attention above AOT Inductor reads a stale cache (see model.softcapped_attention); Falcon-7B's
+    # the soft-capped attention above AOT Inductor reads a stale cache (see model.SoftcapAttention); Falcon-7B's
     # multi-query runs through the ONNX test of tests/test_families_classic.py
     learned_pos=True, alibi=True, parallel_attn=True, parallel_norms=2, clip_qkv=1.0, output_bias=True)
 
