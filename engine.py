@@ -277,11 +277,24 @@ def generate(backend, prompts: list[list[int]], max_new_tokens: int, device, *, 
 @dataclass(eq=False)
 class Request:
     """One sequence for the Engine: prompt ids; keep(tokens) -> bool keeps new tokens and says whether it goes on (an
-    Emitter's put; server.py adds stop strings); its sampling; on_end("stop" | "length" | "cancelled") at its end."""
+    Emitter's put; server.py adds stop strings); its sampling; on_end("stop" | "length" | "cancelled") at its end.
+    pick(logits [V]) -> token id, when given, chooses each next token instead of `sampling` (server.py: grammar masks,
+    penalties, logit_bias, logprobs). reused: the prompt tokens found in its slot's cache (set by the Engine)."""
     ids: list
     keep: Callable[[list], bool]
     sampling: Sampling = GREEDY
     on_end: Optional[Callable[[str], None]] = None
+    pick: Optional[Callable[[Tensor], int]] = None
+    reused: int = 0
+
+
+def common_prefix(a: list, b: list) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 class Engine:
@@ -289,16 +302,22 @@ class Engine:
     slots with the next queued requests (prefilled together, each row into its slot; their first tokens kept at once),
     then advances every busy slot by one token in one forward (rows = busy slots), each row sampled with its own
     request's parameters (greedy rows are a plain argmax). A request that ends frees its slot at once.
+    Prefix reuse (reuse=True): a slot remembers the tokens whose keys / values it holds (`fed`); a queued request goes
+    to the free slot sharing the longest prefix with its prompt (the previous turn of a chat, a shared system prompt)
+    and only the rest of the prompt is prefilled, at its positions (the attention mask comes from the positions, so
+    the stale entries past them are never read). Backends whose cache is not addressed by position take reuse=False.
     add() and cancel() go between steps: one thread owns the engine (server.py feeds it from its HTTP side).
     With more than one slot the backend's forward must accept batch_index [B, 1] (rows -> cache slots)."""
 
-    def __init__(self, backend, device, slots: int, prefill_chunk: Optional[int] = None):
+    def __init__(self, backend, device, slots: int, prefill_chunk: Optional[int] = None, reuse: bool = True):
         if slots > backend.max_batch_size:
             raise ValueError(f"full_batch_size {slots} exceeds the backend's {backend.max_batch_size} slots")
         self.backend, self.device, self.chunk = backend, device, prefill_chunk or backend.prefill_chunk
         self.queue, self.steps = deque(), 0                  # waiting Requests; decode forwards so far
         self.req: list[Optional[Request]] = [None] * slots  # the request each slot holds
         self.pos, self.tok = [-1] * slots, [0] * slots       # position and token each slot feeds next
+        self.fed: list[list] = [[] for _ in range(slots)]    # the tokens whose keys / values each slot holds
+        self.reuse, self.prompt_tokens, self.reused_tokens = reuse, 0, 0  # counters for /metrics
 
     def add(self, r: Request):
         if len(r.ids) >= self.backend.max_seq_length:
@@ -330,19 +349,33 @@ class Engine:
 
     def _sample(self, logits, reqs) -> list[int]:
         greedy = logits.argmax(-1).tolist()
-        return [g if r.sampling.greedy else int(r.sampling.sample(logits[b:b + 1])[0])
+        return [r.pick(logits[b]) if r.pick else g if r.sampling.greedy else int(r.sampling.sample(logits[b:b + 1])[0])
                 for b, (g, r) in enumerate(zip(greedy, reqs))]
+
+    def _place(self, free: list) -> list:
+        """Take queued requests into free slots (each to the free slot with the longest reusable prefix); returns
+        the slots filled."""
+        new = []
+        while free and self.queue:
+            r = self.queue.popleft()
+            reuse = [min(common_prefix(self.fed[s], r.ids), len(r.ids) - 1) if self.reuse else 0 for s in free]
+            s = free.pop(max(range(len(free)), key=lambda i: reuse[i]))
+            r.reused = max(reuse)
+            self.req[s], self.pos[s], self.fed[s] = r, len(r.ids), list(r.ids)
+            self.prompt_tokens += len(r.ids)
+            self.reused_tokens += r.reused
+            new.append(s)
+        return new
 
     def step(self):
         index = (lambda s: torch.tensor(s, device=self.device).view(-1, 1)) if len(self.req) > 1 else (lambda s: None)
-        new = [s for s, r in enumerate(self.req) if r is None][:len(self.queue)]
-        if new:  # refill the free slots: the new prompts go in together (padded), each into its own slot
-            for s in new:
-                self.req[s] = self.queue.popleft()
-                self.pos[s] = len(self.req[s].ids)
-            logits = prefill(self.backend, [self.req[s].ids for s in new], self.device, chunk=self.chunk,
-                             batch_index=index(new))
-            for s, t in zip(new, self._sample(logits, [self.req[s] for s in new])):
+        new = self._place([s for s, r in enumerate(self.req) if r is None])
+        starts = sorted({self.req[s].reused for s in new})
+        for start in starts:  # the new prompts go in together (padded), each into its own slot; one call per start
+            group = [s for s in new if self.req[s].reused == start]
+            logits = prefill(self.backend, [self.req[s].ids[start:] for s in group], self.device, chunk=self.chunk,
+                             start_pos=start, batch_index=index(group))
+            for s, t in zip(group, self._sample(logits, [self.req[s] for s in group])):
                 self._accept(s, t)
         live = [s for s, r in enumerate(self.req) if r is not None]
         if not live:
@@ -351,6 +384,8 @@ class Engine:
         logits = self.backend.forward(torch.tensor([[self.tok[s]] for s in live], device=self.device),
                                       torch.tensor([[self.pos[s]] for s in live], device=self.device), **extra)
         self.steps += 1
+        for s in live:
+            self.fed[s].append(self.tok[s])
         for s, t in zip(live, self._sample(logits[:, -1], [self.req[s] for s in live])):
             self.pos[s] += 1
             self._accept(s, t)

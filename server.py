@@ -2,23 +2,23 @@
 #
 #     python server.py                                              # default model, http://127.0.0.1:8000/
 #     python server.py --checkpoint_path checkpoints/NAME/model_int8.pth --compile --full_batch_size 8 --port 8000
-#     python server.py --pte smollm2.pte                            # any backend generate.py takes
+#     python server.py --pte smollm2.pte --api_key SECRET           # any backend generate.py takes
 #
-# Endpoints: POST /v1/chat/completions (messages through the model's chat template), POST /v1/completions (raw
-# prompt), GET /v1/models, GET /health, GET / (server.html, the chat page). `stream: true` sends server-sent events in
-# OpenAI's chunk format ending with `data: [DONE]`; bad requests get OpenAI-style JSON errors with a 4xx code.
+# Endpoints: POST /v1/chat/completions (messages through the model's chat template; tools, response_format),
+# POST /v1/completions (raw prompt), GET /v1/models[/{id}], GET /health, GET /metrics (Prometheus), GET / (server.html,
+# the chat page). `stream: true` sends server-sent events in OpenAI's chunk format ending with `data: [DONE]`; bad
+# requests get OpenAI-style JSON errors with a 4xx code naming the field (server_request.py: a field the server does not
+# implement is refused, never ignored). With --api_key every /v1 and /metrics request needs `Authorization: Bearer KEY`.
 #
-# Threads: one engine thread owns the model and the Engine (cache slots + FIFO queue). The HTTP side (starlette on
-# uvicorn's asyncio loop) parses and validates requests, tokenizes them and hands Jobs and cancellations to that
-# thread through a queue.Queue; each Job hands its text back through an asyncio.Queue (loop.call_soon_threadsafe).
-# A Job keeps its tokens with engine.py's Emitter (stop ids, max_tokens), decodes them with tokenizer.py's streaming
-# decoder (never splitting a UTF-8 character) and cuts at stop strings, so a finished request frees its slot in the
-# same step. A client that goes away mid-request cancels it: its slot is free before the next step.
+# Threads: one engine thread owns the model and the Engine (cache slots + FIFO queue, prefix reuse). The HTTP side
+# (starlette on uvicorn's asyncio loop) checks requests (server_request.py), tokenizes them and hands Jobs
+# (server_job.py: one per choice) and cancellations to that thread through a queue.Queue; the Jobs hand their text back
+# through the request's asyncio.Queue (loop.call_soon_threadsafe). A finished choice frees its slot in the same step;
+# a client that goes away mid-request cancels it: its slot is free before the next step.
 import asyncio
 import inspect
 import json
 import queue
-import random
 import socket
 import sys
 import threading
@@ -31,109 +31,11 @@ import torch
 import engine as E
 from backends import add_backend_args, load_backend
 from common import REPO, ArgumentParser, check_device, cli, resolve_checkpoint, set_threads, within
+from server_grammar import GrammarError, Grammars
+from server_job import Job
+from server_request import ApiError, error_body, parse_request
 
 DEFAULT_CONTEXT = 2048
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
-
-
-class ApiError(Exception):
-    """A bad request: answered as {"error": {"message", "type", "param", "code"}} with a 4xx status."""
-
-    def __init__(self, status: int, message: str, param=None, code=None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-
-
-def error_body(message, type="invalid_request_error", param=None, code=None) -> dict:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
-
-
-# ------------------------------------------------------------------------------------------------- request parsing
-def field(body: dict, name: str, kind, default=None, check=None, why=""):
-    """body[name] (absent or null: default) if it has the JSON type `kind` and passes check, else a 400."""
-    v = body.get(name)
-    if v is None:
-        return default
-    ok = isinstance(v, kind) and not (isinstance(v, bool) and kind is not bool)
-    if not ok or (check and not check(v)):
-        raise ApiError(400, f"'{name}' must be {why or kind.__name__}, got {json.dumps(v)[:80]}", name)
-    return v
-
-
-def message_text(m, i: int) -> dict:
-    """One chat message -> {"role", "content"} for the chat template (text content, or a list of text parts)."""
-    if not isinstance(m, dict):
-        raise ApiError(400, f"messages[{i}] must be an object with 'role' and 'content'", "messages")
-    role, content = m.get("role"), m.get("content")
-    if role not in ROLES:
-        raise ApiError(400, f"messages[{i}]: unknown role {json.dumps(role)} (expected one of {', '.join(ROLES)})",
-                       "messages")
-    if isinstance(content, list):
-        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
-            raise ApiError(400, f"messages[{i}]: only text content parts are supported", "messages")
-        content = "".join(p["text"] for p in content)
-    if not isinstance(content, str):
-        raise ApiError(400, f"messages[{i}]: 'content' must be a string", "messages")
-    return {"role": ROLES[role], "content": content}
-
-
-# ------------------------------------------------------------------------------------------------- one request
-class Job:
-    """One request on its way through the engine. keep() and end() run in the engine thread; the HTTP side reads the
-    events ("text", piece), ("end", finish_reason) or ("error", message) from self.events."""
-
-    def __init__(self, srv, ids, max_tokens, stops, temperature, top_p, seed, ignore_eos, loop):
-        self.loop, self.events, self.srv = loop, asyncio.Queue(), srv
-        self.emit = E.Emitter(1, max_tokens, () if ignore_eos else srv.tok.stop_ids, None, srv.device)
-        self.decoder, self.stops, self.text, self.sent = srv.tok.stream(), stops, "", 0
-        self.stopped = self.ended = False
-        self.failed: str = ""
-        gen = torch.Generator().manual_seed(random.randrange(2**63) if seed is None else seed)
-        self.request = E.Request(ids, self.keep, E.Sampling(temperature, None, top_p, gen), self.end)
-        self.prompt_tokens = len(ids)
-
-    @property
-    def tokens(self) -> list:
-        return self.emit.out[0]
-
-    def post(self, *event):
-        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
-
-    def keep(self, tokens) -> bool:
-        n = len(self.tokens)
-        go = self.emit.put(0, tokens)
-        self.text += "".join(self.decoder.put(t) for t in self.tokens[n:])
-        if not go:
-            self.text += self.decoder.flush()
-        return self.cut(final=not go) and go
-
-    def cut(self, final: bool) -> bool:
-        """Post the text that can no longer become part of a stop string; False once a stop string appeared (the text
-        ends just before it)."""
-        hits = [i for i in (self.text.find(s) for s in self.stops) if i >= 0]
-        if hits:
-            self.text, self.stopped = self.text[:min(hits)], True
-        hold = 0 if hits or final else max(
-            (k for s in self.stops for k in range(1, len(s)) if self.text.endswith(s[:k])), default=0)
-        if len(self.text) - hold > self.sent:
-            self.post("text", self.text[self.sent:len(self.text) - hold])
-            self.sent = len(self.text) - hold
-        return not hits
-
-    def end(self, reason: str):
-        self.ended = True
-        self.srv.live.discard(self)
-        if self.failed:
-            return self.post("error", self.failed)
-        if reason == "length":  # the context is full: keep() never saw the end
-            self.text += self.decoder.flush()
-            self.cut(final=True)
-        full = len(self.tokens) >= self.emit.max_new or reason == "length"
-        self.post("end", None if reason == "cancelled" else "length" if full and not self.stopped else "stop")
-
-    def usage(self) -> dict:
-        n = len(self.tokens)
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": n, "total_tokens": self.prompt_tokens + n}
 
 
 # ------------------------------------------------------------------------------------------------- the server
@@ -142,6 +44,8 @@ class Server:
         from tokenizer import load_tokenizer
         self.device, self.threads = torch.device(args.device), args.threads
         self.tok = load_tokenizer(args.tokenizer_path)
+        if args.chat_template:  # vLLM's --chat-template: e.g. a template that takes tools, for a model whose own lacks it
+            self.tok.chat_template = Path(args.chat_template).read_text()
         max_seq = args.max_seq_length or DEFAULT_CONTEXT
         self.backend = load_backend(args, self.device, getattr(torch, args.dtype), slots_wanted or 4, max_seq)
         E.check_vocab(self.tok, self.backend)
@@ -164,6 +68,9 @@ class Server:
         self.ready = threading.Event()
         self.startup_error: Exception | None = None
         self.created = int(time.time())
+        self.grammars = Grammars(self.tok, getattr(self.backend, "vocab_size", None) or self.tok.vocab_size)
+        self.metrics = Metrics(self)
+        self.on_tokens = self.metrics.tokens
 
     # ---- the engine thread: the only one that touches the model
     def run_engine(self):
@@ -212,52 +119,14 @@ class Server:
                 "decode_steps": self.engine.steps}
 
     # ---- the HTTP side
-    def parse(self, body: dict, chat: bool) -> tuple:
-        """Check a request body; returns (prompt ids, Job arguments, stream, include_usage). Raises ApiError."""
-        model = body.get("model")
-        if model not in (None, "", self.name):
-            raise ApiError(404, f"The model `{model}` does not exist: this server serves `{self.name}`", "model",
-                           "model_not_found")
-        if field(body, "n", int, 1) != 1:
-            raise ApiError(400, "'n' must be 1: this server returns one choice per request", "n")
-        if chat:
-            messages = field(body, "messages", list, None, len, "a non-empty list of messages")
-            if messages is None:
-                raise ApiError(400, "'messages' is required", "messages")
-            messages = [message_text(m, i) for i, m in enumerate(messages)]
-            try:
-                ids = self.tok.encode(self.tok.apply_chat_template(messages, add_generation_prompt=True), bos=False)
-            except ValueError as e:
-                raise ApiError(400, str(e), "messages") from None
-        else:
-            prompt = body.get("prompt")
-            if isinstance(prompt, list) and len(prompt) == 1:
-                prompt = prompt[0]
-            if not isinstance(prompt, str):
-                raise ApiError(400, "'prompt' is required and must be a string (one prompt per request)", "prompt")
-            ids = self.tok.encode(prompt)
-        if not ids:
-            raise ApiError(400, "the prompt is empty (and the tokenizer adds no BOS): nothing to condition on")
-        if len(ids) >= self.context:
-            raise ApiError(400, f"This model's maximum context length is {self.context} tokens, but the prompt has "
-                                f"{len(ids)} tokens (the reply needs at least one more).",
-                           "messages" if chat else "prompt", "context_length_exceeded")
-        positive = dict(check=lambda v: v >= 1, why="an integer >= 1")
-        max_tokens = field(body, "max_completion_tokens", int, None, **positive)
-        if max_tokens is None:
-            max_tokens = field(body, "max_tokens", int, self.context - len(ids) if chat else 16, **positive)
-        stop = body.get("stop")
-        stops = [stop] if isinstance(stop, str) else stop if stop is not None else []
-        if not isinstance(stops, list) or len(stops) > 4 or not all(isinstance(s, str) for s in stops):
-            raise ApiError(400, "'stop' must be a string or a list of at most 4 strings", "stop")
-        temperature = field(body, "temperature", (int, float), 1.0, lambda v: 0 <= v <= 2, "a number in [0, 2]")
-        top_p = field(body, "top_p", (int, float), 1.0, lambda v: 0 < v <= 1, "a number in (0, 1]")
-        seed = field(body, "seed", int)
-        ignore_eos = field(body, "ignore_eos", bool, False)  # vLLM / llama-server extension (benchmarks)
-        stream = field(body, "stream", bool, False)
-        include_usage = bool(field(body, "stream_options", dict, {}).get("include_usage"))
-        return ids, (max_tokens, [s for s in stops if s], float(temperature), float(top_p), seed, ignore_eos), \
-            stream, include_usage
+    def render(self, messages: list, **variables) -> str:
+        """The chat template applied to the messages (tools and other template variables passed through)."""
+        from tokenizer import render_chat_template
+        if not variables:
+            return self.tok.apply_chat_template(messages, add_generation_prompt=True)
+        return render_chat_template(self.tok.chat_template, messages, True, **variables,
+                                    bos_token=self.tok.token_text(self.tok.bos_id) or "",
+                                    eos_token=self.tok.token_text(self.tok.eos_id) or "")
 
     async def complete(self, request, chat: bool):
         try:
@@ -266,64 +135,109 @@ class Server:
             raise ApiError(400, "the request body is not valid JSON") from None
         if not isinstance(body, dict):
             raise ApiError(400, "the request body must be a JSON object")
-        ids, job_args, stream, include_usage = self.parse(body, chat)
-        job = Job(self, ids, *job_args, asyncio.get_running_loop())
-        self.live.add(job)
-        self.inbox.put(("add", job))
+        self.metrics.requests.labels("chat" if chat else "completions").inc()
+        opts = parse_request(body, chat, self)
+        events, loop = asyncio.Queue(), asyncio.get_running_loop()
+        try:
+            jobs = [Job(self, opts, i, events, loop) for i in range(opts.n)]
+        except GrammarError as e:
+            raise ApiError(400, f"{opts.grammar_param}: {e}", opts.grammar_param) from None
+        for job in jobs:
+            self.live.add(job)
+            self.inbox.put(("add", job))
         head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}",
                 "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
                 "model": self.name}
         from starlette.responses import JSONResponse, StreamingResponse
-        if stream:
-            return StreamingResponse(self.events(job, head, chat, include_usage), media_type="text/event-stream",
+        if opts.stream:
+            return StreamingResponse(self.events(jobs, events, head, opts), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         disconnected = asyncio.ensure_future(self.wait_disconnect(request))
+        finish, lps = {}, {i: [] for i in range(opts.n)}
         try:
-            while True:
-                get = asyncio.ensure_future(job.events.get())
+            while len(finish) < opts.n:
+                get = asyncio.ensure_future(events.get())
                 await asyncio.wait({get, disconnected}, return_when=asyncio.FIRST_COMPLETED)
                 if not get.done():
                     get.cancel()
                     return JSONResponse(error_body("client disconnected"), status_code=499)
-                kind, value = get.result()
+                i, kind, *value = get.result()
                 if kind == "error":
-                    return JSONResponse(error_body(value, "server_error"), status_code=500)
+                    return JSONResponse(error_body(value[0], "server_error"), status_code=500)
+                lps[i] += value[-1]
                 if kind == "end":
-                    break
+                    finish[i] = value[0]
         finally:
             disconnected.cancel()
-            self.cancel(job)
-        choice = {"index": 0, "logprobs": None, "finish_reason": value}
-        choice.update({"message": {"role": "assistant", "content": job.text}} if chat else {"text": job.text})
-        return JSONResponse({**head, "choices": [choice], "usage": job.usage()})
+            for job in jobs:
+                self.cancel(job)
+        choices = []
+        for job in jobs:
+            c = {"index": job.index, "logprobs": self.logprobs(lps[job.index], opts), "finish_reason": finish[job.index]}
+            if chat:
+                text = job.content if job.tool_calls else job.text
+                c["message"] = {"role": "assistant", "content": text}
+                if job.tool_calls:
+                    c["message"]["tool_calls"] = [t.openai() for t in job.tool_calls]
+            else:
+                c["text"] = opts.echo + job.text
+            choices.append(c)
+        return JSONResponse({**head, "choices": choices, "usage": self.usage(jobs)})
 
-    async def events(self, job, head, chat, include_usage):
+    def logprobs(self, entries: list, opts):
+        """Logprob entries (token, logprob, [(token, logprob)]) in the chat or the completions form (None if none)."""
+        if opts.logprobs is None:
+            return None
+        text = lambda t: self.tok.decode([t])
+        if opts.chat:
+            item = lambda t, lp: {"token": text(t), "logprob": lp, "bytes": list(text(t).encode())}
+            return {"content": [{**item(t, lp), "top_logprobs": [item(a, b) for a, b in top]}
+                                for t, lp, top in entries], "refusal": None}
+        return {"tokens": [text(t) for t, _, _ in entries], "token_logprobs": [lp for _, lp, _ in entries],
+                "top_logprobs": [{text(a): b for a, b in top} for _, _, top in entries] if opts.logprobs else None,
+                "text_offset": [sum(len(text(t)) for t, _, _ in entries[:k]) for k in range(len(entries))]}
+
+    @staticmethod
+    def usage(jobs) -> dict:
+        p, n = jobs[0].opts.ids, sum(len(j.tokens) for j in jobs)
+        return {"prompt_tokens": len(p), "completion_tokens": n, "total_tokens": len(p) + n}
+
+    async def events(self, jobs, events, head, opts):
         """The server-sent events of a streaming request; closing the stream early (the client went away) cancels it."""
+        chat = opts.chat
         head = {**head, "object": head["object"] + ".chunk" if chat else head["object"]}
 
-        def chunk(text=None, finish=None, delta=None):
-            c = {"index": 0, "logprobs": None, "finish_reason": finish}
+        def chunk(i, text=None, finish=None, delta=None, lps=()):
+            c = {"index": i, "logprobs": self.logprobs(list(lps), opts) if lps else None, "finish_reason": finish}
             c.update({"delta": delta or ({} if text is None else {"content": text})} if chat else {"text": text or ""})
             return f"data: {json.dumps({**head, 'choices': [c]})}\n\n"
 
         try:
-            if chat:
-                yield chunk(delta={"role": "assistant", "content": ""})
-            while True:
-                kind, value = await job.events.get()
+            for job in jobs:
+                if chat:
+                    yield chunk(job.index, delta={"role": "assistant", "content": ""})
+                elif opts.echo:
+                    yield chunk(job.index, opts.echo)
+            ended = 0
+            while ended < len(jobs):
+                i, kind, *value = await events.get()
                 if kind == "text":
-                    yield chunk(value)
+                    yield chunk(i, value[0], lps=value[1])
                 elif kind == "error":
-                    yield f"data: {json.dumps(error_body(value, 'server_error'))}\n\n"
+                    yield f"data: {json.dumps(error_body(value[0], 'server_error'))}\n\n"
                     break
                 else:
-                    yield chunk(finish=value)
-                    if include_usage:
-                        yield f"data: {json.dumps({**head, 'choices': [], 'usage': job.usage()})}\n\n"
-                    break
+                    finish, calls, lps = value
+                    if calls:
+                        yield chunk(i, delta={"tool_calls": [t.openai(k) for k, t in enumerate(calls)]})
+                    yield chunk(i, finish=finish, lps=lps)
+                    ended += 1
+            if ended == len(jobs) and opts.include_usage:
+                yield f"data: {json.dumps({**head, 'choices': [], 'usage': self.usage(jobs)})}\n\n"
             yield "data: [DONE]\n\n"
         finally:
-            self.cancel(job)
+            for job in jobs:
+                self.cancel(job)
 
     def cancel(self, job):
         if not job.ended:
@@ -335,10 +249,53 @@ class Server:
             pass
 
 
-def make_app(srv: Server):
+class Metrics:
+    """/metrics in Prometheus' text format (prometheus-client, a registry of this server's own): requests, tokens,
+    time to first token and between tokens, queue length, busy slots, prompt tokens reused from the cache."""
+
+    def __init__(self, srv):
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+        self.registry = r = CollectorRegistry()
+        p = "llamaflat_"
+        self.requests = Counter(p + "requests", "Completion requests received", ["endpoint"], registry=r)
+        self.generated = Counter(p + "generation_tokens", "Tokens generated", registry=r)
+        self.ttft = Histogram(p + "time_to_first_token_seconds", "From the request to its first token", registry=r,
+                              buckets=(.05, .1, .25, .5, .75, 1, 1.5, 2, 3, 5, 10, 20, 60))
+        self.itl = Histogram(p + "inter_token_seconds", "Between one token of a request and the next", registry=r,
+                             buckets=(.005, .01, .02, .04, .06, .08, .1, .15, .2, .3, .5, 1, 2))
+        eng = srv.engine
+        Gauge(p + "queue_length", "Requests waiting for a slot", registry=r).set_function(
+            lambda: len(eng.queue) + srv.inbox.qsize())
+        Gauge(p + "slots_busy", "Cache slots holding a request", registry=r).set_function(
+            lambda: sum(q is not None for q in eng.req))
+        Gauge(p + "slots", "Cache slots", registry=r).set(len(eng.req))
+        Gauge(p + "prompt_tokens_total", "Prompt tokens of the requests started", registry=r).set_function(
+            lambda: eng.prompt_tokens)
+        Gauge(p + "prompt_tokens_reused_total", "Prompt tokens found in a slot's cache (not prefilled)",
+              registry=r).set_function(lambda: eng.reused_tokens)
+
+    def tokens(self, job, n: int):
+        """A Job kept n new tokens (engine thread)."""
+        if n <= 0:
+            return
+        now = time.perf_counter()
+        self.generated.inc(n)
+        if job.t_last is None:
+            self.ttft.observe(now - job.t_added)
+        else:
+            self.itl.observe(now - job.t_last)
+        job.t_last = now
+
+    def text(self) -> bytes:
+        from prometheus_client import generate_latest
+        return generate_latest(self.registry)
+
+
+def make_app(srv: Server, api_key: str = ""):
     from starlette.applications import Starlette
     from starlette.exceptions import HTTPException
-    from starlette.responses import HTMLResponse, JSONResponse
+    from starlette.middleware import Middleware
+    from starlette.responses import HTMLResponse, JSONResponse, Response
     from starlette.routing import Route
 
     page = (REPO / "server.html").read_text()
@@ -349,13 +306,24 @@ def make_app(srv: Server):
     async def completions(request):
         return await srv.complete(request, chat=False)
 
+    def card():
+        return {"id": srv.name, "object": "model", "created": srv.created, "owned_by": "llama-flat",
+                "max_model_len": srv.context}
+
     async def models(request):
-        return JSONResponse({"object": "list", "data": [
-            {"id": srv.name, "object": "model", "created": srv.created, "owned_by": "llama-flat",
-             "max_model_len": srv.context}]})
+        return JSONResponse({"object": "list", "data": [card()]})
+
+    async def model(request):
+        if request.path_params["id"] != srv.name:
+            raise ApiError(404, f"The model `{request.path_params['id']}` does not exist: this server serves "
+                                f"`{srv.name}`", "model", "model_not_found")
+        return JSONResponse(card())
 
     async def health(request):
         return JSONResponse(srv.health())
+
+    async def metrics(request):
+        return Response(srv.metrics.text(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def index(request):
         return HTMLResponse(page)
@@ -366,10 +334,22 @@ def make_app(srv: Server):
     async def http_error(request, e: HTTPException):
         return JSONResponse(error_body(f"{e.detail}: {request.method} {request.url.path}"), status_code=e.status_code)
 
+    def key_guard(app):  # --api_key: the API and /metrics need it; the page and /health do not
+        async def guarded(scope, receive, send):
+            if scope["type"] == "http" and scope["path"].startswith(("/v1/", "/metrics")) and \
+                    dict(scope["headers"]).get(b"authorization", b"") != f"Bearer {api_key}".encode():
+                answer = JSONResponse(error_body("Incorrect or missing API key: send `Authorization: Bearer <key>`",
+                                                 code="invalid_api_key"), status_code=401)
+                return await answer(scope, receive, send)
+            return await app(scope, receive, send)
+        return guarded
+
     return Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"]),
                              Route("/v1/completions", completions, methods=["POST"]),
-                             Route("/v1/models", models), Route("/health", health), Route("/", index)],
-                     exception_handlers={ApiError: api_error, HTTPException: http_error})
+                             Route("/v1/models", models), Route("/v1/models/{id:path}", model),
+                             Route("/health", health), Route("/metrics", metrics), Route("/", index)],
+                     exception_handlers={ApiError: api_error, HTTPException: http_error},
+                     middleware=[Middleware(key_guard)] if api_key else [])
 
 
 # ------------------------------------------------------------------------------------------------- CLI
@@ -378,6 +358,9 @@ def parse_args(argv=None):
     add_backend_args(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0 = pick a free port (printed)", rule=within(0, 65535))
+    p.add_argument("--api_key", default="", help="require `Authorization: Bearer KEY` on /v1 and /metrics (401 without)")
+    p.add_argument("--chat_template", type=Path, default=None,
+                   help="a Jinja chat template file replacing the tokenizer's (e.g. one that takes tools)")
     return p.parse_args(argv)
 
 
@@ -391,6 +374,8 @@ def main(argv=None):
         raise ValueError("--max_seq_length must be >= 2")
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port {args.port} is not a port number")
+    if args.chat_template and not args.chat_template.is_file():
+        raise FileNotFoundError(f"chat template not found: {args.chat_template}")
     import uvicorn  # noqa: F401 - missing server packages are reported before the model is loaded
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -412,7 +397,7 @@ def main(argv=None):
     host, port = sock.getsockname()[:2]
     url = f"http://{f'[{host}]' if ':' in host else host}:{port}/"
     print(f"serving {srv.name} ({srv.how}; context {srv.context} tokens) at {url}  (OpenAI API: {url}v1)", flush=True)
-    config = uvicorn.Config(make_app(srv), log_level="warning", timeout_graceful_shutdown=1)
+    config = uvicorn.Config(make_app(srv, args.api_key), log_level="warning", timeout_graceful_shutdown=1)
     uvicorn.Server(config).run(sockets=[sock])
 
 

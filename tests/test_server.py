@@ -31,7 +31,7 @@ PROMPTS = ["Once upon a time", "The quick brown fox", "It painted the sea", "Num
 class ServerProcess:
     """server.py in a subprocess on 127.0.0.1 and a free port; .url, .client (openai), .health()."""
 
-    def __init__(self, *args, timeout=300):
+    def __init__(self, *args, timeout=300, api_key="none"):
         self.err = tempfile.TemporaryFile("w+")
         cmd = [sys.executable, "server.py", "--host", "127.0.0.1", "--port", "0", *map(str, args)]
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=self.err, text=True)
@@ -47,7 +47,7 @@ class ServerProcess:
             time.sleep(0.05)
         self.startup_line = next(l for l in lines if "http://" in l)
         self.url = re.search(r"http://127\.0\.0\.1:\d+/", self.startup_line).group(0)
-        self.client = openai.OpenAI(base_url=self.url + "v1", api_key="none", max_retries=0, timeout=120)
+        self.client = openai.OpenAI(base_url=self.url + "v1", api_key=api_key, max_retries=0, timeout=120)
         self.model = self.client.models.list().data[0].id
 
     def health(self) -> dict:
@@ -276,7 +276,10 @@ BAD = [  # (path, body, status, words in the message, param)
     ("/v1/chat/completions", b'{"messages": []}', 400, "messages", "messages"),
     ("/v1/chat/completions", b'{"messages": [{"role": "wizard", "content": "hi"}]}', 400, "role", "messages"),
     ("/v1/chat/completions", b'{"messages": [{"role": "user"}]}', 400, "content", "messages"),
-    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "n": 2}', 400, "n", "n"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "n": 5}', 400, "n", "n"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "functions": []}', 400, "functions",
+     "functions"),
+    ("/v1/completions", b'{"prompt": "x", "suffix": "y"}', 400, "suffix", "suffix"),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}', 400, "max_tokens",
      "max_tokens"),
     ("/v1/completions", b'{"prompt": "x", "max_tokens": -4}', 400, "max_tokens", "max_tokens"),
@@ -303,7 +306,7 @@ def test_bad_requests_get_openai_errors_and_leave_no_trace(tiny):
         srv.client.completions.create(model=srv.model, prompt="fox " * 1100, max_tokens=4)
     assert "1024" in e.value.body["message"] and e.value.body["code"] == "context_length_exceeded"
     with pytest.raises(openai.BadRequestError):
-        srv.client.chat.completions.create(model=srv.model, messages=[{"role": "user", "content": "hi"}], n=3)
+        srv.client.chat.completions.create(model=srv.model, messages=[{"role": "user", "content": "hi"}], n=SLOTS + 1)
     with pytest.raises(openai.NotFoundError):
         srv.client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "hi"}])
     with urllib.request.urlopen(srv.url + "v1/models", timeout=10):
