@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 
 import torch_internals as TI
-from common import ArgumentParser, at_least, atomic_path, check_device, checkpoint_file, cli, first_line, write_atomic
+from common import ArgumentParser, THREADS, at_least, atomic_path, check_device, checkpoint_file, cli, first_line, write_atomic
 
 try:  # the CPU accelerator: without it a package reads its whole cache, quantized weights folded into float ones
     import fast_cpu
@@ -469,7 +469,7 @@ class AOTIBackend:
 def parse_args(argv=None):
     p = ArgumentParser(description="Export a checkpoint to an AOT Inductor package (.pt2).")
     p.add_argument("--checkpoint_path", type=Path, required=True, help="model.pth (float or quantize.py output)")
-    p.add_argument("--output_path", "--out-path", type=Path, required=True,
+    p.add_argument("--output_path", "--out-path", type=Path, required=True, suffix=(".pt2", ".so"),
                    help="the .pt2 to write (or a .so: --so, implied by the name)")
     p.add_argument("--tokenizer_path", type=Path, default=None, help="default: the checkpoint's directory")
     p.add_argument("--max_seq_length", type=int, default=1024, help="KV cache length = longest prompt + reply", rule=at_least(1))
@@ -483,8 +483,8 @@ def parse_args(argv=None):
                    help="lookahead mode: add the model \"lookahead\" (tokens, positions, attention mask)")
     p.add_argument("--fast_prefill", action="store_true",
                    help="add the model \"prompt\" (ATen GEMMs, last logits; a float model's weights twice)")
-    p.add_argument("--threads", type=int, default=None,
-                   help="CPU threads the package's kernels are compiled for (default: torch's); run it with as many", rule=at_least(1))
+    p.add_argument("--threads", type=int, default=None, rule=THREADS,
+                   help="CPU threads the package's kernels are compiled for (default: torch's); run it with as many")
     return p.parse_args(argv)
 
 

@@ -3,7 +3,9 @@
 # checked against one table of rules before anything loads) and the CLI wrapper that turns expected failures into one
 # `error: ...` line. Imports nothing from this repo except, lazily, scripts/download.py to prepare the default model.
 import argparse
+import atexit
 import contextlib
+import errno
 import logging
 import math
 import os
@@ -75,12 +77,17 @@ def busy_cores(seconds: float = 0.3) -> float:
     return (os.cpu_count() or 1) * (1 - (i1 - i0) / max(1, t1 - t0))
 
 
+MAX_THREADS = 1024  # --threads at most this (THREADS: the flag's rule)
+
+
 def set_threads(threads: Optional[int], log=None) -> int:
-    """CPU threads: --threads N, else $OMP_NUM_THREADS, else torch's count (the physical cores) less the cores that
-    other processes keep busy right now. OpenMP threads spin-wait at every kernel's end for a thread whose core someone
+    """CPU threads: --threads N (in [1, MAX_THREADS]), else $OMP_NUM_THREADS, else torch's count (the physical cores)
+    less the cores that other processes keep busy right now. OpenMP threads spin-wait at every kernel's end for a thread whose core someone
     else holds, and decode slows several-fold (README, "Threads": measured); a free core is worth more than a busy one.
     Returns the count (every timing line prints it)."""
     import torch
+    if threads is not None and not 1 <= threads <= MAX_THREADS:  # OpenMP segfaults on 100000
+        raise ValueError(f"--threads must be in [1, {MAX_THREADS}], got {threads}")
     if threads is None and not os.environ.get("OMP_NUM_THREADS"):
         n = torch.get_num_threads()
         busy = round(busy_cores())
@@ -124,9 +131,11 @@ def resolve_checkpoint(args) -> None:
     """Fill in args.checkpoint_path / args.tokenizer_path. An exported artifact (args.aoti_package / pte / onnx / qpc)
     uses the tokenizer files beside it (the exporters copy them there) unless --tokenizer_path or --checkpoint_path
     says otherwise; without a checkpoint the default model is used. A --checkpoint_path that is not there is reported
-    as a missing checkpoint."""
-    exported = next((getattr(args, a, None) for a in ("aoti_package", "pte", "onnx", "qpc") if getattr(args, a, None)),
-                    None)
+    as a missing checkpoint; two artifacts at once are refused."""
+    given = [a for a in ("aoti_package", "pte", "onnx", "qpc") if getattr(args, a, None)]
+    if len(given) > 1:
+        raise ValueError(f"choose one of --{' and --'.join(given)}: each names the model to run")
+    exported = getattr(args, given[0]) if given else None
     if args.checkpoint_path is not None:  # named as what it is, before any tokenizer lookup
         ck = Path(args.checkpoint_path)
         if exported and not ck.exists():  # beside an artifact it only locates the tokenizer
@@ -257,6 +266,9 @@ def one_of(values):
     return f"one of {', '.join(map(str, values))}", lambda v: v in values
 
 
+THREADS = within(1, MAX_THREADS)  # --threads (set_threads checks it too, for parsers without this rule)
+
+
 # flags naming something to read: it must be there ("<what> not found: <path>")
 INPUT_PATHS = {
     "checkpoint_path": "checkpoint", "draft_checkpoint_path": "draft checkpoint", "tokenizer_path": "tokenizer path",
@@ -286,12 +298,51 @@ def _check_onnx(path: Path) -> None:
         raise ValueError(f"{path} is not an ONNX graph (no IR version or no graph inputs)")
 
 
-def check_flag(flag: str, dest: str, value, rule=None) -> None:
+def _check_text(flag: str, v: str) -> None:
+    """A text flag's value is UTF-8 (Python hands over undecodable argv bytes as lone surrogates)."""
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError as e:
+        byte = ord(v[e.start]) - 0xDC00 if 0xDC80 <= ord(v[e.start]) <= 0xDCFF else None
+        raise ValueError(f"{flag} is not valid UTF-8 (byte {'0x%02x' % byte if byte else repr(v[e.start])} at "
+                         f"character {e.start})") from None
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return a.resolve() == b.resolve() or (a.exists() and b.exists() and os.path.samefile(a, b))
+    except OSError:
+        return False
+
+
+def check_outputs_differ(ns, actions) -> None:
+    """No output flag names a file or folder that an input flag reads (a folder input: also its model.pth), so a
+    failed or successful write never destroys its own input."""
+    flag = {a.dest: max(a.option_strings, key=len) if a.option_strings else a.dest for a in actions}
+    inputs = [(d, Path(v)) for d in INPUT_PATHS for v in _values(getattr(ns, d, None))]
+    for d in (*OUTPUT_FILES, *OUTPUT_DIRS):
+        for out in map(Path, _values(getattr(ns, d, None))):
+            for src_dest, src in inputs:
+                if any(_same_file(out, s) for s in (src, checkpoint_file(src) if d in OUTPUT_FILES else src)):
+                    raise ValueError(f"{flag.get(d, d)} {out} is also the input {flag.get(src_dest, src_dest)}: "
+                                     f"name another path")
+
+
+def _values(v) -> list:
+    return [] if v is None or isinstance(v, bool) else v if isinstance(v, list) else [v]
+
+
+def check_flag(flag: str, dest: str, value, rule=None, suffix=None) -> None:
     """Check one parsed flag value against its rule (what the value must be, its test: declared with the flag) and the
     path tables above (by argparse dest; flag is the option as the user wrote it, for the message): FileNotFoundError
     for an input that is not there, ValueError for the rest, so that in-process callers get exceptions and cli()
-    prints them as one `error:` line. A NaN or infinite float never passes a rule."""
+    prints them as one `error:` line. A NaN or infinite float never passes a rule. suffix: the file endings an
+    output may have (e.g. (".pte",)). A text value must be UTF-8."""
     for v in value if isinstance(value, list) else [value]:
+        if isinstance(v, str):
+            _check_text(flag, v)
+        if suffix and Path(v).suffix not in suffix:
+            raise ValueError(f"{flag} {v} must end in {' or '.join(suffix)}")
         if rule is not None and isinstance(v, (int, float)):
             what, ok = rule
             if not ((isinstance(v, int) or math.isfinite(v)) and ok(v)):
@@ -321,14 +372,14 @@ def check_flag(flag: str, dest: str, value, rule=None) -> None:
 
 class ArgumentParser(argparse.ArgumentParser):
     """argparse.ArgumentParser for every script: add_argument(..., rule=(what, test)) declares a numeric flag's rule
-    beside it (at_least, within, one_of); parsing checks every flag with check_flag() before the script loads
-    anything, and a violation is an exception (one `error:` line, exit 1, under cli()). argparse's own errors
-    (unknown flag, a value that is no number, a bad choice) are also one `error: ...` line with exit code 1, without
-    the usage dump. Its subcommands' parsers are of this class too."""
+    beside it (at_least, within, one_of), suffix=(".pte",) an output's file endings; parsing checks every flag with
+    check_flag() and that no output is an input (check_outputs_differ) before the script loads anything, and a
+    violation is an exception (one `error:` line, exit 1, under cli()). argparse's own errors (unknown flag, a value
+    that is no number, a bad choice) are also one `error: ...` line with exit code 1, without the usage dump. Its subcommands' parsers are of this class too."""
 
-    def add_argument(self, *args, rule=None, **kwargs):
+    def add_argument(self, *args, rule=None, suffix=None, **kwargs):
         action = super().add_argument(*args, **kwargs)
-        action.rule = rule
+        action.rule, action.suffix = rule, suffix
         return action
 
     def error(self, message):
@@ -341,7 +392,8 @@ class ArgumentParser(argparse.ArgumentParser):
             value = getattr(ns, action.dest, None) if action.dest != argparse.SUPPRESS else None
             if value is not None and not isinstance(value, bool):
                 check_flag(max(action.option_strings, key=len) if action.option_strings else action.dest,
-                           action.dest, value, getattr(action, "rule", None))
+                           action.dest, value, getattr(action, "rule", None), getattr(action, "suffix", None))
+        check_outputs_differ(ns, self._actions)
         return ns, extras
 
 
@@ -360,8 +412,25 @@ def _on_sigterm(signum, frame):
     raise SystemExit(128 + signum)  # unwinds like Ctrl-C, so every atomic_path cleans up its temporary files
 
 
+def _interrupted_quietly(kind, value, tb):
+    """sys.excepthook: a Ctrl-C that lands outside cli() (while the script imports its modules) is exit code 130
+    without a traceback, as inside it."""
+    if issubclass(kind, KeyboardInterrupt):
+        os._exit(130)
+    sys.__excepthook__(kind, value, tb)
+
+
+sys.excepthook = _interrupted_quietly
+EXPECTED = (FileNotFoundError, ValueError, NotImplementedError, ImportError, RuntimeError, OSError)
+
+
 def cli(entry: Callable) -> None:
-    """Run entry(); turn expected failures into a one-line `error: ...` and exit code 1 (no traceback)."""
+    """Run entry(); every exception becomes one `error: ...` line and exit code 1, never a traceback: the expected
+    kinds (EXPECTED: bad input, missing files, a full disk) as their message, any other (a bug, or a check still
+    missing) with its type named, so it can be reported. Ctrl-C is 130 and SIGTERM 143 at any moment: during the
+    imports (_interrupted_quietly; SIGTERM's default action there), in entry(), and once it returned (outputs
+    published, stdout and stderr flushed: both signals get their default action as the interpreter's exit begins;
+    its Python-level handlers never ran there and the exit code was 0)."""
     signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         entry()
@@ -375,6 +444,18 @@ def cli(entry: Callable) -> None:
         if isinstance(e, ModuleNotFoundError) and e.name:
             fail(f"{Path(sys.argv[0]).name} needs the package {e.name.split('.')[0]!r}, which is not installed: "
                  "pip install -r requirements.txt (requirements-core.txt has the plain PyTorch paths only)")
-        if not isinstance(e, (FileNotFoundError, ValueError, NotImplementedError, ImportError, RuntimeError, OSError)):
-            raise
-        fail(first_line(e, 1000))
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+            fail(f"no space left on the device ({first_line(e, 300)}); nothing was written")
+        if isinstance(e, MemoryError):
+            fail("out of memory")
+        fail(first_line(e, 1000) if isinstance(e, EXPECTED) else f"{type(e).__name__}: {first_line(e, 1000)}")
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        atexit.register(_default_signals)  # registered last, so the first thing the interpreter's exit does
+
+
+def _default_signals():
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

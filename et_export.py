@@ -414,7 +414,7 @@ def parse_args(argv=None):
     p.add_argument("--checkpoint_path", type=Path, default=None,
                    help="model.pth from scripts/convert_checkpoint.py or quantize.py "
                         "(default: checkpoints/SmolLM2-135M-Instruct/model.pth)")
-    p.add_argument("--output_path", "--out-path", type=Path, required=True, help="the .pte to write")
+    p.add_argument("--output_path", "--out-path", type=Path, required=True, help="the .pte to write", suffix=(".pte",))
     p.add_argument("--quantize", "--quant", default=None,
                    help="quantize a float checkpoint first with quantize.py (int8, 8da4w, ...)")
     p.add_argument("-d", "--dtype", default="fp32", choices=sorted(DTYPES),
@@ -464,6 +464,10 @@ def main(argv=None):
         model.quantization = quantize.quantize_model(model, args.quantize, groupsize=args.groupsize)
         model.requires_grad_(False)
     bos, eos = _token_ids(args.tokenizer_path, args.bos_id, args.eos_ids)
+    beyond = [i for i in (bos, *eos) if not 0 <= i < model.config.vocab_size]
+    if beyond:  # a runner would index past the logits with them
+        raise ValueError(f"token id {beyond[0]} (--bos_id / --eos_ids or the tokenizer's) is beyond the vocabulary of "
+                         f"{args.checkpoint_path} ({model.config.vocab_size} tokens)")
     export_pte(model, args.output_path, args.max_seq_length, args.backend, bos, eos, args.prefill_chunk,
                lookahead=args.lookahead, fast_prefill=args.fast_prefill)
 

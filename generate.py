@@ -18,8 +18,9 @@ from quantize import load_model
 def parse_args(argv=None):
     p = ArgumentParser(description="Generate text with a LLaMA-family model on any backend.")
     add_backend_args(p)
-    p.add_argument("--prompt", default="Hello, my name is", help="several prompts separated by '|' run as one batch")
-    p.add_argument("--prompts_file", type=Path, help="one prompt per line, run as one batch")
+    prompts = p.add_mutually_exclusive_group()
+    prompts.add_argument("--prompt", default="Hello, my name is", help="several prompts separated by '|' run as one batch")
+    prompts.add_argument("--prompts_file", type=Path, help="one prompt per line, run as one batch")
     p.add_argument("--chat", action="store_true", help="multi-turn chat with the model's chat template")
     p.add_argument("--system", default=None, help="system message for --chat")
     p.add_argument("--num_samples", type=int, default=1, rule=at_least(1))

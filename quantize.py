@@ -258,7 +258,8 @@ def parse_args(argv=None):
     p.add_argument("--act_order", action="store_true", help="GPTQ: quantize columns by decreasing Hessian diagonal")
     p.add_argument("--damp", type=float, default=0.1, help="GPTQ: Hessian dampening (fraction of mean diagonal)", rule=at_least(0))
     p.add_argument("--tokenizer_path", type=Path, default=None, help="GPTQ: default the checkpoint's directory")
-    p.add_argument("--output", type=Path, default=None, help="default: beside the input, model_<mode>[.g<G>].pth")
+    p.add_argument("--output", type=Path, default=None, help="default: beside the input, model_<mode>[.g<G>].pth",
+                   suffix=(".pth",))
     p.add_argument("--device", default="cpu", help="where to run GPTQ (cpu, cuda)")
     args = p.parse_args(argv)
     check_args(args.mode, args.groupsize, args.embedding, args.calibration_file is not None)
