@@ -6,6 +6,7 @@
 import asyncio
 import json
 import random
+from typing import Literal
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
@@ -176,3 +177,156 @@ def test_api_key(tmp_path):
         assert s.health()["status"] == "ok"  # /health and the page stay open
     finally:
         s.stop()
+
+
+# ------------------------------------------------------------------------------------------------- function calling
+def test_tools_go_through_the_template_and_calls_come_back(srv):
+    c = srv.client
+    plain = c.chat.completions.create(model=srv.model, messages=USER, max_tokens=2)
+    r = c.chat.completions.create(model=srv.model, messages=USER, tools=[WEATHER, TIME], tool_choice="required",
+                                  max_tokens=300, temperature=0)
+    assert r.usage.prompt_tokens == hf_prompt_tokens(srv.dir, USER, [WEATHER, TIME]) > plain.usage.prompt_tokens
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+    for call in choice.message.tool_calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        assert call.function.name in ("get_weather", "get_time")
+        if call.function.name == "get_weather":
+            assert json.loads(call.function.arguments)["city"] in ("Paris", "Oslo", "Lima")
+    # a named function, streamed: the call arrives as tool_calls deltas, no tag leaks into the content
+    chunks = [x for x in c.chat.completions.create(
+        model=srv.model, messages=USER, tools=[WEATHER, TIME], max_tokens=300, temperature=0, stream=True,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}}, parallel_tool_calls=False)
+        if x.choices]
+    assert "<tool_call>" not in "".join(x.choices[0].delta.content or "" for x in chunks)
+    calls = [t for x in chunks for t in x.choices[0].delta.tool_calls or []]
+    assert [t.function.name for t in calls] == ["get_weather"] and calls[0].index == 0
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    # the call and its result go back through the template (tool_calls and role "tool" messages)
+    history = USER + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": calls[0].id, "type": "function", "function": {"name": "get_weather", "arguments": calls[0].function.arguments}}]},
+        {"role": "tool", "tool_call_id": calls[0].id, "content": "Sunny, 21 C"}]
+    r = c.chat.completions.create(model=srv.model, messages=history, tools=[WEATHER], max_tokens=4, temperature=0)
+    ref = [history[0], {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "get_weather", "arguments": json.loads(calls[0].function.arguments)}}]},
+        {"role": "tool", "content": "Sunny, 21 C"}]
+    assert r.usage.prompt_tokens == hf_prompt_tokens(srv.dir, ref, [WEATHER])
+    # tool_choice "none": the tools stay out of the prompt, nothing is parsed
+    r = c.chat.completions.create(model=srv.model, messages=USER, tools=[WEATHER], tool_choice="none", max_tokens=2)
+    assert r.usage.prompt_tokens == plain.usage.prompt_tokens and not r.choices[0].message.tool_calls
+
+
+def test_tool_call_parsers_of_each_family():
+    import server_tools as T
+    names = {"get_weather"}
+    call = '{"name": "get_weather", "arguments": {"city": "Oslo"}}'
+    for fmt, text in [("hermes", f"Let me see.\n<tool_call>\n{call}\n</tool_call>"),
+                      ("llama3", '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo"}}'),
+                      ("llama3", '{"name": "get_weather", "parameters": {"city": "Oslo"}}'),
+                      ("mistral", f"[TOOL_CALLS][{call}]")]:
+        content, calls = T.parse(fmt, text, names)
+        assert [(x.name, json.loads(x.arguments)) for x in calls] == [("get_weather", {"city": "Oslo"})], fmt
+        assert content == ("Let me see." if fmt == "hermes" else None)
+    assert T.parse("hermes", "<tool_call>\n{\"name\": \"nope\", \"arguments\": {}}\n</tool_call>", names)[1] == []
+    assert T.parse("llama3", "The answer is {x}.", names) == ("The answer is {x}.", [])
+    from tokenizer import render_chat_template  # the family the template teaches
+    assert T.detect_format((REPO / "server_tools.jinja").read_text()) == "hermes"
+    assert T.detect_format("{{ messages }}") is None
+
+
+# ------------------------------------------------------------------------------------------------- structured output
+def random_schema(rng: random.Random, depth=0) -> dict:
+    """A JSON schema a random model completes within a few dozen tokens (bounded strings, numbers, arrays)."""
+    kinds = ["integer", "boolean", "enum", "string", "number"] + (["object", "array"] if depth < 2 else [])
+    k = rng.choice(kinds)
+    if k == "integer":
+        return {"type": "integer", "minimum": -50, "maximum": 50}
+    if k == "number":
+        return {"type": "number", "minimum": 0, "maximum": 9}
+    if k == "boolean":
+        return {"type": "boolean"}
+    if k == "enum":
+        return {"enum": rng.sample(["red", "green", "blue", 3, None, True], rng.randint(1, 4))}
+    if k == "string":
+        return {"type": "string", "maxLength": rng.randint(0, 6)}
+    if k == "array":
+        return {"type": "array", "items": random_schema(rng, depth + 1), "maxItems": rng.randint(0, 2)}
+    props = {f"k{i}": random_schema(rng, depth + 1) for i in range(rng.randint(1, 3))}
+    return {"type": "object", "properties": props, "required": sorted(rng.sample(sorted(props), len(props) // 2 + 1)),
+            "additionalProperties": False}
+
+
+def test_structured_output_validates_against_20_generated_schemas(srv):
+    rng = random.Random(43)
+    schemas = [{"type": "object", "properties": {"answer": random_schema(rng), "items": random_schema(rng)},
+                "required": ["answer", "items"], "additionalProperties": False} for _ in range(20)]
+
+    def ask(i):
+        r = srv.client.chat.completions.create(
+            model=srv.model, messages=USER, max_tokens=200, temperature=1.0, seed=i, stream=i % 2 == 1,
+            response_format={"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": schemas[i],
+                                                                    "strict": True}})
+        if i % 2:
+            return "".join(c.choices[0].delta.content or "" for c in r if c.choices)
+        return r.choices[0].message.content
+    with ThreadPoolExecutor(4) as ex:
+        for s, text in zip(schemas, ex.map(ask, range(20))):
+            jsonschema.validate(json.loads(text), s)
+    # json_object beside free requests in one batch; a regex (extension)
+    free = srv.client.chat.completions.create(model=srv.model, messages=USER, max_tokens=12, temperature=0)
+    r = srv.client.chat.completions.create(model=srv.model, messages=USER, max_tokens=150, temperature=0,
+                                           response_format={"type": "json_object"})
+    assert r.choices[0].finish_reason == "length" or isinstance(json.loads(r.choices[0].message.content), dict)
+    assert free.choices[0].message.content != r.choices[0].message.content
+    text = completion(srv, "Call me at", max_tokens=20, temperature=1.0, extra_body={"regex": r"[0-9]{3}-[0-9]{4}"})[0]
+    assert len(text) == 8 and text[3] == "-" and (text[:3] + text[4:]).isdigit()
+
+
+# ------------------------------------------------------------------------------------------------- langchain, agents
+def test_langchain_openai_invoke_stream_structured_output_and_bind_tools(srv):
+    from langchain_openai import ChatOpenAI
+    from pydantic import BaseModel, ConfigDict, Field
+
+    def chat_model(max_tokens):
+        return ChatOpenAI(base_url=srv.url + "v1", api_key="none", model=srv.model, temperature=0,
+                          max_tokens=max_tokens, max_retries=0)
+    llm = chat_model(12)
+    said = llm.invoke("What is the weather in Paris?")
+    assert said.content and said.usage_metadata["output_tokens"] <= 12
+    assert "".join(c.content for c in llm.stream("What is the weather in Paris?")) == said.content
+
+    class Weather(BaseModel):
+        model_config = ConfigDict(extra="forbid")  # no extra keys: a random model would add them without end
+        city: str = Field(max_length=8)
+        sunny: bool
+        degrees: int = Field(ge=-30, le=45)
+
+    for method in ("json_schema", "function_calling"):
+        got = chat_model(200).with_structured_output(Weather, method=method).invoke("Weather in Paris?")
+        assert isinstance(got, Weather), method
+    tooled = chat_model(300).bind_tools([WEATHER], tool_choice="any")
+    msg = tooled.invoke("Weather in Oslo?")
+    assert msg.tool_calls and msg.tool_calls[0]["name"] == "get_weather"
+    assert msg.tool_calls[0]["args"]["city"] in ("Paris", "Oslo", "Lima")
+
+
+def test_openai_agents_sdk_calls_its_function_tool(srv):
+    from agents import (Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, function_tool,
+                        set_tracing_disabled)
+    set_tracing_disabled(True)
+    asked = []
+
+    @function_tool
+    def get_weather(city: Literal["Paris", "Oslo", "Lima"]) -> str:
+        """The weather in a city."""
+        asked.append(city)
+        return f"Sunny in {city}"
+
+    async def run():
+        client = openai.AsyncOpenAI(base_url=srv.url + "v1", api_key="none", max_retries=0)
+        agent = Agent(name="weather", instructions="Answer with the weather tool.", tools=[get_weather],
+                      model=OpenAIChatCompletionsModel(model=srv.model, openai_client=client),
+                      model_settings=ModelSettings(tool_choice="required", max_tokens=200, temperature=0))
+        return await Runner.run(agent, "What is the weather in Paris?", max_turns=4)
+    result = asyncio.run(run())
+    assert len(asked) >= 1 and isinstance(result.final_output, str)
