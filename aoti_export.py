@@ -24,7 +24,8 @@ from typing import Optional
 import torch
 
 import torch_internals as TI
-from common import ArgumentParser, THREADS, at_least, atomic_path, check_device, checkpoint_file, cli, first_line, write_atomic
+from common import (THREADS, ArgumentParser, at_least, atomic_path, check_device, checkpoint_file, cli, first_line,
+                    native_tmpdir, write_atomic)
 
 try:  # the CPU accelerator: without it a package reads its whole cache, quantized weights folded into float ones
     import fast_cpu
@@ -93,9 +94,9 @@ def export(checkpoint_path, output_path, max_seq_length: int = 1024, dtype: Opti
     output_path = Path(output_path)
     if not output_path.parent.is_dir():
         raise FileNotFoundError(f"output directory does not exist: {output_path.parent}")
-    torch_dtype = getattr(torch, dtype) if dtype else None
-    if torch_dtype is not None and not isinstance(torch_dtype, torch.dtype):
+    if dtype not in (None, "float32", "bfloat16", "float16"):
         raise ValueError(f"unknown dtype {dtype!r}")
+    torch_dtype = getattr(torch, dtype) if dtype else None
     if so and (prefill_chunk or lookahead or fast_prefill):
         raise ValueError("--so writes one model: --prefill_chunk / --lookahead / --fast_prefill need a .pt2")
     if prefill_chunk is not None and not 2 <= prefill_chunk <= max_seq_length:
@@ -199,7 +200,7 @@ def export(checkpoint_path, output_path, max_seq_length: int = 1024, dtype: Opti
         configs.update(fast_cpu.INDUCTOR_CPU)
     # atomic_path's temporary path already has the final name (the package's archive folder is named after the file)
     t0 = time.perf_counter()
-    with atomic_path(output_path) as tmp:
+    with native_tmpdir(), atomic_path(output_path) as tmp:  # the compiler's temporaries: removed, even interrupted
         if so:
             # a plain shared library with the weights inside; AOT Inductor keeps no metadata in it, so the facts go
             # to a JSON file beside it (<output>.json), written first so that a .so never lacks one
@@ -359,22 +360,23 @@ class AOTIBackend:
             return
         if not zipfile.is_zipfile(path):
             raise ValueError(f"{path}: not an AOT Inductor package (not a .pt2 zip archive; truncated or wrong file?)")
-        try:
-            meta = TI.package_metadata(str(path), "model")
-            models = (meta or {}).get("models", "model").split(",")
-            need, flag = MODE_MODELS[mode]
-            if need not in models:
-                raise LookupError(f"{path} has no `{need}` model, which {mode} mode needs: export it with "
-                                  f"aoti_export.py {flag}")
-            names = {"kv": ["model"] + [m for m in ("prompt", "long_prompt") if m in models],
-                     "hybrid": ["prefill", "model"], "lookahead": ["lookahead"]}[mode]
-            loaded = [TI.load_package(str(path), n) for n in names]
-            self.runner = loaded[-1] if mode == "hybrid" else loaded[0]
-            meta = self.runner.get_metadata()
-        except LookupError as e:
-            raise ValueError(str(e)) from None
-        except Exception as e:
-            raise ValueError(f"{path}: cannot load AOT Inductor package ({first_line(e)})") from None
+        with native_tmpdir(keep=True):  # a failed load leaves no extracted aotinductor_* folders
+            try:
+                meta = TI.package_metadata(str(path), "model")
+                models = (meta or {}).get("models", "model").split(",")
+                need, flag = MODE_MODELS[mode]
+                if need not in models:
+                    raise LookupError(f"{path} has no `{need}` model, which {mode} mode needs: export it with "
+                                      f"aoti_export.py {flag}")
+                names = {"kv": ["model"] + [m for m in ("prompt", "long_prompt") if m in models],
+                         "hybrid": ["prefill", "model"], "lookahead": ["lookahead"]}[mode]
+                loaded = [TI.load_package(str(path), n) for n in names]
+                self.runner = loaded[-1] if mode == "hybrid" else loaded[0]
+                meta = self.runner.get_metadata()
+            except LookupError as e:
+                raise ValueError(str(e)) from None
+            except Exception as e:
+                raise ValueError(f"{path}: cannot load AOT Inductor package ({first_line(e)})") from None
         self._set_metadata(path, meta, device)
         if len(loaded) > 1 or meta.get("shared_weights"):
             self._share_constants(path, names, loaded, meta)
@@ -473,25 +475,21 @@ def parse_args(argv=None):
                    help="the .pt2 to write (or a .so: --so, implied by the name)")
     p.add_argument("--tokenizer_path", type=Path, default=None, help="default: the checkpoint's directory")
     p.add_argument("--max_seq_length", type=int, default=1024, help="KV cache length = longest prompt + reply", rule=at_least(1))
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                   help="default: the checkpoint's own dtype")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="default: the checkpoint's")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--so", action="store_true", help="write a plain shared library (weights inside) instead of a .pt2")
     p.add_argument("--prefill_chunk", type=int, default=None,
                    help="hybrid mode: add the model \"prefill\" (a fixed length of N tokens)", rule=at_least(1))
-    p.add_argument("--lookahead", action="store_true",
-                   help="lookahead mode: add the model \"lookahead\" (tokens, positions, attention mask)")
-    p.add_argument("--fast_prefill", action="store_true",
-                   help="add the model \"prompt\" (ATen GEMMs, last logits; a float model's weights twice)")
-    p.add_argument("--threads", type=int, default=None, rule=THREADS,
-                   help="CPU threads the package's kernels are compiled for (default: torch's); run it with as many")
+    p.add_argument("--lookahead", action="store_true", help="lookahead mode: add the model \"lookahead\" (tokens, positions, mask)")
+    p.add_argument("--fast_prefill", action="store_true", help="add the model \"prompt\" (ATen GEMMs, last logits; weights twice)")
+    p.add_argument("--threads", type=int, default=None, rule=THREADS, help="CPU threads the package's kernels are "
+                   "compiled for (default: torch's); run it with as many")
     return p.parse_args(argv)
 
 
 def main(argv=None):
     args = parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads or torch.get_num_threads())
     so = args.so or args.output_path.suffix == ".so"  # the source docs' `--out-path X.so`
     export(args.checkpoint_path, args.output_path, args.max_seq_length, args.dtype, args.device,
            args.tokenizer_path, so, log=lambda *a: print(*a, file=sys.stderr), prefill_chunk=args.prefill_chunk,

@@ -6,6 +6,7 @@ import argparse
 import atexit
 import contextlib
 import errno
+import json
 import logging
 import math
 import os
@@ -155,10 +156,19 @@ def resolve_checkpoint(args) -> None:
 
 
 def copy_tokenizer_files(src_dir: Path, dst_dir: Path) -> list[str]:
-    """Copy every tokenizer file that exists in src_dir to dst_dir (each atomically); returns the names copied."""
+    """Copy every tokenizer file that exists in src_dir to dst_dir (each atomically); returns the names copied. Every
+    .json file is parsed first: one that is no JSON object is refused (ValueError) before anything is copied."""
+    names = [n for n in TOKENIZER_FILES if (Path(src_dir) / n).is_file()]
+    for name in (n for n in names if n.endswith(".json")):
+        try:
+            ok = isinstance(json.loads((Path(src_dir) / name).read_bytes()), dict)
+        except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+            raise ValueError(f"{Path(src_dir) / name} is not valid JSON ({first_line(e, 120)})") from None
+        if not ok:
+            raise ValueError(f"{Path(src_dir) / name} is not a JSON object")
     copied = []
-    for name in TOKENIZER_FILES:
-        if (Path(src_dir) / name).is_file() and Path(src_dir).resolve() != Path(dst_dir).resolve():
+    for name in names:
+        if Path(src_dir).resolve() != Path(dst_dir).resolve():
             with atomic_path(Path(dst_dir) / name) as tmp:
                 shutil.copyfile(Path(src_dir) / name, tmp)
             copied.append(name)
@@ -199,6 +209,44 @@ def atomic_path(path, directory: bool = False):
         os.replace(tmp, path)
         if not directory:
             os.chmod(path, 0o644)  # ordinary readable files, not the private folder's mode
+
+
+def _kill_users_of(d: Path) -> None:
+    """SIGKILL every process whose command line names d (a compiler this process started, orphaned when its driver
+    was killed: `cc1plus ... -o d/ccXXXX.s`; d's random name is this process's own)."""
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        with contextlib.suppress(OSError, ValueError):
+            if str(d).encode() in cmdline.read_bytes() and int(cmdline.parent.name) != os.getpid():
+                os.kill(int(cmdline.parent.name), signal.SIGKILL)
+
+
+@contextlib.contextmanager
+def native_tmpdir(keep: bool = False):
+    """$TMPDIR, for the block, is a new private folder, so that the temporaries of native code run inside land there:
+    AOT Inductor's package loader extracts into $TMPDIR/aotinductor_* (and left two 3.6 MB folders per failed load),
+    the C++ compiler writes $TMPDIR/cc*.s. When the block fails (an error, Ctrl-C, SIGTERM under cli) the processes
+    still using the folder (an orphaned cc1plus) are killed and it is removed at once; when it succeeds, at once, or
+    with keep=True (a loaded package may still read its extracted files) when this process exits."""
+    d = Path(tempfile.mkdtemp(prefix="llama-flat-"))
+    saved = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"], tempfile.tempdir = str(d), None  # tempfile re-reads TMPDIR
+    try:
+        yield d
+    except BaseException:
+        _kill_users_of(d)
+        shutil.rmtree(d, ignore_errors=True)
+        raise
+    else:
+        if keep:
+            atexit.register(shutil.rmtree, d, True)
+        else:
+            shutil.rmtree(d, ignore_errors=True)
+    finally:
+        if saved is None:
+            del os.environ["TMPDIR"]
+        else:
+            os.environ["TMPDIR"] = saved
+        tempfile.tempdir = None
 
 
 def write_atomic(path, data) -> None:

@@ -12,12 +12,10 @@ SRC (detected automatically) is one of
 Meta, llama2.c, GGUF (arch llama) and GPT-J (rotate_every_two, on its rotary_dim) store Q/K in the adjacent-pair
 rotary layout and are permuted into the Hugging Face half-split layout that model.py uses. Weights keep the source
 float dtype (GGUF: float32) unless --dtype.
-Over 500 lines: one reader per source format and the tensor names and layouts of every family in each of them.
+The GGUF reader is scripts/convert_gguf.py, what the readers share and the all-or-nothing writer scripts/convert_io.py.
 """
 import dataclasses
 import json
-import pickle
-import re
 import sys
 from pathlib import Path
 
@@ -26,9 +24,10 @@ from tqdm import tqdm
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from common import ArgumentParser, cli, copy_tokenizer_files, write_atomic  # noqa: E402
-from gguf_tokenizer import save_tokenizer_from_gguf  # noqa: E402  (scripts/, beside this file)
-from model import ModelArgs, Transformer, save_checkpoint  # noqa: E402
+from common import TOKENIZER_FILES, ArgumentParser, cli, copy_tokenizer_files  # noqa: E402
+from convert_gguf import load_gguf  # noqa: E402  (scripts/, beside this file)
+from convert_io import ConvertError, Source, _oneline, _require, checked_weight, publish, torch_load  # noqa: E402
+from model import ModelArgs, Transformer  # noqa: E402
 from model_configs import FAMILIES  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -110,59 +109,6 @@ META_NAMES = dict(tok="tok_embeddings.weight", norm="norm.weight", output="outpu
                   gate="layers.{0}.feed_forward.w1.weight", up="layers.{0}.feed_forward.w3.weight",
                   down="layers.{0}.feed_forward.w2.weight", attn_norm="layers.{0}.attention_norm.weight",
                   ffn_norm="layers.{0}.ffn_norm.weight")
-GGUF_NAMES = dict(tok="token_embd.weight", norm="output_norm.weight", output="output.weight",
-                  q="blk.{}.attn_q.weight", k="blk.{}.attn_k.weight", v="blk.{}.attn_v.weight",
-                  q_bias="blk.{}.attn_q.bias", k_bias="blk.{}.attn_k.bias", v_bias="blk.{}.attn_v.bias",
-                  q_norm="blk.{}.attn_q_norm.weight", k_norm="blk.{}.attn_k_norm.weight",
-                  o="blk.{}.attn_output.weight", gate="blk.{}.ffn_gate.weight", up="blk.{}.ffn_up.weight",
-                  down="blk.{}.ffn_down.weight", attn_norm="blk.{}.attn_norm.weight",
-                  ffn_norm="blk.{}.ffn_norm.weight")
-GGUF_ARCHS = ("llama", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3", "starcoder2", "smollm3", "gpt2", "gptj",
-              "falcon", "mpt")
-GGUF_PERMUTED = ("llama", "smollm3", "gptj")  # Q/K in the adjacent-pair rotary layout (llama.cpp's rope type NORM)
-GGUF_LAYER_NORM = ("starcoder2", "gpt2", "gptj", "falcon", "mpt")  # LayerNorm archs: attention.layer_norm_epsilon
-GGUF_FAMILY_NAMES = {  # what differs from llama's names
-    "gemma2": dict(post_attn_norm="blk.{}.post_attention_norm.weight", post_ffn_norm="blk.{}.post_ffw_norm.weight"),
-    "phi3": dict(qkv="blk.{}.attn_qkv.weight", gate_up="blk.{}.ffn_up.weight"),
-    "starcoder2": dict(gate="blk.{}.ffn_up.weight", gate_bias="blk.{}.ffn_up.bias", down_bias="blk.{}.ffn_down.bias",
-                       o_bias="blk.{}.attn_output.bias", attn_norm_bias="blk.{}.attn_norm.bias",
-                       ffn_norm_bias="blk.{}.ffn_norm.bias", norm_bias="output_norm.bias"),
-    "moe": dict(router="blk.{}.ffn_gate_inp.weight", experts_gate="blk.{}.ffn_gate_exps.weight",
-                experts_up="blk.{}.ffn_up_exps.weight", experts_down="blk.{}.ffn_down_exps.weight"),
-}
-GGUF_FAMILY_NAMES["gemma3"] = GGUF_FAMILY_NAMES["gemma2"]
-# GPT-2, GPT-J, Falcon, MPT as llama.cpp's convert_hf_to_gguf.py names them (GPT-2's Conv1D weights transposed there,
-# Falcon's query_key_value reordered there to q, k, v rows; GPT-J's q/k keep rotate_every_two: permuted here)
-_GB = {k: f"blk.{{}}.{t}.bias" for k, t in (("qkv_bias", "attn_qkv"), ("o_bias", "attn_output"),
-                                            ("gate_bias", "ffn_up"), ("down_bias", "ffn_down"),
-                                            ("attn_norm_bias", "attn_norm"), ("ffn_norm_bias", "ffn_norm"))}
-GGUF_FAMILY_NAMES.update({
-    "gpt2": dict(_GB, pos="position_embd.weight", qkv="blk.{}.attn_qkv.weight", gate="blk.{}.ffn_up.weight",
-                 norm_bias="output_norm.bias"),
-    "gptj": dict(_GB, gate="blk.{}.ffn_up.weight", norm_bias="output_norm.bias", output_bias="output.bias"),
-    "falcon": dict(_GB, qkv="blk.{}.attn_qkv.weight", gate="blk.{}.ffn_up.weight", ffn_norm="blk.{}.attn_norm_2.weight",
-                   ffn_norm_bias="blk.{}.attn_norm_2.bias", norm_bias="output_norm.bias"),
-    "mpt": dict(qkv="blk.{}.attn_qkv.weight", gate="blk.{}.ffn_up.weight"),
-})
-
-
-class ConvertError(Exception):
-    pass
-
-
-@dataclasses.dataclass
-class Source:
-    args: ModelArgs
-    names: dict            # canonical -> source name template
-    tensors: dict          # source name -> zero-argument loader returning a torch tensor
-    dtype: torch.dtype     # float dtype of the source weights
-    permute: bool          # Q/K stored in the adjacent-pair rotary layout
-    tied: object = None    # True/False from a config; None = tied when output is absent or equals the embedding
-    tokenizer: object = None  # callable(out_dir) writing the tokenizer files
-    ignore: tuple = ()     # source tensors that are not needed (e.g. rotary tables)
-    norm_offset: float = 0.0  # added to every RMSNorm weight (Gemma's x * (1 + w))
-
-
 def permute_rotary(w: torch.Tensor, n_heads: int, rotary_dim: int = 0) -> torch.Tensor:
     """Adjacent-pair rotary layout (Meta, llama2.c, GGUF llama; GPT-J's rotate_every_two) -> Hugging Face half-split,
     for weights and biases, on the first rotary_dim rows of each head (0 = all; GPT-J rotates 64 of 256)."""
@@ -191,35 +137,6 @@ def meta_hidden_dim(dim, multiple_of, ffn_dim_multiplier=None):
     if ffn_dim_multiplier:
         hidden = int(ffn_dim_multiplier * hidden)
     return multiple_of * ((hidden + multiple_of - 1) // multiple_of)
-
-
-def torch_load(path: Path):
-    try:
-        try:
-            return torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
-        except RuntimeError as e:
-            if "mmap" not in str(e):  # legacy (non-zip) files cannot be memory-mapped
-                raise
-            return torch.load(str(path), map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
-        found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(e))
-        if found:
-            raise ConvertError(f"{path} holds non-tensor Python objects ({found.group(1)}) that cannot be loaded "
-                               f"safely (weights_only=True); re-save it with only tensors and plain containers") from None
-        raise ConvertError(f"cannot read {path}: not a valid PyTorch file (unpickling failed)") from None
-    except Exception as e:
-        raise ConvertError(f"cannot read {path}: not a valid PyTorch file ({type(e).__name__}: {_oneline(e)})") from None
-
-
-def _oneline(e, n=200):
-    s = " ".join(str(e).split())
-    return s[:n] + ("..." if len(s) > n else "")
-
-
-def _require(d: dict, keys, where):
-    missing = [k for k in keys if k not in d]
-    if missing:
-        raise ConvertError(f"{where} lacks {', '.join(missing)}")
 
 
 def _copy_tokenizer(src_dir: Path):
@@ -366,146 +283,6 @@ def load_llama2c(path: Path) -> Source:
                   tokenizer=_copy_tokenizer(path.parent), ignore=("freqs_cos", "freqs_sin"))
 
 
-def load_gguf(path: Path) -> Source:
-    import gguf
-    import numpy as np
-    try:
-        r = gguf.GGUFReader(str(path))
-    except Exception as e:
-        raise ConvertError(f"cannot read {path}: not a valid GGUF file ({type(e).__name__}: {_oneline(e)})") from None
-    meta = {k: f.contents() for k, f in r.fields.items() if not k.startswith("tokenizer.ggml.")}
-    arch = meta.get("general.architecture")
-    if arch not in GGUF_ARCHS:
-        raise ConvertError(f"unsupported GGUF architecture {arch!r} (supported: {', '.join(GGUF_ARCHS)})")
-    infos = {t.name: t for t in r.tensors}
-
-    def load(t):
-        arr = gguf.quants.dequantize(t.data, t.tensor_type)
-        shape = tuple(int(n) for n in reversed(t.shape))  # GGUF lists dimensions innermost first
-        if arr.size != int(np.prod(shape)):
-            raise ConvertError(f"GGUF tensor {t.name} has {arr.size} values, expected {shape}")
-        arr = np.asarray(arr, dtype=np.float32).reshape(shape)
-        return torch.from_numpy(arr if arr.flags.writeable else arr.copy())
-
-    def m(key, default=None):
-        v = meta.get(f"{arch}.{key}", default)
-        if v is None:
-            raise ConvertError(f"GGUF metadata {arch}.{key} is missing")
-        return float(str(np.float32(v))) if isinstance(v, float) else v  # float32 metadata: 1e-05, not 9.99e-06
-
-    if "token_embd.weight" not in infos:
-        raise ConvertError(f"{path} has no token_embd.weight tensor")
-    scaling_type = meta.get(f"{arch}.rope.scaling.type", "none")
-    if scaling_type not in ("none", "", "linear") and "rope_freqs.weight" not in infos:
-        raise ConvertError(f"GGUF {arch}: unsupported rope scaling {scaling_type!r}")
-    dim, n_head = int(m("embedding_length")), int(m("attention.head_count"))
-    n_layer = int(m("block_count"))
-    head_dim = int(m("attention.key_length", dim // n_head))
-    vocab = int(infos["token_embd.weight"].shape[1])
-    if int(meta.get(f"{arch}.vocab_size", vocab)) != vocab:
-        raise ConvertError(f"GGUF vocab_size {meta[f'{arch}.vocab_size']} != token_embd rows {vocab}")
-    fam = dict(_gguf_family(arch, meta, infos, n_layer, dim, n_head, head_dim, load, m))
-    args = ModelArgs(block_size=int(m("context_length", 2048)), vocab_size=vocab, n_layer=n_layer,
-                     n_head=n_head, dim=dim, intermediate_size=int(m("feed_forward_length")),
-                     n_local_heads=int(m("attention.head_count_kv", n_head)),
-                     head_dim=head_dim, rope_base=float(m("rope.freq_base", 1e4)),
-                     norm_eps=float(m("attention.layer_norm_epsilon" if arch in GGUF_LAYER_NORM
-                                      else "attention.layer_norm_rms_epsilon", 1e-5)),
-                     attn_bias="blk.0.attn_q.bias" in infos or "blk.0.attn_qkv.bias" in infos,
-                     qk_norm="blk.0.attn_q_norm.weight" in infos, **fam)
-    if "rope_freqs.weight" in infos:  # llama.cpp stores Llama-3.1 rope scaling as per-frequency factors
-        args = _match_rope_freqs(args, load(infos["rope_freqs.weight"]))
-    names = dict(GGUF_NAMES, **GGUF_FAMILY_NAMES.get(arch, {}))
-    if args.n_experts:
-        names.update(GGUF_FAMILY_NAMES["moe"])
-
-    def write_tokenizer(out_dir):
-        try:
-            save_tokenizer_from_gguf(path, out_dir)
-        except (ImportError, ValueError, NotImplementedError) as e:
-            print(f"warning: tokenizer not written ({_oneline(e)})", file=sys.stderr)
-
-    return Source(args, names, {k: (lambda t=t: load(t)) for k, t in infos.items()}, torch.float32,
-                  permute=arch in GGUF_PERMUTED, tokenizer=write_tokenizer,
-                  ignore=("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"))
-
-
-def _gguf_family(arch, meta, infos, n_layer, dim, n_head, head_dim, load, m):
-    """ModelArgs fields of the family blocks, from the GGUF metadata llama.cpp's convert_hf_to_gguf.py writes (norm
-    weights of the Gemma architectures already hold 1 + w there; their Q/K, Phi-3's and StarCoder2's are in the
-    half-split rotary layout, only arch llama is permuted)."""
-    get = lambda key: meta.get(f"{arch}.{key}")  # noqa: E731
-    if arch.startswith("gemma"):
-        yield from dict(mlp_act="gelu_tanh", embed_scale=True).items()
-        if arch != "gemma":  # llama.cpp's attention scale: 1/sqrt(head_dim), 1/sqrt(dim / n_head) for the 27B models
-            big = (arch, n_layer) in (("gemma2", 46), ("gemma3", 62))
-            scale = get("attention.scale") or ((dim / n_head) ** -0.5 if big else None)
-            yield from dict(sandwich_norm=True, attn_scale=float(scale) if scale else None).items()
-    if arch == "gemma2":
-        yield from dict(attn_softcap=get("attn_logit_softcapping"), final_softcap=get("final_logit_softcapping"),
-                        sliding_window=get("attention.sliding_window") or 4096,
-                        sliding_layers=list(range(0, n_layer, 2))).items()
-    if arch == "gemma3":
-        pattern = get("attention.sliding_window_pattern") or 6
-        sliding = ([i for i, s in enumerate(pattern) if s] if isinstance(pattern, list)
-                   else [i for i in range(n_layer) if (i + 1) % int(pattern)])
-        yield from dict(sliding_window=get("attention.sliding_window"), sliding_layers=sliding,
-                        rope_local_base=float(get("rope.freq_base_swa") or 10000.0)).items()
-        if get("rope.scaling.type") == "linear":
-            yield "rope_scaling", dict(rope_type="linear", factor=float(get("rope.scaling.factor")))
-    elif get("rope.scaling.type") == "linear":
-        raise ConvertError(f"GGUF {arch}: linear rope scaling is only implemented for gemma3")
-    if arch == "phi3":
-        yield "rotary_dim", int(get("rope.dimension_count") or head_dim)
-        if get("attention.sliding_window"):
-            yield "sliding_window", int(get("attention.sliding_window"))
-        if "rope_factors_long.weight" in infos:
-            yield "rope_scaling", dict(
-                rope_type="longrope", short_factor=load(infos["rope_factors_short.weight"]).tolist(),
-                long_factor=load(infos["rope_factors_long.weight"]).tolist(),
-                original_max_position_embeddings=int(m("rope.scaling.original_context_length")),
-                attention_factor=float(get("rope.scaling.attn_factor") or 1.0), factor=None)
-    if arch == "starcoder2":  # every StarCoder2 release attends over a 4096-token window (absent from its GGUFs)
-        yield from dict(norm_type="layer", mlp_act="gelu_tanh", mlp_gated=False, mlp_bias=True, attn_out_bias=True,
-                        sliding_window=int(get("attention.sliding_window") or 4096)).items()
-    elif arch != "phi3" and get("attention.sliding_window"):
-        yield "sliding_window", int(get("attention.sliding_window"))
-    if arch == "smollm3":  # no GGUF key: llama.cpp skips rotary on every 4th layer (n_no_rope_layer_step = 4)
-        yield "nope_layers", [i for i in range(n_layer) if (i + 1) % 4 == 0] or None
-    plain = dict(norm_type="layer", mlp_gated=False, mlp_act="gelu_tanh" if arch in ("gpt2", "gptj") else "gelu")
-    bias = "blk.0.attn_qkv.bias" in infos
-    if arch == "gpt2":
-        yield from dict(plain, mlp_bias=True, attn_out_bias=True, learned_pos=True,
-                        nope_layers=list(range(n_layer))).items()
-    if arch == "gptj":
-        yield from dict(plain, mlp_bias=True, parallel_attn=True, output_bias="output.bias" in infos,
-                        rotary_dim=int(get("rope.dimension_count") or head_dim)).items()
-    if arch == "falcon":  # llama.cpp runs every Falcon as a parallel block; attn_norm_2 = Falcon-40B's ln_mlp
-        yield from dict(plain, mlp_bias=bias, attn_out_bias=bias, parallel_attn=True,
-                        parallel_norms=2 if "blk.0.attn_norm_2.weight" in infos else 1).items()
-    if arch == "mpt":
-        if "blk.0.attn_q_norm.weight" in infos or "position_embd.weight" in infos:
-            raise ConvertError("GGUF mpt: qk_ln and learned positions (no ALiBi) are not supported")
-        yield from dict(plain, norm_bias=False, alibi=True, nope_layers=list(range(n_layer)),
-                        alibi_bias_max=float(get("attention.max_alibi_bias") or 8),
-                        clip_qkv=float(get("attention.clamp_kqv")) if get("attention.clamp_kqv") else None).items()
-    if get("expert_count"):
-        if arch != "llama":
-            raise ConvertError(f"GGUF {arch}: mixture of experts is only implemented for Mixtral (arch llama)")
-        yield from dict(n_experts=int(get("expert_count")), n_experts_per_tok=int(get("expert_used_count"))).items()
-
-
-def _match_rope_freqs(args, factors):
-    from model import rope_frequencies
-    base = rope_frequencies(dataclasses.replace(args, rope_scaling=None))
-    factor = float(factors.max())  # the divisor of the lowest frequencies; Meta's low/high factors 1 and 4
-    for old in (2 ** k for k in range(4, 21)):  # original context: 8192 for Llama 3.1/3.2
-        s = dict(factor=factor, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=old)
-        if torch.allclose(base / rope_frequencies(dataclasses.replace(args, rope_scaling=s)), factors, rtol=1e-4):
-            return dataclasses.replace(args, rope_scaling=s)
-    raise ConvertError("GGUF rope_freqs.weight does not match a known Llama-3.1 rope scaling")
-
-
 def open_source(src: Path) -> Source:
     if not src.exists():
         raise ConvertError(f"no such file or directory: {src}")
@@ -544,7 +321,7 @@ def build_state_dict(s: Source, dtype: torch.dtype):
                 raise ConvertError(f"missing tensor {name}")
             return None
         used.add(name)
-        return s.tensors[name]().to(dtype)
+        return checked_weight(name, s.tensors[name]()).to(dtype)
 
     def norm(key, i=None):
         w = get(key, i)
@@ -661,22 +438,20 @@ def _experts(get, has, i, args) -> dict:
 
 
 def convert(src, output_dir, dtype=None) -> Path:
-    """Convert SRC into output_dir (model.pth, config.json, tokenizer); returns the model.pth path.
+    """Convert SRC into output_dir (model.pth, config.json, tokenizer); returns the model.pth path. All files are
+    published together or none (convert_io.publish): a failure leaves a previous conversion there whole.
     dtype: None (keep the source's float dtype; GGUF gives float32), a torch.dtype or one of DTYPES' names."""
     src, out = Path(src), Path(output_dir)
-    if src.is_dir() and out.resolve() == src.resolve():
+    written = {(out / n).resolve() for n in ("model.pth", "config.json", *TOKENIZER_FILES)}
+    if out.resolve() == src.resolve() or src.resolve() in written:  # the conversion would replace its own input
         raise ConvertError(f"output directory {out} must differ from the source's directory")
     s = open_source(src)
     if isinstance(dtype, str):
         dtype = DTYPES[dtype]
     sd, args = build_state_dict(s, dtype or s.dtype)
-    out.mkdir(parents=True, exist_ok=True)
     config = dataclasses.asdict(args)
     sd["_config"] = json.dumps(config)
-    save_checkpoint(sd, out / "model.pth")
-    write_atomic(out / "config.json", json.dumps(config, indent=2) + "\n")
-    if s.tokenizer:
-        s.tokenizer(out)
+    publish(out, sd, config, s.tokenizer)
     return out / "model.pth"
 
 

@@ -14,6 +14,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 import convert_checkpoint as C  # noqa: E402
+from conftest import make_bpe_tokenizer  # noqa: E402
 import model as M  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
@@ -83,7 +84,7 @@ HF_CASES = {
 def test_hf(case, tmp_path):
     m = hf_model(**HF_CASES[case])
     m.save_pretrained(tmp_path / "hf", **({"max_shard_size": "60KB"} if "sharded" in case else {}))
-    (tmp_path / "hf" / "tokenizer.json").write_text('{"fake": 1}')
+    make_bpe_tokenizer(tmp_path / "hf")  # a real one: the converter loads it before publishing
     if "sharded" in case:
         assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
     path = C.convert(tmp_path / "hf", tmp_path / "out")
@@ -91,7 +92,7 @@ def test_hf(case, tmp_path):
     cfg = json.loads((tmp_path / "out" / "config.json").read_text())
     assert cfg == json.loads(sd["_config"]) and cfg["tie_embeddings"] == m.config.tie_word_embeddings
     assert ("output.weight" in sd) != cfg["tie_embeddings"]
-    assert (tmp_path / "out" / "tokenizer.json").read_text() == '{"fake": 1}'
+    assert (tmp_path / "out" / "tokenizer.json").read_bytes() == (tmp_path / "hf" / "tokenizer.json").read_bytes()
     check(hf_logits(m), path)
 
 
@@ -176,7 +177,7 @@ def test_meta(shards, tmp_path):
     (tmp_path / "params.json").write_text(json.dumps(dict(
         dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, multiple_of=128, ffn_dim_multiplier=0.75,
         norm_eps=1e-5, rope_theta=10000.0, use_scaled_rope=True)))
-    (tmp_path / "tokenizer.model").write_bytes(b"spm")
+    make_bpe_tokenizer(tmp_path)  # a real one: the converter loads it before publishing
     if shards == "1":
         torch.save(sd, tmp_path / "consolidated.00.pth")
     else:
@@ -192,7 +193,7 @@ def test_meta(shards, tmp_path):
     path = C.convert(tmp_path, tmp_path / "out")
     cfg = json.loads((tmp_path / "out" / "config.json").read_text())
     assert cfg["intermediate_size"] == 128 and cfg["rope_scaling"]["factor"] == 8.0 and not cfg["tie_embeddings"]
-    assert (tmp_path / "out" / "tokenizer.model").read_bytes() == b"spm"
+    assert (tmp_path / "out" / "tokenizer.json").read_bytes() == (tmp_path / "tokenizer.json").read_bytes()
     check(hf_logits(m), path)
 
 
