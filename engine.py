@@ -303,8 +303,8 @@ class Engine:
     then advances every busy slot by one token in one forward (rows = busy slots), each row sampled with its own
     request's parameters (greedy rows are a plain argmax). A request that ends frees its slot at once.
     Prefix reuse (reuse=True): a slot remembers the tokens whose keys / values it holds (`fed`); a queued request goes
-    to the free slot sharing the longest prefix with its prompt (the previous turn of a chat, a shared system prompt)
-    and only the rest of the prompt is prefilled, at its positions (the attention mask comes from the positions, so
+    to the free slot sharing the longest prefix with its prompt (the previous turn of a chat, a shared system prompt;
+    among equals the one holding the fewest tokens) and only the rest of the prompt is prefilled, at its positions (the attention mask comes from the positions, so
     the stale entries past them are never read). Backends whose cache is not addressed by position take reuse=False.
     add() and cancel() go between steps: one thread owns the engine (server.py feeds it from its HTTP side).
     With more than one slot the backend's forward must accept batch_index [B, 1] (rows -> cache slots)."""
@@ -359,7 +359,7 @@ class Engine:
         while free and self.queue:
             r = self.queue.popleft()
             reuse = [min(common_prefix(self.fed[s], r.ids), len(r.ids) - 1) if self.reuse else 0 for s in free]
-            s = free.pop(max(range(len(free)), key=lambda i: reuse[i]))
+            s = free.pop(max(range(len(free)), key=lambda i: (reuse[i], -len(self.fed[free[i]]))))  # ties: lose least
             r.reused = max(reuse)
             self.req[s], self.pos[s], self.fed[s] = r, len(r.ids), list(r.ids)
             self.prompt_tokens += len(r.ids)

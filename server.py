@@ -53,7 +53,7 @@ class Server:
         batches = "batch_index" in inspect.signature(self.backend.forward).parameters and \
             getattr(self.backend, "full_batch_size", 0) is not None
         slots = min(slots_wanted or 4, self.backend.max_batch_size) if batches else 1
-        self.engine = E.Engine(self.backend, self.device, slots, args.prefill_chunk)
+        self.engine = E.Engine(self.backend, self.device, slots, args.prefill_chunk, reuse=not args.no_prefix_reuse)
         self.how = (f"{slots} slots, continuous batching" if batches else
                     "one request at a time (this backend has no batch_index: no continuous batching)")
         self.context = self.backend.max_seq_length
@@ -116,7 +116,8 @@ class Server:
         busy = sum(r is not None for r in self.engine.req)
         return {"status": "ok" if self.ready.is_set() else "loading", "model": self.name, "slots": len(self.engine.req),
                 "slots_busy": busy, "queued": len(self.engine.queue) + self.inbox.qsize(), "requests": len(self.live),
-                "decode_steps": self.engine.steps}
+                "decode_steps": self.engine.steps, "prompt_tokens": self.engine.prompt_tokens,
+                "prompt_tokens_reused": self.engine.reused_tokens}
 
     # ---- the HTTP side
     def render(self, messages: list, **variables) -> str:
@@ -359,6 +360,8 @@ def parse_args(argv=None):
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0 = pick a free port (printed)", rule=within(0, 65535))
     p.add_argument("--api_key", default="", help="require `Authorization: Bearer KEY` on /v1 and /metrics (401 without)")
+    p.add_argument("--no_prefix_reuse", action="store_true",
+                   help="prefill every prompt whole (default: reuse the prefix a free slot's cache holds)")
     p.add_argument("--chat_template", type=Path, default=None,
                    help="a Jinja chat template file replacing the tokenizer's (e.g. one that takes tools)")
     return p.parse_args(argv)

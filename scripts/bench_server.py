@@ -5,6 +5,7 @@
 #
 #   python scripts/bench_server.py --compile --threads 2 --full_batch_size 8        # flags after ours go to server.py
 #   python scripts/bench_server.py --clients 1,4,8 --max_tokens 128 --pte smollm2.pte
+#   python scripts/bench_server.py --chat_turns 6 --threads 2    # TTFT per turn of one chat (prefix reuse on and off)
 import argparse
 import json
 import math
@@ -106,6 +107,40 @@ def bench_server(args_for_server: list, clients=(1, 4, 8), max_tokens: int = 64,
             proc.kill()
 
 
+TURNS = ["Hi! Tell me about the sea.", "Why is it salty?", "And why is it blue?", "Which sea is the largest?",
+         "How deep is it?", "Thanks! Summarize what you told me."]
+
+
+def chat_turns(args_for_server: list, turns: int = 6, max_tokens: int = 48) -> list:
+    """One chat of `turns` turns (greedy, each turn sent whole with the replies so far, as chat clients do);
+    returns per turn: prompt_tokens, ttft_s (streamed) and the prompt tokens the server found in its cache."""
+    import openai
+    proc, url = start_server(args_for_server)
+    try:
+        client = openai.OpenAI(base_url=url + "v1", api_key="none", max_retries=0, timeout=3600)
+        model = client.models.list().data[0].id
+        client.completions.create(model=model, prompt="Hello", max_tokens=4)  # warm-up
+        messages, rows = [], []
+        for i in range(turns):
+            messages.append({"role": "user", "content": TURNS[i % len(TURNS)]})
+            before = json.loads(urllib.request.urlopen(url + "health", timeout=30).read())["prompt_tokens_reused"]
+            t0, first, reply, usage = time.perf_counter(), None, "", None
+            for c in client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens,
+                                                    temperature=0, stream=True, stream_options={"include_usage": True}):
+                if c.choices and c.choices[0].delta.content:
+                    first = first or time.perf_counter()
+                    reply += c.choices[0].delta.content
+                usage = c.usage or usage
+            messages.append({"role": "assistant", "content": reply})
+            after = json.loads(urllib.request.urlopen(url + "health", timeout=30).read())["prompt_tokens_reused"]
+            rows.append(dict(turn=i + 1, prompt_tokens=usage.prompt_tokens, ttft_s=(first or time.perf_counter()) - t0,
+                             reused=after - before))
+        return rows
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
 def generate_batch1(args_for_generate: list, max_tokens: int = 64, prompt: str = PROMPT) -> dict:
     """generate.py batch 1 on the same backend flags, greedy, exactly max_tokens: its decode and TTFT figures."""
     r = subprocess.run([sys.executable, str(REPO / "generate.py"), *map(str, args_for_generate), "--prompt", prompt,
@@ -121,7 +156,18 @@ def main():
     p = argparse.ArgumentParser(description="Benchmark server.py with N concurrent clients; other flags go to server.py.")
     p.add_argument("--clients", default="1,4,8", help="comma-separated client counts")
     p.add_argument("--max_tokens", type=int, default=64)
+    p.add_argument("--chat_turns", type=int, default=0, help="instead: TTFT per turn of one chat of N turns")
     args, server_args = p.parse_known_args()
+    if args.chat_turns:
+        on, off = chat_turns(server_args, args.chat_turns), chat_turns(server_args + ["--no_prefix_reuse"],
+                                                                         args.chat_turns)
+        print(f"server.py {' '.join(server_args)}; one chat, greedy, up to 48 tokens per reply")
+        print("| turn | prompt tokens | TTFT, no prefix reuse | TTFT, prefix reuse | prompt tokens reused |")
+        print("|---|---|---|---|---|")
+        for a, b in zip(off, on):
+            print(f"| {b['turn']} | {b['prompt_tokens']} | {a['ttft_s'] * 1000:.0f} ms | {b['ttft_s'] * 1000:.0f} ms "
+                  f"| {b['reused']} |")
+        return
     clients = [int(c) for c in args.clients.split(",")]
     if "--full_batch_size" not in server_args:
         server_args += ["--full_batch_size", str(max(clients))]

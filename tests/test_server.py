@@ -382,6 +382,53 @@ def test_engine_one_slot_without_batch_index_and_mixed_sampling(tiny, cpu):
     assert first == [0] * 4 + [2] * (64 - len(prompts[2])) + [3] * (64 - len(prompts[0]))
 
 
+def test_engine_prefix_reuse_gives_the_same_tokens(tiny, cpu):
+    """A prompt that starts with tokens a free slot holds prefills only the rest (the previous turn of a chat, a
+    shared prefix; the whole prompt but its last token when it is sent again) and yields the same greedy tokens."""
+    from quantize import load_model
+    _, d = tiny
+    model = load_model(d / "model.pth")
+    a = [5, 17, 33, 2, 90, 11, 12]
+    prompts = [a, a + [40, 41], a[:4] + [7, 7], a + [40, 41], [9, 9]]
+    want = [engine.generate(engine.TorchBackend(model, 1, 128), [p], 8, cpu)[0][0] for p in prompts]
+    eng = engine.Engine(engine.TorchBackend(model, 2, 128), cpu, 2)
+    got, reqs = [], []
+    for p in prompts:  # one after the other, as turns of a chat
+        emit = engine.Emitter(1, 8, (), None, cpu)
+        reqs.append(engine.Request(p, lambda t, emit=emit: emit.put(0, t)))
+        eng.add(reqs[-1])
+        while eng.busy():
+            eng.step()
+        got.append(emit.out[0])
+    assert got == want
+    assert [r.reused for r in reqs] == [0, 7, 4, 4, 0]  # the 3rd took the slot of the 2nd
+    assert (eng.prompt_tokens, eng.reused_tokens) == (sum(map(len, prompts)), 15)
+    # all at once on 2 slots, after the slots hold other tokens: the same again
+    emit = engine.Emitter(len(prompts), 8, (), None, cpu)
+    for i, p in enumerate(prompts):
+        eng.add(engine.Request(p, lambda t, i=i: emit.put(i, t)))
+    while eng.busy():
+        eng.step()
+    assert emit.out == want
+
+
+def test_server_reuses_the_previous_turn(tiny, capsys):
+    srv, d = tiny
+    first = "Once upon a time"
+    reply, _ = completion(srv, first, max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+    before = srv.wait_idle()
+    second = first + reply + " and then"
+    got, _ = completion(srv, second, max_tokens=12, temperature=0)
+    h = srv.wait_idle()
+    from tokenizer import load_tokenizer
+    n = len(load_tokenizer(d).encode(second))
+    assert h["prompt_tokens"] - before["prompt_tokens"] == n
+    assert h["prompt_tokens_reused"] - before["prompt_tokens_reused"] >= len(load_tokenizer(d).encode(first))
+    out = cli_text(capsys, "--checkpoint_path", d / "model.pth", "--prompt", second, "--temperature", 0,
+                   "--max_new_tokens", 12, "--threads", 1)
+    assert got == out[len(second):-1]
+
+
 # ------------------------------------------------------------------------------------------------- default model
 def test_default_model_end_to_end_matches_generate_cli(capsys):
     """The default model: a completion and a chat reply, each among 8 concurrent requests on 8 slots, are the text
