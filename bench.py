@@ -31,11 +31,10 @@ PROMPTS = {
 }
 # 495 tokens with SmolLM2's tokenizer (4 prefill chunks of 128): hybrid (fixed-length prefill) vs one dynamic forward
 PROMPTS["long"] = " ".join([PROMPTS["story"]] * 15)
-CB_PROMPTS = [  # continuous batching: more prompts than slots
-    "The history of the printing press begins", "Here is a recipe for a simple tomato soup:", "The three laws of "
-    "motion are", "Once upon a time, in a village at the edge of a forest,", "A good way to learn a new language is",
-    "The main causes of the French Revolution were", "To change a flat tyre on a bicycle, first",
-    "The weather on Mars is"]
+CB_PROMPTS = ["The history of the printing press begins", "Here is a recipe for a simple tomato soup:",  # cb rows
+              "The three laws of motion are", "Once upon a time, in a village at the edge of a forest,", "A good way "
+              "to learn a new language is", "The main causes of the French Revolution were", "To change a flat tyre "
+              "on a bicycle, first", "The weather on Mars is"]
 # Artifacts: path -> the command that builds it ({ck} the checkpoint directory, {art} {ck}/bench, {j} the threads)
 FP, I8, I4, D4, D8 = (f"{{ck}}/model{s}.pth" for s in ("", "_int8", "_int4.g32", "_8da4w.g32", "_8da8w"))
 Q = ["quantize.py", "--checkpoint_path", FP, "--mode"]
@@ -44,8 +43,7 @@ S256, J = ("--max_seq_length", "256"), ("--threads", "{j}")
 
 def export(name) -> list:
     """The export command of {art}/name, read off the name: PRECISION[.g32][.fp][.s256|.modes][.j{j}].pte|.pt2. fp:
-    --fast_prefill; s256: a 256-token context (the prompt + 128 tokens; else the exporter's 1024, the ctx1024 rows);
-    modes: the runners' -M modes, prefill chunks of 128; j{j}: AOT Inductor kernels compiled for the bench's threads."""
+    --fast_prefill; s256: a 256-token context (else 1024); modes: -M modes, chunks of 128; j{j}: the bench's threads."""
     p = name.split(".")
     ck = {"fp32": "model.pth", "int8": "model_int8.pth", "8da8w": "model_8da8w.pth"}.get(p[0], f"model_{p[0]}.g32.pth")
     extra = [*(S256 if "s256" in p else ()), *(("--prefill_chunk", "128", "--lookahead") if "modes" in p else ()),
@@ -97,18 +95,17 @@ def runner_modes(name, binary, artifact):
             for m in ("kv", mode)}
 
 
-def artifact_row(flag, artifact, weights, vs=None, peer=None):
+def artifact_row(flag, artifact, weights, vs=None, peer=None):  # an exported program through generate.py
     return gen(flag, artifact, "--tokenizer_path", "{ck}", weights=weights, vs=vs, needs=[artifact], peer=peer)
 
 
-def llamacpp(kind):
-    """llama.cpp (llama-cpp-python) decoding the same weights as a GGUF of this kind, same prompt and threads."""
-    gguf = f"{{art}}/{kind}.gguf"
-    return dict(kind="peer", gguf=gguf, weights=gguf, prompt="story", vs=None, needs=[gguf], peer=None)
+def llamacpp(kind):  # llama.cpp (llama-cpp-python) on the same weights as a GGUF of this kind, same prompt, threads
+    return dict(kind="peer", gguf=(g := f"{{art}}/{kind}.gguf"), weights=g, prompt="story", vs=None, needs=[g],
+                peer=None)
 
 
-RA, RE = "runner-aoti/build/run", "runner-et/build/run"
-F32, F16, Q8, Q4 = "llama.cpp F32", "llama.cpp F16", "llama.cpp Q8_0", "llama.cpp Q4_0"
+RA, RE, F32, F16, Q8, Q4 = ("runner-aoti/build/run", "runner-et/build/run", "llama.cpp F32", "llama.cpp F16",
+                            "llama.cpp Q8_0", "llama.cpp Q4_0")
 ROWS = {
     F32: llamacpp("f32"), F16: llamacpp("f16"), Q8: llamacpp("q8_0"), Q4: llamacpp("q4_0"),
     "eager fp32": gen(peer=F32), "compile fp32": gen("--compile", vs="eager fp32", peer=F32),
@@ -117,7 +114,7 @@ ROWS = {
     "eager int8": gen("--checkpoint_path", I8, vs="eager fp32"),
     "compile int8": gen("--compile", "--checkpoint_path", I8, vs="compile fp32", peer=Q8),
     "compile int4 g32": gen("--compile", "--checkpoint_path", I4, vs="compile fp32", peer=Q4),
-    # the server's and chat's 2048-token context: the layers attend over the filled cache slots only (model.py)
+    # the server's and chat's 2048-token context: the layers attend over the filled cache slots (fast_cpu.FilledSlots)
     "compile fp32 ctx2048": gen("--compile", "--max_seq_length", "2048", vs="compile fp32", peer=F32),
     "compile int4 g32 ctx2048": gen("--compile", "--max_seq_length", "2048", "--checkpoint_path", I4,
                                     vs="compile int4 g32", peer=Q4),
@@ -136,8 +133,8 @@ ROWS = {
     "runner-aoti int8 fast_prefill": runner(RA, "{art}/int8.fp.s256.j{j}.pt2", I8, vs="runner-aoti int8", peer=Q8),
     "runner-aoti int4 g32 fast_prefill": runner(RA, "{art}/int4.g32.fp.s256.j{j}.pt2", I4,
                                                 vs="runner-aoti int4 g32", peer=Q4),
-    "runner-aoti 8da8w fast_prefill": runner(RA, "{art}/8da8w.fp.s256.j{j}.pt2", D8,
-                                             vs="runner-aoti int8 fast_prefill", peer=Q8),
+    "runner-aoti 8da8w fast_prefill": runner(RA, "{art}/8da8w.fp.s256.j{j}.pt2", D8, vs="runner-aoti int8 fast_prefill",
+                                             peer=Q8),
     "runner-aoti 8da4w g32 fast_prefill": runner(RA, "{art}/8da4w.g32.fp.s256.j{j}.pt2", D4,
                                                  vs="runner-aoti 8da4w g32", peer=Q4),
     "runner-aoti 8da4w g32": runner(RA, "{art}/8da4w.g32.s256.j{j}.pt2", D4, vs="runner-aoti fp32", peer=Q4),
@@ -146,8 +143,7 @@ ROWS = {
     "runner-et fp32": runner(RE, "{art}/fp32.s256.pte", FP, vs="pte fp32", peer=F32),
     "runner-et fp32 fast_prefill": runner(RE, "{art}/fp32.fp.s256.pte", FP, vs="runner-et fp32", peer=F32),
     "runner-et 8da4w g32": runner(RE, "{art}/8da4w.g32.s256.pte", D4, vs="runner-et fp32", peer=Q4),
-    "runner-et 8da4w g32 fast_prefill": runner(RE, "{art}/8da4w.g32.fp.s256.pte", D4, vs="runner-et 8da4w g32",
-                                               peer=Q4),
+    "runner-et 8da4w g32 fast_prefill": runner(RE, "{art}/8da4w.g32.fp.s256.pte", D4, "runner-et 8da4w g32", Q4),
     "runner-et 8da8w": runner(RE, "{art}/8da8w.s256.pte", D8, vs="runner-et fp32", peer=Q8),
     "runner-et fp32 ctx1024": runner(RE, "{art}/fp32.pte", FP, vs="runner-et fp32"),  # a .pte reads its whole cache
     "runner-et 8da4w g32 ctx1024": runner(RE, "{art}/8da4w.g32.pte", D4, vs="runner-et fp32 ctx1024"),
@@ -211,10 +207,14 @@ def run_peer(row, args, fill):
     cmd = [PY, "scripts/llamacpp_peer.py", "time", "--gguf", fill(row["gguf"]), "--tokenizer_path", fill("{ck}"),
            "--threads", str(torch.get_num_threads()), "--prompt", PROMPTS["story"],
            "--max_new_tokens", str(args.max_new_tokens), "--runs", str(args.runs), "--n_ctx", "512", "--quiet"]
-    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    return json.loads(_checked(subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)).splitlines()[-1])
+
+
+def _checked(r) -> str:
+    """A finished row process's stdout, or its last stderr line as the row's error."""
     if r.returncode != 0:
         raise RuntimeError((r.stderr.strip().splitlines() or ["?"])[-1])
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    return r.stdout.strip()
 
 
 def run_runner(row, args, fill):
@@ -290,10 +290,7 @@ def run_row(name, args, bw, nproc=1):
             tp = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc > 1 else []
             cmd = [PY, *tp, __file__, "--_child", "--runs", str(args.runs), "--max_new_tokens",
                    str(args.max_new_tokens), "--", *gen_args, "--device", args.device]
-            r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
-            if r.returncode != 0:
-                raise RuntimeError((r.stderr.strip().splitlines() or ["?"])[-1])
-            res = json.loads(r.stdout.strip().splitlines()[-1])
+            res = json.loads(_checked(subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)).splitlines()[-1])
             size_of = next((gen_args[i + 1] for i, a in enumerate(gen_args)
                             if a in ("--pte", "--aoti_package", "--onnx", "--checkpoint_path")), None)
     except (RuntimeError, OSError, subprocess.SubprocessError) as e:
@@ -338,8 +335,8 @@ def _file_mb(p: Path) -> float:
 def _weight_bytes(ck: str, dtype: Optional[str] = None) -> int:
     """Bytes of the weights one decode step reads, in the row's dtype (a tied embedding once; mmap, nothing read)."""
     import engine
-    from quantize import load_model
-    return engine.weight_bytes(load_model(ck, dtype=getattr(torch, dtype) if dtype else None))
+    import quantize
+    return engine.weight_bytes(quantize.load_model(ck, dtype=getattr(torch, dtype) if dtype else None))
 
 
 def table(results, bw):
@@ -363,9 +360,8 @@ def table(results, bw):
         lines.append(f"| {r['name']} | {r['decode_tok_s']:.2f}{extra} | {r['vs'] or '-'} | {ratio} | "
                      f"{r['prefill_tok_s']:.1f} | {r['ttft_s'] * 1000:.0f} | {file_mb} | "
                      f"{r['weight_bytes'] / 1e6:.0f} | {ceil} | {r['peak_rss_mb']:.0f} |")
-    lines += ["", "decode tok/s of a cb row is aggregate: every sequence's tokens after its first / time after the "
-              "first token (the later prompts' prefills included)."]
-    return "\n".join(lines)
+    return "\n".join(lines + ["", "decode tok/s of a cb row is aggregate: every sequence's tokens after its first / "
+                              "time after the first token (the later prompts' prefills included)."])
 
 
 def cpu_model() -> str:
@@ -422,23 +418,24 @@ def main():
     p.add_argument("--rows", default=",".join(DEFAULT_ROWS),
                    help=f"comma-separated rows or groups ({', '.join(GROUPS)}); rows: {', '.join(ROWS)}")
     p.add_argument("--checkpoint_dir", default=str(CK))
+    p.add_argument("--model", help="with --random_weights: a named config's shape (Llama-3.2-1B), seeded weights")
+    p.add_argument("--random_weights", action="store_true", help="scripts/random_checkpoint.py's NAME-random")
     p.add_argument("--runs", type=int, default=5, rule=at_least(1))
     p.add_argument("--max_new_tokens", type=int, default=128, rule=at_least(1))
     p.add_argument("--device", default="cpu")
     p.add_argument("--json", default="bench.json")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads per row (default: torch's)", rule=at_least(1))
-    p.add_argument("--rounds", type=int, default=1, help="run the row list N times, interleaved; medians over rounds", rule=at_least(1))
+    p.add_argument("--threads", type=int, help="CPU threads per row (default: torch's)", rule=at_least(1))
+    p.add_argument("--rounds", type=int, default=1, help="the rows N times, interleaved; medians", rule=at_least(1))
     p.add_argument("--nproc", default="1", help="tensor-parallel world sizes (torchrun), e.g. 1,2,4")
-    p.add_argument("--prompt_tokens", type=int, default=None, help="the rows' default prompt becomes the first N "
-                   "tokens of the long prompt (prefill at a given length, e.g. 15 or 128; llama.cpp's rows alike)")
+    p.add_argument("--prompt_tokens", type=int, help="prefill at N tokens: the first N of the long prompt, every row")
     p.add_argument("--markdown", default=None, help="also write the benchmark page (e.g. docs/benchmarks.md)")
     p.add_argument("--from_json", default=None, help="with --markdown: render this bench.json, run nothing")
     p.add_argument("--_child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("gen_args", nargs="*", help=argparse.SUPPRESS)
-    args = p.parse_args()  # --runs, --rounds, --max_new_tokens, --threads, --json: common.py's rules
+    args = p.parse_args()
     if args._child:
         return child(args)
-    if args.markdown and Path(args.markdown).is_dir():
+    if args.markdown and Path(args.markdown).is_dir():  # (common.OUTPUT_FILES covers output, json)
         raise ValueError(f"--markdown {args.markdown} is a folder; name the file to write")
     if args.from_json:  # render an earlier run's results; run nothing
         if not (args.markdown and Path(args.from_json).is_file()):
@@ -460,27 +457,30 @@ def main():
     if args.prompt_tokens is not None and not 1 <= args.prompt_tokens <= 480:
         raise ValueError("--prompt_tokens must be between 1 and 480 (the long prompt's length), "
                          f"got {args.prompt_tokens}")
+    sys.path.insert(0, str(REPO / "scripts"))
+    if bool(args.model) != args.random_weights:
+        raise ValueError("--model NAME and --random_weights go together (a real checkpoint: --checkpoint_dir)")
+    if args.model:  # (speed and memory do not depend on the weights' values)
+        from random_checkpoint import random_checkpoint
+        args.checkpoint_dir = str(REPO / "checkpoints" / f"{args.model}-random")
+        random_checkpoint(args.model, Path(args.checkpoint_dir), log=lambda m: print(m, file=sys.stderr))
     if not (Path(args.checkpoint_dir) / "model.pth").is_file():
-        sys.path.insert(0, str(REPO / "scripts"))
         import download
         download.prepare_default(Path(args.checkpoint_dir))
     if args.prompt_tokens:  # a text that our tokenizer (and so llama.cpp's rows, fed our ids) reads as exactly N tokens
         from tokenizer import load_tokenizer
         tok = load_tokenizer(Path(args.checkpoint_dir))
         PROMPTS["story"] = tok.decode(tok.encode(PROMPTS["long"])[:args.prompt_tokens])
-        print(f"prompt: {len(tok.encode(PROMPTS['story']))} tokens ({PROMPTS['story'][:40]!r}...)", file=sys.stderr)
     bw = measure_bandwidth()
     print(f"measured read bandwidth: {bw:.1f} GB/s ({torch.get_num_threads()} threads)", file=sys.stderr)
     rounds = []
     for i in range(args.rounds):
-        if args.rounds > 1:
-            print(f"round {i + 1} of {args.rounds}", file=sys.stderr)
+        print(f"round {i + 1} of {args.rounds}", file=sys.stderr)
         rounds.append([run_row(n, args, bw, int(k)) for n in names for k in args.nproc.split(",")])
     results = [merge_rounds(rs) for rs in zip(*rounds)]
     print(table(results, bw))
     server = None
     if "server" in args.rows.split(","):
-        sys.path.insert(0, str(REPO / "scripts"))
         from bench_server import bench_server
         server = bench_server([*SERVER_ARGS, "--checkpoint_path", str(Path(args.checkpoint_dir) / "model.pth"),
                                "--threads", str(torch.get_num_threads())], max_tokens=args.max_new_tokens)
