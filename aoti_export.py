@@ -21,11 +21,11 @@ import zipfile
 from pathlib import Path
 from typing import Optional
 
+from common import (THREADS, ArgumentParser, at_least, atomic_path, check_device, checkpoint_file, cli, first_line,
+                    native_tmpdir, write_atomic)
 import torch
 
 import torch_internals as TI
-from common import (THREADS, ArgumentParser, at_least, atomic_path, check_device, checkpoint_file, cli, first_line,
-                    native_tmpdir, write_atomic)
 
 try:  # the CPU accelerator: without it a package reads its whole cache, quantized weights folded into float ones
     import fast_cpu

@@ -2,6 +2,7 @@
 # tokenizer live, one atomic writer, one device check, the command-line parser every script uses (flag values
 # checked against one table of rules before anything loads) and the CLI wrapper that turns expected failures into one
 # `error: ...` line. Imports nothing from this repo except, lazily, scripts/download.py to prepare the default model.
+# The CLIs import it before torch: its sys.excepthook makes a Ctrl-C during their imports exit 130, no traceback.
 import argparse
 import atexit
 import contextlib

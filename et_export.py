@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from common import GROUPSIZES, ArgumentParser, at_least, atomic_path, cli, first_line, one_of, resolve_checkpoint
 import torch
 from torch import Tensor, nn
 
@@ -20,7 +21,6 @@ import et_passes
 import qexport
 import qops
 from pte_backend import PTEBackend  # noqa: F401  (re-exported for older callers)
-from common import GROUPSIZES, ArgumentParser, at_least, atomic_path, cli, first_line, one_of, resolve_checkpoint
 
 BACKENDS = ("xnnpack", "portable", "qnn", "coreml", "mps")
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}

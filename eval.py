@@ -23,9 +23,9 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from common import ArgumentParser, at_least, check_device, cli, resolve_checkpoint, set_threads
 import torch
 
-from common import ArgumentParser, at_least, check_device, cli, resolve_checkpoint, set_threads
 from backends import load_backend
 
 

@@ -22,13 +22,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
 
+from common import (ArgumentParser, at_least, checkpoint_file, cli, copy_tokenizer_files, has_tokenizer,
+                    resolve_checkpoint, temp_dir, within)
 import numpy as np
 import torch
 import torch.nn as nn
 from torch import Tensor
 
-from common import (ArgumentParser, at_least, checkpoint_file, cli, copy_tokenizer_files, has_tokenizer,
-                    resolve_checkpoint, temp_dir, within)
 from model import Transformer
 from quantize import load_model
 from onnx_backends import OnnxBackend, json_metadata  # noqa: F401 (OnnxBackend: re-exported for old callers)

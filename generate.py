@@ -6,10 +6,10 @@
 import sys
 from pathlib import Path
 
+from common import ArgumentParser, at_least, check_device, cli, peak_memory_mb, resolve_checkpoint, set_threads
 import torch
 
 import tp  # tensor parallelism under torchrun
-from common import ArgumentParser, at_least, check_device, cli, peak_memory_mb, resolve_checkpoint, set_threads
 from backends import add_backend_args, load_backend
 from engine import Sampling, TorchBackend, check_vocab, generate, generate_continuous, weight_bytes
 from quantize import load_model

@@ -36,10 +36,10 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from common import GROUPSIZES, ArgumentParser, at_least, check_device, checkpoint_file, cli, default_checkpoint, one_of
 import torch
 import torch.nn as nn
 
-from common import GROUPSIZES, ArgumentParser, at_least, check_device, checkpoint_file, cli, default_checkpoint, one_of
 from model import checkpoint_state, save_checkpoint
 from model import load_model as load_float_or_hooked
 from qops import (SHRINKS, SYM_EXTRA, QuantizedEmbedding, QuantizedLinear, QuantizedWeight,  # noqa: F401
