@@ -390,8 +390,6 @@ def check_flag(flag: str, dest: str, value, rule=None, suffix=None) -> None:
     for v in value if isinstance(value, list) else [value]:
         if isinstance(v, str):
             _check_text(flag, v)
-        if suffix and Path(v).suffix not in suffix:
-            raise ValueError(f"{flag} {v} must end in {' or '.join(suffix)}")
         if rule is not None and isinstance(v, (int, float)):
             what, ok = rule
             if not ((isinstance(v, int) or math.isfinite(v)) and ok(v)):
@@ -410,6 +408,8 @@ def check_flag(flag: str, dest: str, value, rule=None, suffix=None) -> None:
                 raise ValueError(f"{flag} {p}: folder {p.parent} does not exist")
             if not os.access(p.parent, os.W_OK):
                 raise ValueError(f"{flag} {p}: folder {p.parent} is not writable")
+        if suffix and Path(v).suffix not in suffix:  # after "is a folder", the more useful word
+            raise ValueError(f"{flag} {v} must end in {' or '.join(suffix)}")
         if dest in OUTPUT_DIRS:
             p = Path(v)
             existing = next((a for a in (p, *p.parents) if a.exists()), Path("."))

@@ -98,7 +98,7 @@ ROWS = [
      r"not found", None, None),
     ("generate-tokenizer-missing", "generate.py", ["--checkpoint_path", "{ck}", *G, "--tokenizer_path", "{missing}"],
      r"tokenizer path not found", None, None),
-    ("generate-prompts_file-missing", "generate.py", ["--checkpoint_path", "{ck}", *G, "--prompts_file", "{missing}"],
+    ("generate-prompts_file-missing", "generate.py", ["--checkpoint_path", "{ck}", *G[2:], "--prompts_file", "{missing}"],
      r"prompts file not found", None, None),
     ("generate-device-tpu", "generate.py", ["--checkpoint_path", "{ck}", *G, "--device", "tpu"],
      r"invalid choice: 'tpu'", GEN, None),
