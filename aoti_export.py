@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Optional
 
 from common import (THREADS, ArgumentParser, at_least, atomic_path, check_device, checkpoint_file, cli, first_line,
-                    native_tmpdir, write_atomic)
+                    write_atomic)
+from native_files import check_free_space, native_tmpdir
 import torch
 
 import torch_internals as TI
@@ -92,8 +93,7 @@ def export(checkpoint_path, output_path, max_seq_length: int = 1024, dtype: Opti
     if max_seq_length < 2:
         raise ValueError(f"--max_seq_length must be at least 2 (got {max_seq_length})")
     output_path = Path(output_path)
-    if not output_path.parent.is_dir():
-        raise FileNotFoundError(f"output directory does not exist: {output_path.parent}")
+    check_free_space(output_path, checkpoint_file(checkpoint_path))  # a full disk aborted the process
     if dtype not in (None, "float32", "bfloat16", "float16"):
         raise ValueError(f"unknown dtype {dtype!r}")
     torch_dtype = getattr(torch, dtype) if dtype else None

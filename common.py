@@ -212,44 +212,6 @@ def atomic_path(path, directory: bool = False):
             os.chmod(path, 0o644)  # ordinary readable files, not the private folder's mode
 
 
-def _kill_users_of(d: Path) -> None:
-    """SIGKILL every process whose command line names d (a compiler this process started, orphaned when its driver
-    was killed: `cc1plus ... -o d/ccXXXX.s`; d's random name is this process's own)."""
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-        with contextlib.suppress(OSError, ValueError):
-            if str(d).encode() in cmdline.read_bytes() and int(cmdline.parent.name) != os.getpid():
-                os.kill(int(cmdline.parent.name), signal.SIGKILL)
-
-
-@contextlib.contextmanager
-def native_tmpdir(keep: bool = False):
-    """$TMPDIR, for the block, is a new private folder, so that the temporaries of native code run inside land there:
-    AOT Inductor's package loader extracts into $TMPDIR/aotinductor_* (and left two 3.6 MB folders per failed load),
-    the C++ compiler writes $TMPDIR/cc*.s. When the block fails (an error, Ctrl-C, SIGTERM under cli) the processes
-    still using the folder (an orphaned cc1plus) are killed and it is removed at once; when it succeeds, at once, or
-    with keep=True (a loaded package may still read its extracted files) when this process exits."""
-    d = Path(tempfile.mkdtemp(prefix="llama-flat-"))
-    saved = os.environ.get("TMPDIR")
-    os.environ["TMPDIR"], tempfile.tempdir = str(d), None  # tempfile re-reads TMPDIR
-    try:
-        yield d
-    except BaseException:
-        _kill_users_of(d)
-        shutil.rmtree(d, ignore_errors=True)
-        raise
-    else:
-        if keep:
-            atexit.register(shutil.rmtree, d, True)
-        else:
-            shutil.rmtree(d, ignore_errors=True)
-    finally:
-        if saved is None:
-            del os.environ["TMPDIR"]
-        else:
-            os.environ["TMPDIR"] = saved
-        tempfile.tempdir = None
-
-
 def write_atomic(path, data) -> None:
     """Write text or bytes to `path` atomically (temporary file beside it, then rename)."""
     data = data.encode("utf-8") if isinstance(data, str) else data

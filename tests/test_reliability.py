@@ -414,7 +414,7 @@ def test_sigterm_while_the_interpreter_exits_is_not_exit_0():
 
 def test_native_tmpdir_leaves_nothing_and_kills_what_it_started(tmp_path, monkeypatch):
     import tempfile
-    from common import native_tmpdir
+    from native_files import native_tmpdir
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     monkeypatch.setattr(tempfile, "tempdir", None)
     with pytest.raises(RuntimeError):
@@ -438,3 +438,13 @@ def test_a_failed_package_load_leaves_nothing_in_tmp(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="cannot load AOT Inductor package"):
         aoti_export.AOTIBackend(tmp_path / "m.pt2")
     assert list((tmp_path / "tmp").iterdir()) == []
+
+
+def test_aoti_export_refuses_a_full_disk_before_compiling(good, tmp_path, monkeypatch, capsys):
+    import shutil
+    import aoti_export
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(1 << 30, 1 << 30, 1 << 20))
+    line = in_process(aoti_export.main, ["--checkpoint_path", str(good), "--output_path", str(tmp_path / "m.pt2")],
+                      capsys)
+    assert re.fullmatch(r"error: not enough free space in \S+ to write \S+m\.pt2: 1 MiB free, about \d+ MiB needed",
+                        line) and list(tmp_path.iterdir()) == []
