@@ -166,6 +166,12 @@ class CompiledPrompt(nn.Module):
         self.inner, self.run = inner, run
         self.sliding, self.local_rope = getattr(inner, "sliding", False), getattr(inner, "local_rope", False)
 
+    def __getattr__(self, name: str):  # the wrapped module's attributes read through (layers[0].attention)
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules["inner"], name)
+
     def forward(self, *args, **kwargs):
         if torch.compiler.is_compiling():
             return self.inner(*args, **kwargs)
