@@ -309,7 +309,8 @@ class Engine:
     add() and cancel() go between steps: one thread owns the engine (server.py feeds it from its HTTP side).
     With more than one slot the backend's forward must accept batch_index [B, 1] (rows -> cache slots)."""
 
-    def __init__(self, backend, device, slots: int, prefill_chunk: Optional[int] = None, reuse: bool = True):
+    def __init__(self, backend, device, slots: int, prefill_chunk: Optional[int] = None, reuse: bool = True,
+                 prefill_budget: Optional[int] = None):
         if slots > backend.max_batch_size:
             raise ValueError(f"full_batch_size {slots} exceeds the backend's {backend.max_batch_size} slots")
         self.backend, self.device, self.chunk = backend, device, prefill_chunk or backend.prefill_chunk
@@ -318,6 +319,7 @@ class Engine:
         self.pos, self.tok = [-1] * slots, [0] * slots       # position and token each slot feeds next
         self.fed: list[list] = [[] for _ in range(slots)]    # the tokens whose keys / values each slot holds
         self.reuse, self.prompt_tokens, self.reused_tokens = reuse, 0, 0  # counters for /metrics
+        self.budget, self.todo, self.order = prefill_budget, [0] * slots, []  # prompt tokens each slot has left
 
     def add(self, r: Request):
         if len(r.ids) >= self.backend.max_seq_length:
@@ -336,7 +338,7 @@ class Engine:
             self._end(self.req.index(r), "cancelled")
 
     def _end(self, slot, reason):
-        r, self.req[slot], self.pos[slot] = self.req[slot], None, -1
+        r, self.req[slot], self.pos[slot], self.todo[slot] = self.req[slot], None, -1, 0
         r.on_end and r.on_end(reason)
 
     def _accept(self, slot, t):  # keep a sampled token; free the slot when its sequence ends or reaches the context end
@@ -361,23 +363,43 @@ class Engine:
             reuse = [min(common_prefix(self.fed[s], r.ids), len(r.ids) - 1) if self.reuse else 0 for s in free]
             s = free.pop(max(range(len(free)), key=lambda i: (reuse[i], -len(self.fed[free[i]]))))  # ties: lose least
             r.reused = max(reuse)
-            self.req[s], self.pos[s], self.fed[s] = r, len(r.ids), list(r.ids)
+            self.req[s], self.pos[s], self.fed[s], self.todo[s] = r, len(r.ids), r.ids[:r.reused], len(r.ids) - r.reused
+            self.order = [o for o in self.order if self.req[o] is not None and o != s] + [s]
             self.prompt_tokens += len(r.ids)
             self.reused_tokens += r.reused
             new.append(s)
         return new
 
+    def _prefilled(self, s, done, logits):  # slot s holds its prompt up to `done`; its first token when complete
+        r = self.req[s]
+        self.todo[s], self.fed[s] = len(r.ids) - done, list(r.ids[:done])
+        if not self.todo[s]:
+            self._accept(s, self._sample(logits, [r])[0])
+
     def step(self):
         index = (lambda s: torch.tensor(s, device=self.device).view(-1, 1)) if len(self.req) > 1 else (lambda s: None)
-        new = self._place([s for s, r in enumerate(self.req) if r is None])
-        starts = sorted({self.req[s].reused for s in new})
-        for start in starts:  # the new prompts go in together (padded), each into its own slot; one call per start
-            group = [s for s in new if self.req[s].reused == start]
-            logits = prefill(self.backend, [self.req[s].ids[start:] for s in group], self.device, chunk=self.chunk,
-                             start_pos=start, batch_index=index(group))
-            for s, t in zip(group, self._sample(logits, [self.req[s] for s in group])):
-                self._accept(s, t)
-        live = [s for s, r in enumerate(self.req) if r is not None]
+        self._place([s for s, r in enumerate(self.req) if r is None])
+        waiting = sorted((s for s, r in enumerate(self.req) if r is not None and self.todo[s]), key=self.order.index)
+        if self.budget is None:  # the new prompts go in together (padded), each into its own slot; one call per start
+            starts = {s: self.pos[s] - self.todo[s] for s in waiting}
+            for start in sorted(set(starts.values())):
+                group = [s for s in waiting if starts[s] == start]
+                logits = prefill(self.backend, [self.req[s].ids[start:] for s in group], self.device,
+                                 chunk=self.chunk, start_pos=start, batch_index=index(group))
+                for b, s in enumerate(group):
+                    self._prefilled(s, len(self.req[s].ids), logits[b:b + 1])
+        left = self.budget or 0
+        for s in waiting if self.budget else ():  # budget tokens of the oldest prompts, then the decode step
+            if left <= 0:
+                break
+            r = self.req[s]
+            a = len(r.ids) - self.todo[s]
+            b = min(len(r.ids), a + left)
+            logits = prefill(self.backend, [r.ids[a:b]], self.device, chunk=self.chunk, start_pos=a,
+                             batch_index=index([s]))
+            left -= b - a
+            self._prefilled(s, b, logits)
+        live = [s for s, r in enumerate(self.req) if r is not None and not self.todo[s]]
         if not live:
             return
         extra = {} if len(self.req) == 1 else {"batch_index": index(live)}

@@ -30,7 +30,7 @@ import torch
 
 import engine as E
 from backends import add_backend_args, load_backend
-from common import REPO, ArgumentParser, check_device, cli, resolve_checkpoint, set_threads, within
+from common import REPO, ArgumentParser, at_least, check_device, cli, resolve_checkpoint, set_threads, within
 from server_grammar import GrammarError, Grammars
 from server_job import Job
 from server_request import ApiError, error_body, parse_request
@@ -53,7 +53,8 @@ class Server:
         batches = "batch_index" in inspect.signature(self.backend.forward).parameters and \
             getattr(self.backend, "full_batch_size", 0) is not None
         slots = min(slots_wanted or 4, self.backend.max_batch_size) if batches else 1
-        self.engine = E.Engine(self.backend, self.device, slots, args.prefill_chunk, reuse=not args.no_prefix_reuse)
+        self.engine = E.Engine(self.backend, self.device, slots, args.prefill_chunk, reuse=not args.no_prefix_reuse,
+                               prefill_budget=args.prefill_budget)
         self.how = (f"{slots} slots, continuous batching" if batches else
                     "one request at a time (this backend has no batch_index: no continuous batching)")
         self.context = self.backend.max_seq_length
@@ -360,6 +361,9 @@ def parse_args(argv=None):
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0 = pick a free port (printed)", rule=within(0, 65535))
     p.add_argument("--api_key", default="", help="require `Authorization: Bearer KEY` on /v1 and /metrics (401 without)")
+    p.add_argument("--prefill_budget", type=int, default=None, rule=at_least(1),
+                   help="prompt tokens prefilled per step between the running requests' decode steps (default: all "
+                        "new prompts at once); with --prefill_chunk N, N too gives one compiled prompt shape")
     p.add_argument("--no_prefix_reuse", action="store_true",
                    help="prefill every prompt whole (default: reuse the prefix a free slot's cache holds)")
     p.add_argument("--chat_template", type=Path, default=None,

@@ -403,13 +403,20 @@ def test_engine_prefix_reuse_gives_the_same_tokens(tiny, cpu):
     assert got == want
     assert [r.reused for r in reqs] == [0, 7, 4, 4, 0]  # the 3rd took the slot of the 2nd
     assert (eng.prompt_tokens, eng.reused_tokens) == (sum(map(len, prompts)), 15)
-    # all at once on 2 slots, after the slots hold other tokens: the same again
-    emit = engine.Emitter(len(prompts), 8, (), None, cpu)
-    for i, p in enumerate(prompts):
-        eng.add(engine.Request(p, lambda t, i=i: emit.put(i, t)))
-    while eng.busy():
-        eng.step()
-    assert emit.out == want
+    # all at once on 2 slots, after the slots hold other tokens: the same again; and with prompts prefilled a few
+    # tokens per step between the decode steps (in fixed chunks, as fixed-shape and compiled backends take them)
+    for budget, chunk in ((None, None), (3, None), (4, 4)):
+        if budget:
+            eng = engine.Engine(engine.TorchBackend(model, 2, 128), cpu, 2, chunk, prefill_budget=budget)
+        emit = engine.Emitter(len(prompts), 8, (), None, cpu)
+        for i, p in enumerate(prompts):
+            eng.add(engine.Request(p, lambda t, i=i: emit.put(i, t)))
+        steps = 0
+        while eng.busy():
+            eng.step()
+            steps += 1
+        assert emit.out == want, (budget, chunk)
+    assert steps > len(prompts) * 8 / 2  # some steps only prefilled
 
 
 def test_server_reuses_the_previous_turn(tiny, capsys):

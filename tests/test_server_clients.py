@@ -330,3 +330,52 @@ def test_openai_agents_sdk_calls_its_function_tool(srv):
         return await Runner.run(agent, "What is the weather in Paris?", max_turns=4)
     result = asyncio.run(run())
     assert len(asked) >= 1 and isinstance(result.final_output, str)
+
+
+# ------------------------------------------------------------------------------------------------- under load
+def _leave_mid_stream(srv, **kw):
+    stream = srv.client.chat.completions.create(model=srv.model, messages=USER, max_tokens=400, stream=True, **kw)
+    for i, _ in enumerate(stream):
+        if i >= 2:
+            break
+    stream.close()
+    return 200
+
+
+def test_8_clients_with_every_feature_disconnects_and_bad_requests(srv):
+    """No 5xx, no slot left busy, and the same greedy text afterwards."""
+    c = srv.client
+    want = completion(srv, "The sky", max_tokens=12, temperature=0)
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+
+    def ok(f):
+        def run():
+            f()
+            return 200
+        return run
+    work = [
+        ok(lambda: c.chat.completions.create(model=srv.model, messages=USER, max_tokens=60, response_format={
+            "type": "json_schema", "json_schema": {"name": "s", "schema": schema}})),
+        ok(lambda: c.chat.completions.create(model=srv.model, messages=USER, tools=[WEATHER], tool_choice="required",
+                                             max_tokens=300, stream=True).close()),
+        ok(lambda: c.chat.completions.create(model=srv.model, messages=USER, max_tokens=8, n=2, logprobs=True,
+                                             top_logprobs=2, presence_penalty=1, logit_bias={"5": 3})),
+        ok(lambda: list(c.completions.create(model=srv.model, prompt="The sky", max_tokens=8, top_p=0.5,
+                                             stream=True, echo=True))),
+        lambda: _leave_mid_stream(srv),
+        lambda: _leave_mid_stream(srv, tools=[WEATHER], tool_choice="required"),
+        lambda: srv.post("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "audio": {}}')[0],
+        lambda: srv.post("/v1/completions", b'{"prompt": "x", "regex": "(unclosed"}')[0],
+        lambda: srv.post("/v1/completions", b'{"prompt": "x", "max_tokens": 2')[0],
+        lambda: srv.post("/v1/chat/completions", json.dumps({"messages": USER, "tools": [WEATHER],
+                                                             "tool_choice": "sometimes"}).encode())[0],
+    ] * 2
+    with ThreadPoolExecutor(8) as ex:
+        statuses = list(ex.map(lambda f: f(), work))
+    assert all(s < 500 for s in statuses) and statuses.count(400) == 8, statuses
+    h = srv.wait_idle()
+    assert (h["slots_busy"], h["queued"], h["requests"]) == (0, 0, 0)
+    assert completion(srv, "The sky", max_tokens=12, temperature=0) == want
+    with ThreadPoolExecutor(8) as ex:
+        assert set(ex.map(lambda _: completion(srv, "The sky", max_tokens=12, temperature=0), range(8))) == {want}
