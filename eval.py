@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from common import ArgumentParser, at_least, check_device, cli, resolve_checkpoint, set_threads
+from common import THREADS, ArgumentParser, at_least, check_device, cli, resolve_checkpoint, set_threads
 import torch
 
 from backends import load_backend
@@ -131,7 +131,7 @@ def parse_args(argv=None):
     p.add_argument("--bos", choices=["auto", "yes", "no"], default="auto",
                    help="prepend BOS (auto: the tokenizer's default)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "mps"])
-    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: the cores not busy with other work)", rule=at_least(1))
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: the cores not busy with other work)", rule=THREADS)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--compile", action="store_true", help="torch.compile the blocks (dynamic length)")
     p.add_argument("--mode", default="kv", choices=["kv", "hybrid", "lookahead"],
