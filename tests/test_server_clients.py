@@ -379,3 +379,56 @@ def test_8_clients_with_every_feature_disconnects_and_bad_requests(srv):
     assert completion(srv, "The sky", max_tokens=12, temperature=0) == want
     with ThreadPoolExecutor(8) as ex:
         assert set(ex.map(lambda _: completion(srv, "The sky", max_tokens=12, temperature=0), range(8))) == {want}
+
+
+# ------------------------------------------------------------------------------------------------- default model
+def test_default_model_with_each_client():
+    """The default model (SmolLM2, whose own template takes no tools: server_tools.jinja gives it Hermes tools): the
+    openai client's forced call and JSON schema, langchain's structured output and the Agents SDK's tool."""
+    from common import default_checkpoint
+    default_checkpoint()
+    s = ServerProcess("--full_batch_size", 4, "--max_seq_length", 2048, "--threads", 2, "--chat_template",
+                      REPO / "server_tools.jinja")
+    try:
+        r = s.client.chat.completions.create(model=s.model, messages=USER, tools=[WEATHER], tool_choice="required",
+                                             max_tokens=80, temperature=0)
+        assert r.choices[0].finish_reason == "tool_calls"
+        assert json.loads(r.choices[0].message.tool_calls[0].function.arguments) == {"city": "Paris"}
+        schema = {"type": "object", "properties": {"capital": {"type": "string"}, "population_millions": {
+            "type": "number"}}, "required": ["capital", "population_millions"], "additionalProperties": False}
+        r = s.client.chat.completions.create(
+            model=s.model, messages=[{"role": "user", "content": "The capital of France, as JSON."}], max_tokens=80,
+            temperature=0, response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": schema}})
+        got = json.loads(r.choices[0].message.content)
+        jsonschema.validate(got, schema)
+        assert "Paris" in got["capital"]
+
+        from langchain_openai import ChatOpenAI
+        from pydantic import BaseModel
+        llm = ChatOpenAI(base_url=s.url + "v1", api_key="none", model=s.model, temperature=0, max_tokens=80)
+
+        class Capital(BaseModel):
+            city: str
+            country: str
+        cap = llm.with_structured_output(Capital, method="json_schema").invoke("What is the capital of France?")
+        assert isinstance(cap, Capital) and "Paris" in cap.city
+        msg = llm.bind_tools([WEATHER], tool_choice="any").invoke("What is the weather in Paris?")
+        assert msg.tool_calls[0]["args"] == {"city": "Paris"}
+
+        from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
+        set_tracing_disabled(True)
+        asked = []
+
+        @function_tool
+        def get_weather(city: str) -> str:
+            """The weather in a city."""
+            asked.append(city)
+            return f"Sunny, 21 degrees in {city}"
+        agent = Agent(name="weather", instructions="Use the weather tool, then answer.", tools=[get_weather],
+                      model=OpenAIChatCompletionsModel(model=s.model, openai_client=openai.AsyncOpenAI(
+                          base_url=s.url + "v1", api_key="none", max_retries=0)),
+                      model_settings=ModelSettings(tool_choice="required", max_tokens=80, temperature=0))
+        result = asyncio.run(Runner.run(agent, "What is the weather in Paris?", max_turns=4))
+        assert asked and "Paris" in asked[0] and result.final_output
+    finally:
+        s.stop()
