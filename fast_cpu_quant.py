@@ -9,7 +9,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
-from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 import torch_internals as TI
 from common import keep_packed_copy, packed_copy
@@ -278,7 +277,7 @@ class FastQuantizedLinear(QuantizedLinear):
         if torch.compiler.is_exporting():  # a package's prompt models
             if self.export_rows == "native" and self.int8_bf16_t is not None:  # int8's "prompt": any length
                 return self.int8_bf16_t
-            many = statically_known_true(x2.shape[0] >= BF16_ROWS)  # "long_prompt": BF16_ROWS tokens or more
+            many = TI.statically_known_true(x2.shape[0] >= BF16_ROWS)  # "long_prompt": BF16_ROWS tokens or more
             return self.words_bf16_t() if self.export_rows == "bf16" and many else None
         if x2.shape[0] < BF16_ROWS:
             return None

@@ -14,6 +14,7 @@ if not torch.__version__.startswith(TESTED + "."):
 
 import torch._dynamo  # noqa: E402
 import torch._inductor.config as inductor_config  # noqa: E402
+from torch.fx.experimental.symbolic_shapes import statically_known_true  # noqa: E402,F401 (fast_cpu_quant)
 from torch.export.pt2_archive._package import PT2ArchiveWriter  # noqa: E402,F401  (aoti_export.package_shared)
 
 dynamo_config = torch._dynamo.config
