@@ -222,8 +222,10 @@ class Router(nn.Module):
 
 
 class MoEFeedForward(nn.Module):
-    """Mixtral's sparse MoE: softmax over the experts' scores (float32), keep the top k, renormalise; computed densely
-    (see the header): every expert runs and is weighted by its routing weight, 0 for the experts not chosen."""
+    """Mixtral's sparse MoE: softmax over the experts' scores (float32), keep the top k, renormalise. Computed densely:
+    every expert (an nn.Linear, so quantize.py and every exporter take it as is) runs on every token, weighted by its
+    routing weight, 0 for the experts not chosen: exact and free of data-dependent control flow, at n_experts /
+    n_experts_per_tok times the MLP's FLOPs and weight reads of a gather of the chosen experts."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()

@@ -394,7 +394,7 @@ transformer_configs = {
                        vocab_size=151936, rope_base=1000000.0, block_size=40960, norm_eps=1e-6, tie_embeddings=True,
                        qk_norm=True),
 
-    # Gemma (norm weights hold 1 + w, see the header): embeddings scaled, tanh-GELU gated MLP, head_dim 256
+    # Gemma (norm weights hold 1 + w, stored so by the converter): embeddings scaled, tanh-GELU gated MLP, head_dim 256
     "gemma-2b": dict(n_layer=18, n_head=8, n_local_heads=1, dim=2048, head_dim=256, intermediate_size=16384,
                      vocab_size=256000, block_size=8192, norm_eps=1e-6, tie_embeddings=True, **_gemma),
     "gemma-7b": dict(n_layer=28, n_head=16, n_local_heads=16, dim=3072, head_dim=256, intermediate_size=24576,
