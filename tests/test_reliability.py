@@ -287,6 +287,22 @@ def test_an_integer_weight_in_safetensors_is_refused(hf_source, tmp_path, seed):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("seed", range(2))
+def test_safetensors_data_that_does_not_match_its_dtype_is_refused(hf_source, tmp_path, seed):
+    import convert_checkpoint as C
+    src = copy_dir(hf_source, tmp_path / "src")
+    data = bytearray((src / "model.safetensors").read_bytes())
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + n])
+    name = random.Random(seed).choice(sorted(k for k in header if k != "__metadata__"))
+    at = data.index(b'"dtype":"F32"', data.index(json.dumps(name).encode()))  # this tensor's entry
+    data[at:at + 13] = b'"dtype":"F16"'  # half the bytes its offsets span
+    (src / "model.safetensors").write_bytes(data)
+    with pytest.raises(C.ConvertError, match="not a valid safetensors file .*invalid shape, data type, or offset"):
+        C.convert(src, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
 def gguf_with_a_lying_type(path: Path, lying: int, n: int = 4) -> Path:
     """A GGUF of n F32 tensors whose tensor `lying` is relabelled F16 (its data stays F32)."""
     import gguf
