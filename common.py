@@ -327,14 +327,15 @@ def _same_file(a: Path, b: Path) -> bool:
 
 
 def check_outputs_differ(ns, actions) -> None:
-    """No output flag names a file or folder that an input flag reads (a folder input: also its model.pth), so a
-    failed or successful write never destroys its own input."""
+    """No output file flag names a file that an input flag reads (a folder input: also its model.pth), so a failed
+    or successful write never destroys its own input. (A folder output beside its inputs is fine: the writers of
+    OUTPUT_DIRS replace only their own files; convert_checkpoint.py refuses to convert into its source folder.)"""
     flag = {a.dest: max(a.option_strings, key=len) if a.option_strings else a.dest for a in actions}
     inputs = [(d, Path(v)) for d in INPUT_PATHS for v in _values(getattr(ns, d, None))]
-    for d in (*OUTPUT_FILES, *OUTPUT_DIRS):
+    for d in OUTPUT_FILES:
         for out in map(Path, _values(getattr(ns, d, None))):
             for src_dest, src in inputs:
-                if any(_same_file(out, s) for s in (src, checkpoint_file(src) if d in OUTPUT_FILES else src)):
+                if any(_same_file(out, s) for s in (src, checkpoint_file(src))):
                     raise ValueError(f"{flag.get(d, d)} {out} is also the input {flag.get(src_dest, src_dest)}: "
                                      f"name another path")
 
