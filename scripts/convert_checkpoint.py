@@ -19,12 +19,12 @@ import json
 import sys
 from pathlib import Path
 
-import torch
-from tqdm import tqdm
-
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from common import TOKENIZER_FILES, ArgumentParser, cli, copy_tokenizer_files  # noqa: E402
+from common import TOKENIZER_FILES, ArgumentParser, cli, copy_tokenizer_files  # noqa: E402  (before torch: Ctrl-C)
+import torch  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
 from convert_gguf import load_gguf  # noqa: E402  (scripts/, beside this file)
 from convert_io import ConvertError, Source, _oneline, _require, checked_weight, publish, torch_load  # noqa: E402
 from model import ModelArgs, Transformer  # noqa: E402
