@@ -297,6 +297,33 @@ def common_prefix(a: list, b: list) -> int:
     return n
 
 
+def prefill_rows(backend, rows: list, device, chunk: Optional[int], batch_index) -> Tensor:
+    """prefill() for rows that each start at their own position: rows [(ids, start)] -> each row's logits at its
+    last token, [B, V]. The rows go through the backend together (per-row positions, -1 padding), in chunks of
+    exactly `chunk` tokens when given."""
+    if len({start for _, start in rows}) == 1:
+        return prefill(backend, [ids for ids, _ in rows], device, chunk=chunk, start_pos=rows[0][1],
+                       batch_index=batch_index)
+    lens = [len(ids) for ids, _ in rows]
+    width = max(lens) if not chunk else -(-max(lens) // chunk) * chunk
+    tokens = torch.zeros(len(rows), width, dtype=torch.long)
+    pos = torch.full((len(rows), width), -1, dtype=torch.long)
+    for b, (ids, start) in enumerate(rows):
+        tokens[b, :len(ids)] = torch.tensor(ids, dtype=torch.long)
+        pos[b, :len(ids)] = torch.arange(start, start + len(ids))
+    extra = {} if batch_index is None else {"batch_index": batch_index.to(device)}
+    last = [None] * len(rows)
+    for s in range(0, width, chunk or width):
+        e = s + (chunk or width)
+        if getattr(backend, "logits_at", False) and e - s > 1:
+            extra["logits_at"] = torch.tensor([min(max(n - 1 - s, 0), e - s - 1) for n in lens], device=device)
+        logits = backend.forward(tokens[:, s:e].to(device), pos[:, s:e].to(device), **extra)
+        for b, n in enumerate(lens):
+            if s <= n - 1 < e:
+                last[b] = logits[b, -1] if logits.shape[1] == 1 else logits[b, n - 1 - s]
+    return torch.stack(last)
+
+
 class Engine:
     """Continuous batching: `slots` cache slots of a backend and a FIFO queue of Requests. step() refills the free
     slots with the next queued requests (prefilled together, each row into its slot; their first tokens kept at once),
@@ -380,25 +407,18 @@ class Engine:
         index = (lambda s: torch.tensor(s, device=self.device).view(-1, 1)) if len(self.req) > 1 else (lambda s: None)
         self._place([s for s, r in enumerate(self.req) if r is None])
         waiting = sorted((s for s, r in enumerate(self.req) if r is not None and self.todo[s]), key=self.order.index)
-        if self.budget is None:  # the new prompts go in together (padded), each into its own slot; one call per start
-            starts = {s: self.pos[s] - self.todo[s] for s in waiting}
-            for start in sorted(set(starts.values())):
-                group = [s for s in waiting if starts[s] == start]
-                logits = prefill(self.backend, [self.req[s].ids[start:] for s in group], self.device,
-                                 chunk=self.chunk, start_pos=start, batch_index=index(group))
-                for b, s in enumerate(group):
-                    self._prefilled(s, len(self.req[s].ids), logits[b:b + 1])
-        left = self.budget or 0
-        for s in waiting if self.budget else ():  # budget tokens of the oldest prompts, then the decode step
+        pieces, left = [], self.budget or sum(self.todo)  # (slot, start, end): the prompt tokens this step prefills
+        for s in waiting:  # the oldest prompts first; the new prompts go in together, each row into its own slot
             if left <= 0:
                 break
-            r = self.req[s]
-            a = len(r.ids) - self.todo[s]
-            b = min(len(r.ids), a + left)
-            logits = prefill(self.backend, [r.ids[a:b]], self.device, chunk=self.chunk, start_pos=a,
-                             batch_index=index([s]))
-            left -= b - a
-            self._prefilled(s, b, logits)
+            a = len(self.req[s].ids) - self.todo[s]
+            pieces.append((s, a, min(len(self.req[s].ids), a + left)))
+            left -= pieces[-1][2] - a
+        if pieces:
+            logits = prefill_rows(self.backend, [(self.req[s].ids[a:b], a) for s, a, b in pieces], self.device,
+                                  self.chunk, index([s for s, _, _ in pieces]))
+            for i, (s, _, b) in enumerate(pieces):
+                self._prefilled(s, b, logits[i:i + 1])
         live = [s for s, r in enumerate(self.req) if r is not None and not self.todo[s]]
         if not live:
             return

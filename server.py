@@ -78,15 +78,20 @@ class Server:
         if self.threads:
             torch.set_num_threads(self.threads)  # OpenMP thread counts are per thread
         # warm-up: compiles (--compile) the decode step for 3, 2 and 1 rows (one static, one dynamic and one size-1
-        # graph cover every row count) before the first request, and warms up prefill
+        # graph cover every row count) before the first request, and the prompt graphs for several rows and for one
+        # (a prompt alone, or the rest of a prompt after its reused prefix)
         n = min(3, len(self.engine.req))
-        warm = E.Emitter(n, 4, (), None, self.device)
+        warm = E.Emitter(n + 1, 4, (), None, self.device)
         try:
             for i in range(n):
-                self.engine.add(E.Request(self.tok.encode("Hello") or [0], lambda t, i=i: warm.put(i, t) and
-                                          len(warm.out[i]) < 2 + i))
+                self.engine.add(E.Request(self.tok.encode("Hello, how are you?") or [0],
+                                          lambda t, i=i: warm.put(i, t) and len(warm.out[i]) < 2 + i))
             while self.engine.busy():
                 self.engine.step()
+            self.engine.add(E.Request(self.tok.encode("The warm-up is over.") or [1], lambda t: warm.put(n, t)))
+            while self.engine.busy():
+                self.engine.step()
+            self.engine.prompt_tokens = self.engine.reused_tokens = 0
         except Exception as e:  # noqa: BLE001 - reported by main() as one error line
             self.startup_error = e
         self.ready.set()
@@ -140,8 +145,8 @@ class Server:
         self.metrics.requests.labels("chat" if chat else "completions").inc()
         opts = parse_request(body, chat, self)
         events, loop = asyncio.Queue(), asyncio.get_running_loop()
-        try:
-            jobs = [Job(self, opts, i, events, loop) for i in range(opts.n)]
+        try:  # (off the event loop: a grammar's first use builds llguidance's view of the vocabulary)
+            jobs = await asyncio.to_thread(lambda: [Job(self, opts, i, events, loop) for i in range(opts.n)])
         except GrammarError as e:
             raise ApiError(400, f"{opts.grammar_param}: {e}", opts.grammar_param) from None
         for job in jobs:

@@ -222,6 +222,9 @@ def parse_request(body: dict, chat: bool, srv) -> Options:
         opts["logprobs"] = field(body, "logprobs", int, None, lambda v: 0 <= v <= 20, "an integer in [0, 20]")
         if opts["logprobs"] is not None and opts.get("echo"):
             raise ApiError(400, "'echo' with 'logprobs' (the prompt's logprobs) is not supported", "echo")
+    if grammar and field(body, "ignore_eos", bool, False):
+        raise ApiError(400, "'ignore_eos' cannot be combined with a response format, regex, grammar or forced tool "
+                            "call: the reply ends where its grammar does", "ignore_eos")
     penalty = dict(check=lambda v: -2 <= v <= 2, why="a number in [-2, 2]")
     bias = field(body, "logit_bias", dict, {})
     vocab = srv.grammars.vocab_size

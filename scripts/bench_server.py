@@ -1,6 +1,7 @@
-# server.py under load: N concurrent clients (the real `openai` client, one thread each) send the same fixed-length
-# greedy completion (ignore_eos, so every request produces exactly max_tokens) to a server started on a free port of
-# this machine; per N: aggregate tok/s, per-request TTFT p50 / p95 and decode tok/s per request. The __main__ also runs
+# server.py under load: N concurrent clients (the real `openai` client, one thread each) send a fixed-length greedy
+# completion (ignore_eos, so every request produces exactly max_tokens) to a server started on a free port of this
+# machine; each request's prompt starts with its own number, so none finds another's prompt in a slot's cache (prefix
+# reuse would make every prefill after the first one token); per N: aggregate tok/s, per-request TTFT p50 / p95 and decode tok/s per request. The __main__ also runs
 # generate.py batch 1 on the same backend flags for the comparison (bench.py --rows server calls bench_server()).
 #
 #   python scripts/bench_server.py --compile --threads 2 --full_batch_size 8        # flags after ours go to server.py
@@ -78,7 +79,8 @@ def bench_server(args_for_server: list, clients=(1, 4, 8), max_tokens: int = 64,
     try:
         client = openai.OpenAI(base_url=url + "v1", api_key="none", max_retries=0, timeout=3600)
         model = client.models.list().data[0].id
-        _one(client, model, prompt, max_tokens)  # warm-up
+        count = iter(range(10**9))
+        _one(client, model, f"({next(count)}) {prompt}", max_tokens)  # warm-up
         rows = []
         for n in clients:
             results: list = [None] * n
@@ -86,7 +88,7 @@ def bench_server(args_for_server: list, clients=(1, 4, 8), max_tokens: int = 64,
 
             def run(i):
                 start.wait()
-                results[i] = _one(client, model, prompt, max_tokens)
+                results[i] = _one(client, model, f"({next(count)}) {prompt}", max_tokens)
             threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
             for t in threads:
                 t.start()

@@ -59,6 +59,7 @@ def hf_prompt_tokens(d, messages, tools=None) -> int:
     ("chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": 5}}}},
      "response_format"),
     ("completions", {"suffix": "end"}, "suffix"),
+    ("completions", {"regex": "[a-z]+", "ignore_eos": True}, "ignore_eos"),
     ("completions", {"best_of": 3}, "best_of"),
     ("completions", {"echo": True, "logprobs": 1}, "echo"),
     ("completions", {"made_up_field": 1}, "made_up_field"),
