@@ -34,6 +34,8 @@ class Job:
                      opts.frequency_penalty)
         self.request = E.Request(opts.ids, self.keep, self.sampling, self.end, None if plain else self.pick)
         self.t_added, self.t_last = time.perf_counter(), None  # for /metrics
+        self.opening = T.opening(opts.tool_format) if opts.tool_format else ""
+        self.opening_id = srv.tok.special_tokens.get(self.opening) if self.opening else None
 
     @property
     def tokens(self) -> list:
@@ -77,10 +79,16 @@ class Job:
         go = self.emit.put(0, tokens)
         if self.srv.on_tokens:
             self.srv.on_tokens(self, len(self.tokens) - n)
-        self.text += "".join(self.decoder.put(t) for t in self.tokens[n:])
+        self.text += "".join(self.piece(t) for t in self.tokens[n:])
         if not go:
             self.text += self.decoder.flush()
         return self.cut(final=not go) and go
+
+    def piece(self, t: int) -> str:
+        """Token t's text; a tool call's opening that the tokenizer decodes to nothing (a SentencePiece control token:
+        Mistral's [TOOL_CALLS]) as its text, for the parser."""
+        text = self.decoder.put(t)
+        return text + self.opening if t == self.opening_id and self.opening not in text else text
 
     def cut(self, final: bool) -> bool:
         """Post the text that can no longer become part of a stop string or a tool call; False once a stop string
@@ -89,12 +97,11 @@ class Job:
         if hits:
             self.text, self.stopped = self.text[:min(hits)], True
         holds, end = [] if hits or final else list(self.opts.stops), len(self.text)
-        if self.opts.tool_format:  # a call is held back whole, until end() parses it
-            opening = T.opening(self.opts.tool_format)
+        if self.opening:  # a call is held back whole, until end() parses it
             at = 0 if self.opts.tool_format != "mistral" and self.text.lstrip().startswith(("{", "[")) else \
-                self.text.find(opening)  # (a reply that is a JSON call: Llama 3's form, Hermes models without tags)
+                self.text.find(self.opening)  # (a reply that is a JSON call: Llama 3's form, Hermes without tags)
             end = at if at >= 0 else end
-            holds += [] if at >= 0 else [opening]
+            holds += [] if at >= 0 else [self.opening]
         end -= max((k for s in holds for k in range(1, len(s)) if self.text[:end].endswith(s[:k])), default=0)
         if end > self.sent:
             self.post("text", self.text[self.sent:end], self.lps[self.lp_sent:len(self.tokens)])

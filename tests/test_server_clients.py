@@ -217,6 +217,27 @@ def test_tools_go_through_the_template_and_calls_come_back(srv):
     assert r.usage.prompt_tokens == plain.usage.prompt_tokens and not r.choices[0].message.tool_calls
 
 
+def test_forced_call_grammars_of_each_family_admit_a_call(srv):
+    """The grammar tool_choice "required" imposes, per syntax: a well-formed call is accepted whole and ends it,
+    an unknown tool or an argument outside its schema is not."""
+    import server_tools as T
+    from server_grammar import Grammars
+    from tokenizer import load_tokenizer
+    tok = load_tokenizer(srv.dir)
+    g = Grammars(tok, tok.vocab_size)
+    calls = {"hermes": '<tool_call>\n{"name":"get_weather","arguments":{"city":"Lima"}}\n</tool_call>',
+             "llama3": '{"name":"get_weather","parameters":{"city":"Lima"}}',
+             "mistral": '[TOOL_CALLS][{"name":"get_weather","arguments":{"city":"Lima"}}]'}
+    for fmt, text in calls.items():
+        lark = T.forced_grammar(fmt, [WEATHER, TIME], False, {})
+        m = g.matcher(g.lark(lark)).m
+        assert all(m.consume_token(t) for t in tok.encode(text, bos=False)) and m.is_accepting(), fmt
+        for bad in (text.replace("get_weather", "get_wether"), text.replace("Lima", "Rome")):
+            m = g.matcher(g.lark(lark)).m
+            assert not all(m.consume_token(t) for t in tok.encode(bad, bos=False)), (fmt, bad)
+        assert T.parse(fmt, text, {"get_weather"})[1][0].arguments == '{"city": "Lima"}'
+
+
 def test_tool_call_parsers_of_each_family():
     import server_tools as T
     names = {"get_weather"}
@@ -230,7 +251,6 @@ def test_tool_call_parsers_of_each_family():
         assert content == ("Let me see." if fmt == "hermes" else None)
     assert T.parse("hermes", "<tool_call>\n{\"name\": \"nope\", \"arguments\": {}}\n</tool_call>", names)[1] == []
     assert T.parse("llama3", "The answer is {x}.", names) == ("The answer is {x}.", [])
-    from tokenizer import render_chat_template  # the family the template teaches
     assert T.detect_format((REPO / "server_tools.jinja").read_text()) == "hermes"
     assert T.detect_format("{{ messages }}") is None
 
@@ -281,6 +301,11 @@ def test_structured_output_validates_against_20_generated_schemas(srv):
     assert free.choices[0].message.content != r.choices[0].message.content
     text = completion(srv, "Call me at", max_tokens=20, temperature=1.0, extra_body={"regex": r"[0-9]{3}-[0-9]{4}"})[0]
     assert len(text) == 8 and text[3] == "-" and (text[:3] + text[4:]).isdigit()
+    # llama-server's GBNF, and Lark
+    for grammar in ('root ::= "yes" | "no" | "maybe"', 'start: ("yes" | "no" | "maybe")'):
+        for seed in range(3):
+            assert completion(srv, "Well?", max_tokens=20, temperature=1.0, seed=seed,
+                              extra_body={"grammar": grammar})[0] in ("yes", "no", "maybe")
 
 
 # ------------------------------------------------------------------------------------------------- langchain, agents
