@@ -3,6 +3,20 @@
 # checked against one table of rules before anything loads) and the CLI wrapper that turns expected failures into one
 # `error: ...` line. Imports nothing from this repo except, lazily, scripts/download.py to prepare the default model.
 # The CLIs import it before torch: its sys.excepthook makes a Ctrl-C during their imports exit 130, no traceback.
+import os
+import sys
+
+
+def _interrupted_quietly(kind, value, tb):
+    """sys.excepthook: a Ctrl-C that lands outside cli() (while the script imports its modules) is exit code 130
+    without a traceback, as inside it."""
+    if issubclass(kind, KeyboardInterrupt):
+        os._exit(130)
+    sys.__excepthook__(kind, value, tb)
+
+
+sys.excepthook = _interrupted_quietly  # first of all: the imports below take time too
+
 import argparse
 import atexit
 import contextlib
@@ -10,12 +24,10 @@ import errno
 import json
 import logging
 import math
-import os
 import resource
 import secrets
 import shutil
 import signal
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -424,15 +436,6 @@ def _on_sigterm(signum, frame):
     raise SystemExit(128 + signum)  # unwinds like Ctrl-C, so every atomic_path cleans up its temporary files
 
 
-def _interrupted_quietly(kind, value, tb):
-    """sys.excepthook: a Ctrl-C that lands outside cli() (while the script imports its modules) is exit code 130
-    without a traceback, as inside it."""
-    if issubclass(kind, KeyboardInterrupt):
-        os._exit(130)
-    sys.__excepthook__(kind, value, tb)
-
-
-sys.excepthook = _interrupted_quietly
 EXPECTED = (FileNotFoundError, ValueError, NotImplementedError, ImportError, RuntimeError, OSError)
 
 
