@@ -40,6 +40,9 @@ DEFAULT_CONTEXT = 2048
 
 # ------------------------------------------------------------------------------------------------- the server
 class Server:
+    """One model behind the API: its tokenizer, backend and Engine (owned by the engine thread, run_engine), the
+    grammars of its vocabulary, its metrics, and the HTTP handlers' side (complete, events)."""
+
     def __init__(self, args, slots_wanted):
         from tokenizer import load_tokenizer
         self.device, self.threads = torch.device(args.device), args.threads
@@ -71,26 +74,25 @@ class Server:
         self.created = int(time.time())
         self.grammars = Grammars(self.tok, getattr(self.backend, "vocab_size", None) or self.tok.vocab_size)
         self.metrics = Metrics(self)
-        self.on_tokens = self.metrics.tokens
 
     # ---- the engine thread: the only one that touches the model
     def run_engine(self):
         if self.threads:
             torch.set_num_threads(self.threads)  # OpenMP thread counts are per thread
         # warm-up: compiles (--compile) the decode step for 3, 2 and 1 rows (one static, one dynamic and one size-1
-        # graph cover every row count) before the first request, and the prompt graphs for several rows and for one
-        # (a prompt alone, or the rest of a prompt after its reused prefix)
+        # graph cover every row count) before the first request, and the prompt graphs for several rows and for one,
+        # fresh and continuing a prefix in their slots' caches (prefix reuse: fewer new tokens than cached ones; a
+        # graph that saw only prompts from position 0 is specialized to that and would be compiled again when serving)
         n = min(3, len(self.engine.req))
-        warm = E.Emitter(n + 1, 4, (), None, self.device)
+        hello, more = self.tok.encode("Hello, how are you?") or [0], self.tok.encode(" Fine.", bos=False) or [1]
+        phases = [[hello] * n, [hello + more * (i + 1) for i in range(n)], [hello + more * (n + 1)]]
         try:
-            for i in range(n):
-                self.engine.add(E.Request(self.tok.encode("Hello, how are you?") or [0],
-                                          lambda t, i=i: warm.put(i, t) and len(warm.out[i]) < 2 + i))
-            while self.engine.busy():
-                self.engine.step()
-            self.engine.add(E.Request(self.tok.encode("The warm-up is over.") or [1], lambda t: warm.put(n, t)))
-            while self.engine.busy():
-                self.engine.step()
+            for prompts in phases:
+                warm = E.Emitter(len(prompts), 4, (), None, self.device)
+                for i, p in enumerate(prompts):
+                    self.engine.add(E.Request(p, lambda t, i=i: warm.put(i, t) and len(warm.out[i]) < 2 + i))
+                while self.engine.busy():
+                    self.engine.step()
             self.engine.prompt_tokens = self.engine.reused_tokens = 0
         except Exception as e:  # noqa: BLE001 - reported by main() as one error line
             self.startup_error = e

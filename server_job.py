@@ -77,8 +77,7 @@ class Job:
             return False
         n = len(self.tokens)
         go = self.emit.put(0, tokens)
-        if self.srv.on_tokens:
-            self.srv.on_tokens(self, len(self.tokens) - n)
+        self.srv.metrics.tokens(self, len(self.tokens) - n)
         self.text += "".join(self.piece(t) for t in self.tokens[n:])
         if not go:
             self.text += self.decoder.flush()
@@ -112,7 +111,7 @@ class Job:
         """At the end of a tools request: the tool calls in the reply (self.content: the text around them); the
         content not posted yet is posted."""
         content, calls = T.parse(self.opts.tool_format, self.text, self.opts.tool_names)
-        self.content = content
+        self.content, calls = content, calls if self.opts.parallel_calls else calls[:1]
         done = self.text[:self.sent]
         rest = self.text[self.sent:] if not calls else (content or "")[len(done):] if \
             (content or "").startswith(done) else ""

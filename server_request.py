@@ -67,6 +67,7 @@ class Options:
     grammar_param: str = ""              # the field it comes from
     tool_format: Optional[str] = None    # server_tools.py's call syntax, when the reply is parsed for tool calls
     tool_names: set = dfield(default_factory=set)
+    parallel_calls: bool = True          # parallel_tool_calls: false keeps the first call only
 
 
 def chat_message(m, i: int) -> dict:
@@ -178,7 +179,7 @@ def parse_request(body: dict, chat: bool, srv) -> Options:
             many = field(body, "parallel_tool_calls", bool, True)
             if choice != "none":
                 variables["tools"] = tools
-                opts.update(tool_format=fmt, tool_names={t["function"]["name"] for t in tools})
+                opts.update(tool_format=fmt, tool_names={t["function"]["name"] for t in tools}, parallel_calls=many)
                 opts["grammar_param"] = "tools" if choice != "auto" else opts["grammar_param"]
                 try:
                     g = tool_grammar(fmt, tools, choice, many, srv.tok.special_tokens, grammar)
