@@ -212,6 +212,16 @@ def test_tools_go_through_the_template_and_calls_come_back(srv):
         {"type": "function", "function": {"name": "get_weather", "arguments": json.loads(calls[0].function.arguments)}}]},
         {"role": "tool", "content": "Sunny, 21 C"}]
     assert r.usage.prompt_tokens == hf_prompt_tokens(srv.dir, ref, [WEATHER])
+    # tool_choice auto with a JSON response format (as the Agents SDK sends for an output type): a call or the JSON
+    answer = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    for seed in range(4):
+        r = c.chat.completions.create(model=srv.model, messages=USER, tools=[WEATHER], max_tokens=300, seed=seed,
+                                      response_format={"type": "json_schema", "json_schema": {"name": "a",
+                                                                                              "schema": answer}})
+        m = r.choices[0].message
+        assert (m.tool_calls and m.tool_calls[0].function.name == "get_weather") or \
+            jsonschema.validate(json.loads(m.content), answer) is None
     # tool_choice "none": the tools stay out of the prompt, nothing is parsed
     r = c.chat.completions.create(model=srv.model, messages=USER, tools=[WEATHER], tool_choice="none", max_tokens=2)
     assert r.usage.prompt_tokens == plain.usage.prompt_tokens and not r.choices[0].message.tool_calls
