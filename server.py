@@ -370,7 +370,7 @@ def parse_args(argv=None):
     p.add_argument("--api_key", default="", help="require `Authorization: Bearer KEY` on /v1 and /metrics (401 without)")
     p.add_argument("--prefill_budget", type=int, default=None, rule=at_least(1),
                    help="prompt tokens prefilled per step between the running requests' decode steps (default: all "
-                        "new prompts at once); with --prefill_chunk N, N too gives one compiled prompt shape")
+                        "new prompts at once); with --prefill_chunk every prompt call has that many columns")
     p.add_argument("--no_prefix_reuse", action="store_true",
                    help="prefill every prompt whole (default: reuse the prefix a free slot's cache holds)")
     p.add_argument("--chat_template", type=Path, default=None,
