@@ -8,14 +8,21 @@ import sys
 
 
 def _interrupted_quietly(kind, value, tb):
-    """sys.excepthook: a Ctrl-C that lands outside cli() (while the script imports its modules) is exit code 130
-    without a traceback, as inside it."""
+    """sys.excepthook: a KeyboardInterrupt that reaches the top outside cli() is exit code 130, no traceback."""
     if issubclass(kind, KeyboardInterrupt):
         os._exit(130)
     sys.__excepthook__(kind, value, tb)
 
 
 sys.excepthook = _interrupted_quietly  # first of all: the imports below take time too
+_MAIN = getattr(sys.modules.get("__main__"), "__file__", None)
+if _MAIN and os.path.dirname(os.path.abspath(_MAIN)) in (os.path.dirname(os.path.abspath(__file__)),
+                                                         os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts")):
+    # a script of this repo is starting: Ctrl-C during its imports exits 130 at once (nothing is written yet, and a
+    # KeyboardInterrupt raised inside an import can be swallowed by a library's bare `except:`, the import going on:
+    # seen once, exit code 0); cli() puts Python's own handler back before the script's work begins
+    import signal as _signal
+    _signal.signal(_signal.SIGINT, lambda signum, frame: os._exit(130))
 
 import argparse
 import atexit
@@ -447,6 +454,7 @@ def cli(entry: Callable) -> None:
     published, stdout and stderr flushed: both signals get their default action as the interpreter's exit begins;
     its Python-level handlers never ran there and the exit code was 0)."""
     signal.signal(signal.SIGTERM, _on_sigterm)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C is KeyboardInterrupt again: temporaries go
     try:
         entry()
     except KeyboardInterrupt:
