@@ -489,35 +489,3 @@ def test_default_threads_leave_out_the_cores_other_work_keeps_busy(monkeypatch):
         torch.set_num_threads(before)
     monkeypatch.undo()
     assert 0.0 <= common.busy_cores(0.05) <= (__import__("os").cpu_count() or 1) + 0.01
-
-
-SIGTERM_WRAPPERS = {
-    # Python itself: a class's __set_name__ (as in torch's lazy imports during an AOT Inductor compile) turns the
-    # handler's SystemExit into a RuntimeError
-    "set_name": ("class D:\n"
-                 "    def __set_name__(self, owner, name):\n"
-                 "        os.kill(os.getpid(), signal.SIGTERM)\n"
-                 "        time.sleep(5)\n"
-                 "def main():\n"
-                 "    class C:\n"
-                 "        x = D()\n"),
-    # a library that catches everything and raises its own error type (the suite once saw et_export.py exit 1 with
-    # a stack listing when SIGTERM landed inside torch.export's tracing)
-    "library_error": ("class TraceError(Exception):\n"
-                      "    pass\n"
-                      "def main():\n"
-                      "    try:\n"
-                      "        os.kill(os.getpid(), signal.SIGTERM)\n"
-                      "        time.sleep(5)\n"
-                      "    except BaseException as e:\n"
-                      "        raise TraceError('while tracing: ' + repr(e))\n"),
-}
-
-
-@pytest.mark.parametrize("wrapper", sorted(SIGTERM_WRAPPERS))
-def test_sigterm_wrapped_still_exits_143(wrapper):
-    """SIGTERM arriving inside code that wraps exceptions still ends the process with 143: no error line, no
-    traceback."""
-    code = "import os, signal, time, common\n" + SIGTERM_WRAPPERS[wrapper] + "common.cli(main)\n"
-    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 143 and "error:" not in r.stderr and "Traceback" not in r.stderr, (r.returncode, r.stderr)

@@ -220,6 +220,38 @@ def test_sigterm_while_the_interpreter_exits_is_not_exit_0():
     assert p.wait(timeout=20) == -signal.SIGTERM
 
 
+SIGTERM_WRAPPERS = {
+    # Python itself: a class's __set_name__ (as in torch's lazy imports during an AOT Inductor compile) turns the
+    # handler's SystemExit into a RuntimeError
+    "set_name": ("class D:\n"
+                 "    def __set_name__(self, owner, name):\n"
+                 "        os.kill(os.getpid(), signal.SIGTERM)\n"
+                 "        time.sleep(5)\n"
+                 "def main():\n"
+                 "    class C:\n"
+                 "        x = D()\n"),
+    # a library that catches everything and raises its own error type (the suite once saw et_export.py exit 1 with
+    # a stack listing when SIGTERM landed inside torch.export's tracing)
+    "library_error": ("class TraceError(Exception):\n"
+                      "    pass\n"
+                      "def main():\n"
+                      "    try:\n"
+                      "        os.kill(os.getpid(), signal.SIGTERM)\n"
+                      "        time.sleep(5)\n"
+                      "    except BaseException as e:\n"
+                      "        raise TraceError('while tracing: ' + repr(e))\n"),
+}
+
+
+@pytest.mark.parametrize("wrapper", sorted(SIGTERM_WRAPPERS))
+def test_sigterm_wrapped_still_exits_143(wrapper):
+    """SIGTERM arriving inside code that wraps exceptions still ends the process with 143: no error line, no
+    traceback."""
+    code = "import os, signal, time, common\n" + SIGTERM_WRAPPERS[wrapper] + "common.cli(main)\n"
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 143 and "error:" not in r.stderr and "Traceback" not in r.stderr, (r.returncode, r.stderr)
+
+
 def test_native_tmpdir_leaves_nothing_and_kills_what_it_started(tmp_path, monkeypatch):
     import tempfile
     from native_files import native_tmpdir
