@@ -4,7 +4,7 @@
 from pathlib import Path
 
 import tp  # tensor parallelism under torchrun
-from common import DEFAULT_CHECKPOINT, REPO, ArgumentParser, at_least
+from common import DEFAULT_CHECKPOINT, REPO, THREADS, ArgumentParser, at_least
 from engine import TorchBackend
 from quantize import load_model
 
@@ -39,7 +39,7 @@ def add_backend_args(p: ArgumentParser):
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step and the prompts' blocks")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "mps"])
     p.add_argument("--threads", type=int, default=None,
-                   help="CPU threads (default: the cores not busy with other work; README: Threads)", rule=at_least(1))
+                   help="CPU threads (default: the cores not busy with other work; README: Threads)", rule=THREADS)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--max_seq_length", type=int, default=None,
                    help="KV cache length (default: prompt + new tokens; server.py: 2048)", rule=at_least(1))

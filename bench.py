@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from common import DEFAULT_CHECKPOINT, REPO, ArgumentParser, at_least, cli, peak_memory_mb, write_atomic
+from common import DEFAULT_CHECKPOINT, REPO, THREADS, ArgumentParser, at_least, cli, peak_memory_mb, write_atomic
 
 CK = DEFAULT_CHECKPOINT.parent
 PY = sys.executable
@@ -424,7 +424,7 @@ def main():
     p.add_argument("--max_new_tokens", type=int, default=128, rule=at_least(1))
     p.add_argument("--device", default="cpu")
     p.add_argument("--json", default="bench.json")
-    p.add_argument("--threads", type=int, help="CPU threads per row (default: torch's)", rule=at_least(1))
+    p.add_argument("--threads", type=int, help="CPU threads per row (default: torch's)", rule=THREADS)
     p.add_argument("--rounds", type=int, default=1, help="the rows N times, interleaved; medians", rule=at_least(1))
     p.add_argument("--nproc", default="1", help="tensor-parallel world sizes (torchrun), e.g. 1,2,4")
     p.add_argument("--prompt_tokens", type=int, help="prefill at N tokens: the first N of the long prompt, every row")
