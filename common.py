@@ -58,29 +58,31 @@ for _logger, _fragment in KNOWN_NOISE.items():
     logging.getLogger(_logger).addFilter(lambda record, f=_fragment: f not in record.getMessage())
 # C++ libraries print past Python's logging, straight to file descriptor 2: ExecuTorch's runtime, at its first
 # method load on an x86 machine, prints five lines looking for an ARM register file ("[cpuinfo_utils.cpp:87] Failed
-# to open midr file ..."). Not actionable, so native_stderr_filtered drops lines starting with these.
+# to open midr file ..."). Not actionable, so native_output_filtered drops lines starting with these.
 NATIVE_NOISE = ("[cpuinfo_utils.cpp:",)
 
 
 @contextlib.contextmanager
-def native_stderr_filtered(noise=NATIVE_NOISE):
-    """Runs the block with file descriptor 2 sent to a temporary file, then writes the lines back to stderr, except
-    those starting with one of `noise`."""
-    sys.stderr.flush()
-    saved = os.dup(2)
+def native_output_filtered(noise=NATIVE_NOISE, fd: int = 2, blank: bool = True):
+    """Runs the block with file descriptor fd (2: stderr, 1: stdout) sent to a temporary file, then writes the lines
+    back, except those starting with one of `noise` (and blank ones unless `blank`): what C++ libraries print past
+    Python's logging."""
+    stream = sys.stderr if fd == 2 else sys.stdout
+    stream.flush()
+    saved = os.dup(fd)
     with tempfile.TemporaryFile() as tmp:
-        os.dup2(tmp.fileno(), 2)
+        os.dup2(tmp.fileno(), fd)
         try:
             yield
         finally:
-            sys.stderr.flush()
-            os.dup2(saved, 2)
+            stream.flush()
+            os.dup2(saved, fd)
             os.close(saved)
             tmp.seek(0)
-            kept = [ln for ln in tmp.read().decode(errors="replace").splitlines(keepends=True)
-                    if not ln.startswith(noise)]
-            sys.stderr.write("".join(kept))
-            sys.stderr.flush()
+            stream.write("".join(ln for ln in tmp.read().decode(errors="replace").splitlines(keepends=True)
+                                 if not ln.startswith(noise) and (blank or ln.strip())))
+            stream.flush()
+
 
 
 def busy_cores(seconds: float = 0.3) -> float:

@@ -116,7 +116,6 @@ def _linear_kind(m) -> Optional[str]:
     return "8da4w" if m.act == "int8" and (m.qweight.symmetric or m.qweight.xnnpack) else "int4"
 
 
-@contextlib.contextmanager
 def export_swaps(model, int8_dynamic: bool = True):
     """Assign export-friendly modules at model.py's swap points (and in place of qops.py's modules) while
     exporting; the originals are put back afterwards.
@@ -145,18 +144,7 @@ def export_swaps(model, int8_dynamic: bool = True):
             return qexport.XnnpackLinear(m)
         return None
 
-    swapped = []
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            new = replacement(child)
-            if new is not None:
-                setattr(parent, name, new)
-                swapped.append((parent, name, child))
-    try:
-        yield model
-    finally:
-        for parent, name, child in reversed(swapped):
-            setattr(parent, name, child)
+    return qexport.swapped(model, replacement)
 
 
 # ------------------------------------------------------------------------------------------------ export

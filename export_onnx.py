@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Optional
 
 from common import (ArgumentParser, at_least, checkpoint_file, cli, copy_tokenizer_files, has_tokenizer,
-                    resolve_checkpoint, temp_dir, within)
+                    native_output_filtered, resolve_checkpoint, temp_dir, within)
 import numpy as np
 import torch
 import torch.nn as nn
@@ -255,23 +255,10 @@ class ExportKind:
     sub_functions: bool = False
 
 
-@contextlib.contextmanager
 def _without_exporter_chatter():
     """export_modules_as_functions makes the TorchScript exporter's C++ print blank lines and "Skipping module
     attribute 'freeze'" (nn.Embedding) straight to file descriptor 1, logging off or not; other lines pass."""
-    sys.stdout.flush()
-    saved = os.dup(1)
-    with tempfile.TemporaryFile() as tmp:
-        os.dup2(tmp.fileno(), 1)
-        try:
-            yield
-        finally:
-            sys.stdout.flush()
-            os.dup2(saved, 1)
-            os.close(saved)
-            tmp.seek(0)
-            sys.stdout.write("".join(ln for ln in tmp.read().decode(errors="replace").splitlines(keepends=True)
-                                     if ln.strip() and not ln.startswith("Skipping module attribute")))
+    return native_output_filtered(("Skipping module attribute",), fd=1, blank=False)
 
 
 def _name_function_outputs(proto, outputs: list[str]) -> None:

@@ -6,7 +6,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from common import first_line, native_stderr_filtered
+from common import first_line, native_output_filtered
 
 
 def _check_pte_file(path: Path):
@@ -93,7 +93,7 @@ class PTEBackend:
 
     def _load(self, method):
         try:
-            with native_stderr_filtered():  # the runtime's threadpool prints cpuinfo noise at the first load
+            with native_output_filtered():  # the runtime's threadpool prints cpuinfo noise at the first load
                 return self.program.load_method(method)
         except Exception as e:  # noqa: BLE001
             raise ValueError(f"cannot load method {method!r} of {self.path}: {type(e).__name__}: "

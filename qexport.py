@@ -81,9 +81,9 @@ class XnnpackLinear(QuantizedLinear):
 
 
 class ExportEmbedding(QuantizedEmbedding):
-    """A QuantizedEmbedding in an AOT Inductor package: an int8 table tied to the output projection is gathered from
-    the words that projection reads (the package stores it once; qdata is not in it); a symmetric int4 table from its
-    q - 8 as int8 (a plain gather, no nibble shifts)."""
+    """A QuantizedEmbedding in an AOT Inductor package: an int8 table is gathered from its word layout, the one a tied
+    output projection reads (the package stores a tied table once; qdata is not in it); a symmetric int4 table from
+    its q - 8 as int8 (a plain gather, no nibble shifts)."""
 
     def __init__(self, emb: QuantizedEmbedding, words: Optional[Tensor]):
         super().__init__(emb.qweight)
@@ -108,30 +108,42 @@ class ExportEmbedding(QuantizedEmbedding):
 
 
 @contextlib.contextmanager
-def aoti_forms(model: nn.Module, export_rows: str, made: dict):
-    """While exporting one model of an AOT Inductor package: every QuantizedLinear -> fast_cpu_quant's
-    FastQuantizedLinear with export_rows fixed ("words": the word kernels for any number of rows, a package's decode
-    model; "native" / "bf16": its prompt / long_prompt models); QuantizedEmbedding -> ExportEmbedding. made (the
-    caller's, one per package): id(weight) -> its first form, whose layouts the later forms share (a package stores
-    each distinct constant once). Put back on exit."""
-    from fast_cpu_quant import FastQuantizedLinear
-    swapped, words = [], {}
+def swapped(model: nn.Module, replacement):
+    """While the block runs, every submodule m of model for which replacement(m) gives a module is replaced by it (the
+    exporters' swaps at model.py's swap points); the originals are put back on exit, whatever happens."""
+    done = []
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if isinstance(child, QuantizedLinear):
-                first = made.get(id(child.qweight))
-                new = FastQuantizedLinear(first or child, export_rows)
-                made.setdefault(id(child.qweight), new)
-                words[id(child.qweight)] = new.int8_words
+            new = replacement(child)
+            if new is not None:
                 setattr(parent, name, new)
-                swapped.append((parent, name, child))
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is QuantizedEmbedding:
-                setattr(parent, name, ExportEmbedding(child, words.get(id(child.qweight))))
-                swapped.append((parent, name, child))
+                done.append((parent, name, child))
     try:
         yield model
     finally:
-        for parent, name, child in reversed(swapped):
+        for parent, name, child in reversed(done):
             setattr(parent, name, child)
+
+
+def aoti_forms(model: nn.Module, export_rows: str, made: dict):
+    """A context (swapped) for exporting one model of an AOT Inductor package: every QuantizedLinear -> fast_cpu_quant's
+    FastQuantizedLinear with export_rows fixed ("words": the word kernels for any number of rows, a package's decode
+    model; "native" / "bf16": its prompt / long_prompt models); QuantizedEmbedding -> ExportEmbedding. made (the
+    caller's, one per package): id(weight) -> its first form, whose layouts the later forms share (a package stores
+    each distinct constant once)."""
+    from fast_cpu_quant import FastQuantizedLinear
+    linears = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    for m in linears:
+        made.setdefault(id(m.qweight), FastQuantizedLinear(m))
+    words = {id(m.qweight): made[id(m.qweight)].int8_words for m in linears}
+
+    def form(m):
+        if isinstance(m, QuantizedLinear):
+            return FastQuantizedLinear(made[id(m.qweight)], export_rows)
+        if type(m) is QuantizedEmbedding:
+            w = words.get(id(m.qweight))
+            if w is None and m.qweight.bits == 8:  # an untied int8 table: its own words (int32, as many bytes; the
+                w = FastQuantizedLinear(QuantizedLinear(m.qweight)).int8_words  # package stores them once)
+            return ExportEmbedding(m, w)
+        return None
+    return swapped(model, form)

@@ -450,10 +450,10 @@ def test_known_third_party_noise_is_dropped_and_other_lines_stay():
 
 
 def test_native_noise_is_dropped_and_other_native_lines_stay():
-    """Lines C++ code writes to file descriptor 2 inside common.native_stderr_filtered come back, except ExecuTorch's
+    """Lines C++ code writes to file descriptor 2 inside common.native_output_filtered come back, except ExecuTorch's
     cpuinfo noise."""
     code = ("import os, sys, common\n"
-            "with common.native_stderr_filtered():\n"
+            "with common.native_output_filtered():\n"
             "    os.write(2, b'[cpuinfo_utils.cpp:87] Failed to open midr file /sys/x\\na native warning\\n')\n"
             "    print('a python line', file=sys.stderr)\n"
             "print('after', file=sys.stderr)\n")
