@@ -79,7 +79,7 @@ ROWS = [
      r"checkpoint not found", None, None),
     # generate.py: already handled (they stay so)
     ("generate-threads-0", "generate.py", ["--checkpoint_path", "{ck}", *G, "--threads", "0"],
-     r"--threads must be >= 1", None, None),
+     r"--threads must be in \[1, 1024\], got 0", None, None),
     ("generate-speculate_k-0", "generate.py", ["--checkpoint_path", "{ck}", *G, "--speculate_k", "0",
                                                "--draft_checkpoint_path", "{ck}"], r"speculate_k", None, None),
     ("generate-checkpoint-missing", "generate.py", ["--checkpoint_path", "{missing}", *G],
@@ -105,7 +105,7 @@ ROWS = [
     # ---------------------------------------------------------------- server.py (checked before it listens or loads)
     ("server-port-70000", "server.py", ["--checkpoint_path", "{ck}", "--port", "70000"], r"--port", None, None),
     ("server-threads-0", "server.py", ["--checkpoint_path", "{ck}", "--threads", "0"],
-     r"--threads must be >= 1", None, None),
+     r"--threads must be in \[1, 1024\], got 0", None, None),
     ("server-unknown-flag", "server.py", ["--checkpoint_path", "{ck}", "--port", "0", "--bogus"],
      r"unrecognized arguments", SERVER, None),
     ("server-max_seq_length-0", "server.py", ["--checkpoint_path", "{missing}", "--port", "0", "--max_seq_length", "0"],
