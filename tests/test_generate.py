@@ -212,7 +212,7 @@ def test_bad_input_gives_one_line_error(case, tiny_checkpoint, tmp_path):
         args += ["--tokenizer_path", bad]
     elif case == "empty_prompts":
         (tmp_path / "empty.txt").write_text("\n\n")
-        args += ["--prompts_file", tmp_path / "empty.txt"]
+        args = ["--prompts_file", tmp_path / "empty.txt", "--max_new_tokens", 4]  # (not with --prompt: refused)
         pattern = "no prompts"
     elif case == "vocab_mismatch":
         big = tmp_path / "big"
