@@ -269,18 +269,6 @@ def available_memory() -> Optional[int]:
         return None
 
 
-def packed_copy(w):
-    """w's packed copy (keep_packed_copy) while w has not changed in place since, else None. A copy in oneDNN's
-    packed layout is an opaque tensor that a compiled graph cannot take as an input: the graph passes w and an op
-    finds its copy here, hung on w itself (freed with it)."""
-    entry = getattr(w, "_packed_copy", None)
-    return entry[1] if entry is not None and entry[0] == w._version else None
-
-
-def keep_packed_copy(w, copy) -> None:
-    w._packed_copy = (w._version, copy)
-
-
 # ----------------------------------------------------------------------------------------------- command lines
 GROUPSIZES = (32, 64, 128, 256)  # int4 group sizes (quantize.py, et_export.py --groupsize)
 

@@ -12,7 +12,7 @@ from torch import Tensor
 
 import fast_cpu_quant
 import torch_internals as TI
-from common import available_memory, keep_packed_copy, packed_copy
+from common import available_memory
 from model import SDPA, Attention, Transformer
 
 # Inductor on CPU (torch.compile and AOT Inductor alike): weights become constants (folded and pre-packed), and
@@ -62,7 +62,7 @@ def _linear_onednn(x: Tensor, w: Tensor, b: Optional[Tensor]) -> Tensor:
 
 
 def _linear_onednn_op(x: Tensor, w: Tensor, b: Optional[Tensor]) -> Tensor:
-    if x.numel() > x.shape[-1] and (packed := packed_copy(w)) is not None:
+    if x.numel() > x.shape[-1] and (packed := fast_cpu_quant.packed_copy(w)) is not None:
         w = packed
     return _linear_onednn(x, w, b)
 
@@ -91,12 +91,12 @@ class OneDNNLinear(nn.Linear):
 def pack_prompt_weights(model: Transformer, budget: Optional[int] = None) -> tuple[int, bool]:
     """Give the weights of the blocks (not the output projection: a prompt needs one row of it) packed copies for the
     products of compiled prompts: float32 weights in oneDNN's layout, weight-only int8 ones as bfloat16
-    (qops.QuantizedLinear.pack_prompt). A copy hangs on its weight (common.keep_packed_copy): freed with it, ignored
-    once the weight changes in place. Returns the copies' bytes and whether they were made: none are where they
+    (FastQuantizedLinear.pack_prompt). A copy hangs on its weight (fast_cpu_quant.keep_packed_copy): freed with it,
+    ignored once the weight changes in place. Returns the copies' bytes and whether they were made: none are where they
     would take more than budget bytes (a prompt's products then run on the weights as they are)."""
     todo = []
     for mod in model.layers.modules():
-        if hasattr(mod, "pack_prompt"):  # a qops.QuantizedLinear
+        if hasattr(mod, "pack_prompt"):  # a fast_cpu_quant.FastQuantizedLinear
             todo.append((mod, mod.prompt_copy_bytes()))
         elif isinstance(mod, OneDNNLinear) and mod.weight.dtype == torch.float32:
             todo.append((mod, mod.weight.numel() * 4))
@@ -106,8 +106,8 @@ def pack_prompt_weights(model: Transformer, budget: Optional[int] = None) -> tup
     for mod, _ in todo:
         if hasattr(mod, "pack_prompt"):
             mod.pack_prompt()
-        elif packed_copy(w := mod.weight) is None:  # (row hints of 15, 64, 128: as fast; 1 row: no gain)
-            keep_packed_copy(w, torch.ops.mkldnn._reorder_linear_weight(w.detach(), 64))
+        elif fast_cpu_quant.packed_copy(w := mod.weight) is None:  # (row hints of 15, 64, 128: as fast; 1 row: no gain)
+            fast_cpu_quant.keep_packed_copy(w, torch.ops.mkldnn._reorder_linear_weight(w.detach(), 64))
     return total, True
 
 
@@ -184,9 +184,10 @@ def speed_up(model: Transformer, compile: bool = False, export: bool = False) ->
     """Assign the faster modules (in place; returns the model). On CPU only (elsewhere the model is left as is):
       * cache_len -> FilledSlots and each attention.attend -> FilledSlotsAttention;
       * export (aoti_export.py): nothing more; Inductor's own kernels take the products;
-      * else qops.QuantizedLinear -> fast_cpu_quant.FastQuantizedLinear, float nn.Linear -> OneDNNLinear, and with compile the layers and the output projection run prompts
-        through CompiledPrompt, the blocks' weights get packed prompt copies (pack_prompt_weights) unless they would
-        take more than half of the free memory (one line on stderr says so).
+      * else qops.QuantizedLinear -> fast_cpu_quant.FastQuantizedLinear, float nn.Linear -> OneDNNLinear, and with
+        compile the layers and the output projection run prompts through CompiledPrompt, the blocks' weights get
+        packed prompt copies (pack_prompt_weights) unless they would take more than half of the free memory (one
+        line on stderr says so).
     Call it once the model is loaded and its caches are set up; a model given to it is for running, not saving (the
     compiled callers wrap layers[i] and output)."""
     if model.norm.weight.device.type != "cpu":

@@ -11,7 +11,6 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import torch_internals as TI
-from common import keep_packed_copy, packed_copy
 from qops import (QuantizedLinear, fake_quant_per_token_int8, group_sums, quant_per_token_int8, unpack_int4)
 
 # Under torch.compile with freezing, Inductor folds every computation that depends only on weights into a new constant.
@@ -21,6 +20,18 @@ TI.dont_constant_fold(*(getattr(getattr(torch.ops.aten, op.split(".")[0]), op.sp
     "bitwise_right_shift.Tensor_Scalar", "__rshift__.Scalar", "bitwise_and.Scalar", "__and__.Scalar",
     "bitwise_right_shift.Tensor", "__rshift__.Tensor")))
 _FORCE_STRIDE = TI.force_stride_order()  # materializes its input in a buffer of its own: see fused_linear
+
+def packed_copy(w):
+    """w's packed copy (keep_packed_copy) while w has not changed in place since, else None. A copy in oneDNN's
+    packed layout is an opaque tensor that a compiled graph cannot take as an input: the graph passes w and an op
+    finds its copy here, hung on w itself (freed with it; fast_cpu's float32 copies too)."""
+    entry = getattr(w, "_packed_copy", None)
+    return entry[1] if entry is not None and entry[0] == w._version else None
+
+
+def keep_packed_copy(w, copy) -> None:
+    w._packed_copy = (w._version, copy)
+
 
 def _linear_packed(x: Tensor, key: Tensor) -> Tensor:
     """x [M, K] bfloat16 @ the packed bfloat16 copy hung on key (an int8 qdata; pack_prompt)."""

@@ -7,9 +7,9 @@ import pytest
 import torch
 from conftest import assert_clean_error, hf_greedy, run_cli
 
-import common
 import engine
 import fast_cpu
+import fast_cpu_quant
 from quantize import load_model
 from tokenizer import load_tokenizer
 
@@ -66,9 +66,9 @@ def test_compiled_prompts_use_packed_weights(tiny_checkpoint, cpu, monkeypatch):
     model = load_model(d / "model.pth")
     compiled = engine.TorchBackend(model, 1, 48, compile=True)
     blocks = [m.weight for m in model.layers.modules() if isinstance(m, torch.nn.Linear)]
-    copies = [weakref.ref(common.packed_copy(w)) for w in blocks]
+    copies = [weakref.ref(fast_cpu_quant.packed_copy(w)) for w in blocks]
     assert all(c() is not None for c in copies)
-    assert common.packed_copy(model.output.inner.weight) is None  # a prompt needs one row of it
+    assert fast_cpu_quant.packed_copy(model.output.inner.weight) is None  # a prompt needs one row of it
     used = []
     plain = fast_cpu._linear_onednn
     monkeypatch.setattr(fast_cpu, "_linear_onednn", lambda x, w, b: used.append(w.is_mkldnn) or plain(x, w, b))

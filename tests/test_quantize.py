@@ -8,7 +8,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import common
 import engine
 import fast_cpu
 import fast_cpu_quant as FQ
@@ -284,9 +283,9 @@ def test_compiled_int8_prompts_use_bfloat16_copies(peaked, monkeypatch, capsys):
     graphs = counters["stats"]["unique_graphs"]
     be = generate.TorchBackend(m, 1, 64, compile=True)
     blocks = [mod for mod in m.layers.modules() if isinstance(mod, qops.QuantizedLinear)]
-    assert blocks and all(b.prompt_packed and common.packed_copy(b.qweight.qdata) is not None for b in blocks)
+    assert blocks and all(b.prompt_packed and FQ.packed_copy(b.qweight.qdata) is not None for b in blocks)
     out = m.output.inner  # (the compiled prompt caller wraps the output projection)
-    assert not out.prompt_packed and common.packed_copy(out.qweight.qdata) is None
+    assert not out.prompt_packed and FQ.packed_copy(out.qweight.qdata) is None
     looked_up = []
     lookup = FQ.packed_copy
     monkeypatch.setattr(FQ, "packed_copy", lambda w: looked_up.append(1) or lookup(w))
