@@ -320,6 +320,11 @@ def test_bad_requests_get_openai_errors_and_leave_no_trace(tiny):
     jobs = [lambda b=b: srv.post(b[0], b[1]) for b in BAD] * 2 + [lambda: _stream_then_leave(srv, 2)] * 6
     with ThreadPoolExecutor(8) as ex:
         list(ex.map(lambda f: f(), jobs))
+    assert_serves_as_before(srv, want)
+
+
+def assert_serves_as_before(srv, want):
+    """After a burst: nothing busy, queued or in flight, and "The sky"'s greedy text is `want`, alone and 8 at once."""
     h = srv.wait_idle()
     assert (h["slots_busy"], h["queued"], h["requests"]) == (0, 0, 0)
     assert completion(srv, "The sky", max_tokens=12, temperature=0) == want
