@@ -43,7 +43,8 @@ SHARED_WEIGHTS = "data/weights/llama_flat"  # a multi-model package's constants:
 
 # ----------------------------------------------------------------------------------------------------------- export
 def package_metadata(model, tok, device: str, dtype: torch.dtype, checkpoint_path) -> dict:
-    """Facts a runner needs, as the string -> string map that AOT Inductor stores in the package."""
+    """Facts a runner needs, as the string -> string map that AOT Inductor stores in the package. With a tokenizer:
+    its facts and vocab_fingerprint (uint64, decimal), the tokenizer.bin the runners take (runner-common/README.md)."""
     cfg = model.config
     meta = {
         "llm_export_version": METADATA_VERSION,
@@ -59,6 +60,8 @@ def package_metadata(model, tok, device: str, dtype: torch.dtype, checkpoint_pat
         "model_config": json.dumps({k: getattr(cfg, k) for k in cfg.__dataclass_fields__}),
     }
     if tok is not None:
+        from et_export import vocab_fingerprint  # None for a tokenizer no tokenizer.bin holds
+        fp = vocab_fingerprint(tok)
         meta.update({
             "tokenizer_kind": tok.kind,
             "tokenizer_vocab_size": str(tok.vocab_size),
@@ -66,6 +69,7 @@ def package_metadata(model, tok, device: str, dtype: torch.dtype, checkpoint_pat
             "eos_id": str(tok.eos_id),
             "eos_ids": ",".join(str(i) for i in sorted(tok.stop_ids)),
             "add_bos": "1" if tok.add_bos else "0",
+            **({"vocab_fingerprint": str(fp % (1 << 64))} if fp is not None else {}),
         })
     return meta
 
@@ -307,8 +311,7 @@ def shared_constants(path, models) -> dict:
 
 def so_metadata_path(so_path) -> Path:
     """Where --so puts the metadata of a plain shared library: beside it, <name>.so.json."""
-    so_path = Path(so_path)
-    return so_path.with_name(so_path.name + ".json")
+    return Path(so_path).with_name(Path(so_path).name + ".json")
 
 
 # ----------------------------------------------------------------------------------------------------------- backend
@@ -339,11 +342,8 @@ class AOTIBackend:
     "long_prompt" model those of long_prompt_min tokens or more."""
 
     max_batch_size = 1
-    prefill_chunk = None
-    has_masked = False
-    logits_at = False  # engine.py's flag: True when "prompt" is loaded
-    prompt_runner = long_prompt_runner = None
-    long_prompt_min = None
+    has_masked = logits_at = False  # logits_at, engine.py's flag: True when "prompt" is loaded
+    prompt_runner = long_prompt_runner = long_prompt_min = prefill_chunk = None
 
     def __init__(self, path, device="cpu", mode: str = "kv"):
         path = Path(path)

@@ -285,17 +285,38 @@ def _torch_internal_warnings_hidden():
         yield
 
 
-def _token_ids(tokenizer_path, bos_id, eos_ids):
+def _tokenizer(tokenizer_path):
+    """The checkpoint's tokenizer.py Tokenizer (bos / eos ids, the vocabulary fingerprint), or None (with a note)."""
+    try:
+        from tokenizer import load_tokenizer
+        return load_tokenizer(tokenizer_path)
+    except Exception as e:  # noqa: BLE001 - a missing tokenizer only costs the defaults below and the fingerprint
+        print(f"note: no tokenizer at {tokenizer_path} ({type(e).__name__}): the .pte records no vocabulary "
+              "fingerprint", file=sys.stderr)
+        return None
+
+
+def vocab_fingerprint(tok) -> Optional[int]:
+    """runner-common/README.md's vocabulary fingerprint of tok's tokenizer.bin (scripts/export_tokenizer_bin.py
+    builds the bytes and hashes them), as the int64 get_vocab_fingerprint returns; None for no tokenizer or one that
+    tokenizer.bin cannot hold (no C++ runner runs it). aoti_export.py records it too."""
+    scripts = str(Path(__file__).resolve().parent / "scripts")
+    if tok is None:
+        return None
+    if scripts not in sys.path:
+        sys.path.insert(0, scripts)
+    import export_tokenizer_bin as E
+    try:
+        fp = E.vocab_fingerprint(E.build(tok, with_chat=False))
+    except E.ExportError:
+        return None
+    return fp - (1 << 64) if fp >= 1 << 63 else fp
+
+
+def _token_ids(tok, bos_id, eos_ids):
     """bos / eos ids for the constant methods: explicit flags, else the tokenizer beside the checkpoint."""
     if bos_id is not None and eos_ids:
         return bos_id, list(eos_ids)
-    tok = None
-    if tokenizer_path is not None:
-        try:
-            from tokenizer import load_tokenizer
-            tok = load_tokenizer(tokenizer_path)
-        except Exception as e:  # noqa: BLE001 - a missing tokenizer only costs the defaults below
-            print(f"note: no tokenizer at {tokenizer_path} ({type(e).__name__}); ", end="", file=sys.stderr)
     if tok is not None:
         tb = getattr(tok, "bos_id", None)
         te = sorted({i for i in [getattr(tok, "eos_id", None), *getattr(tok, "stop_ids", ())] if i is not None})
@@ -310,7 +331,7 @@ def _token_ids(tokenizer_path, bos_id, eos_ids):
 
 def export_pte(model, output_path, max_seq_length: int = DEFAULT_MAX_SEQ_LENGTH, backend: str = "xnnpack",
                bos_id: int = 1, eos_ids=(2,), prefill_chunk: Optional[int] = None, verbose: bool = True,
-               lookahead: bool = False, fast_prefill: bool = False) -> dict:
+               lookahead: bool = False, fast_prefill: bool = False, vocab_fingerprint: Optional[int] = None) -> dict:
     """Lower a model.py Transformer (float, or quantized by quantize.py: model.quantization names the recipe) to a
     .pte at output_path, written atomically. Returns info: size, method names, op summary, times. The .pte contract
     (generate.py, eval.py and the C++ runner rely on it):
@@ -319,7 +340,9 @@ def export_pte(model, output_path, max_seq_length: int = DEFAULT_MAX_SEQ_LENGTH,
         (harmless: the attention mask comes from the positions);
       * constant methods named as ExecuTorch's own LLM runner reads them: get_max_seq_len, get_max_context_len,
         get_vocab_size, get_bos_id, get_eos_ids, use_kv_cache, enable_dynamic_shape (+ get_n_layers,
-        get_max_batch_size, use_sdpa_with_kv_cache=False);
+        get_max_batch_size, use_sdpa_with_kv_cache=False); get_vocab_fingerprint (int64) when vocab_fingerprint is
+        given: the tokenizer.bin the runners then take (runner-common/README.md); main() passes the checkpoint's
+        tokenizer's, and no fingerprint when the checkpoint has no tokenizer (the runners check the size only);
       * standard ATen / quantized_decomposed ops and the XNNPACK delegate only, no llama:: custom ops, so a standalone
         C++ runner loads it; an operator without an ExecuTorch kernel is refused at export, by name;
       * prefill_chunk N (the hybrid mode's AR-N program): `prefill` (tokens [1, N], fixed; runners pad the last chunk
@@ -360,6 +383,8 @@ def export_pte(model, output_path, max_seq_length: int = DEFAULT_MAX_SEQ_LENGTH,
     }
     if prefill_chunk:
         constant_methods["get_prefill_chunk"] = int(prefill_chunk)
+    if vocab_fingerprint is not None:
+        constant_methods["get_vocab_fingerprint"] = int(vocab_fingerprint)
     et, summary = lower(progs, backend, constant_methods, verbose)
     t2 = time.perf_counter()
     missing = _ops_without_kernel(et)
@@ -420,7 +445,7 @@ def parse_args(argv=None):
     p.add_argument("--fast_prefill", action="store_true",
                    help="also add the `prompt` method (the last position's logits: faster prompts, a second copy of "
                         "the packed weights in a runner's memory)")
-    p.add_argument("--tokenizer_path", type=Path, default=None, help="for bos/eos ids (default: checkpoint directory)")
+    p.add_argument("--tokenizer_path", type=Path, default=None, help="bos/eos ids, vocabulary fingerprint (default: checkpoint directory)")
     p.add_argument("--bos_id", type=int, default=None, rule=at_least(0))
     p.add_argument("--eos_ids", type=int, nargs="+", default=None, rule=at_least(0))
     return p.parse_args(argv)
@@ -451,13 +476,14 @@ def main(argv=None):
         print(f"quantizing to {args.quantize} ...", file=sys.stderr)
         model.quantization = quantize.quantize_model(model, args.quantize, groupsize=args.groupsize)
         model.requires_grad_(False)
-    bos, eos = _token_ids(args.tokenizer_path, args.bos_id, args.eos_ids)
+    tok = _tokenizer(args.tokenizer_path)
+    bos, eos = _token_ids(tok, args.bos_id, args.eos_ids)
     beyond = [i for i in (bos, *eos) if not 0 <= i < model.config.vocab_size]
     if beyond:  # a runner would index past the logits with them
         raise ValueError(f"token id {beyond[0]} (--bos_id / --eos_ids or the tokenizer's) is beyond the vocabulary of "
                          f"{args.checkpoint_path} ({model.config.vocab_size} tokens)")
     export_pte(model, args.output_path, args.max_seq_length, args.backend, bos, eos, args.prefill_chunk,
-               lookahead=args.lookahead, fast_prefill=args.fast_prefill)
+               lookahead=args.lookahead, fast_prefill=args.fast_prefill, vocab_fingerprint=vocab_fingerprint(tok))
 
 
 def _scales_not_bf16(model) -> bool:

@@ -460,6 +460,20 @@ def build(tok, llama2c_only: bool = False, log=lambda *a: None, with_chat: bool 
     return part_a + b"".join(ext) + struct.pack("<Q", offset) + FOOTER_MAGIC
 
 
+def vocab_fingerprint(tokenizer_bin: bytes) -> int:
+    """runner-common/README.md's vocabulary fingerprint of a tokenizer.bin (et_export.py / aoti_export.py record it of
+    build(tok)): FNV-1a 64 over part A's token records without their scores (per id: uint32 length, then the bytes)."""
+    end = struct.unpack_from("<Q", tokenizer_bin, len(tokenizer_bin) - 16)[0] \
+        if tokenizer_bin.endswith(FOOTER_MAGIC) else len(tokenizer_bin)
+    h, pos = 0xCBF29CE484222325, 4  # after the uint32 max_token_length
+    while pos < end:  # a record: float32 score (left out), uint32 length, the bytes
+        n = struct.unpack_from("<I", tokenizer_bin, pos + 4)[0]
+        for b in tokenizer_bin[pos + 4:pos + 8 + n]:
+            h = ((h ^ b) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
+        pos += 8 + n
+    return h
+
+
 def main(argv=None):
     p = ArgumentParser(description="Write tokenizer.bin (llama2.c format + extension) for the C++ runners.")
     p.add_argument("tokenizer", type=Path, help="checkpoint directory, tokenizer.json, tokenizer.model or *.gguf")
