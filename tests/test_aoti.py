@@ -200,7 +200,7 @@ def test_runner_sampling_is_seeded(env, runner):
     assert outs[0] == outs[1] and len({outs[0], outs[2], outs[3]}) > 1
 
 
-def test_so_library(env, runner):
+def test_so_library(env, runner, tmp_path):
     """--so, spelled as the source docs do: aoti_export.py --out-path X.so --device cpu, generate.py --dso X.so."""
     so = env["root"] / "tiny.so"
     r = run([sys.executable, REPO / "aoti_export.py", "--checkpoint_path", env["ckpt"], "--out-path", so, "--device",
@@ -211,6 +211,35 @@ def test_so_library(env, runner):
     assert generate_py(["--dso", so], env["bpe"], "Once upon a time", 20) == want
     r = run([runner, so, "-z", env["bins"]["bpe"], "-i", "Once upon a time", "-n", 20, "-t", 0])
     assert r.returncode == 0 and r.stdout == want, r.stderr
+    # the .so.json records the vocabulary fingerprint (test_vocabulary_fingerprint); without it, the size is checked
+    from test_runner_et import other_vocabulary, vocab_fingerprint
+    meta = json.loads((env["root"] / "tiny.so.json").read_text())
+    assert meta.pop("vocab_fingerprint") == str(vocab_fingerprint(env["bins"]["bpe"].read_bytes()))
+    (tmp_path / "other.bin").write_bytes(other_vocabulary(env["bins"]["bpe"].read_bytes()))
+    r = run([runner, so, "-z", tmp_path / "other.bin", "-i", "Hi", "-n", 4, "-t", 0])
+    assert r.returncode == 1 and "is not the vocabulary the model was exported with" in r.stderr, r.stderr
+    (env["root"] / "tiny.so.json").write_text(json.dumps(meta))
+    r = run([runner, so, "-z", tmp_path / "other.bin", "-i", "Hi", "-n", 4, "-t", 0])
+    assert r.returncode == 0 and "achieved tok/s" in r.stderr, r.stderr
+
+
+def test_vocabulary_fingerprint(env, runner, tmp_path):
+    """The package records vocab_fingerprint (runner-common/README.md), that of the checkpoint's tokenizer.bin as
+    test_runner_et.py's reference implementation computes it: the runner takes that tokenizer.bin and refuses another
+    vocabulary of the same size (two tokens of the same length swapped) with one error line, exit 1."""
+    import torch_internals as TI
+    from test_runner_et import other_vocabulary, vocab_fingerprint
+    good = env["bins"]["bpe"].read_bytes()
+    fp = vocab_fingerprint(good)
+    assert TI.package_metadata(str(env["pt2"]), "model")["vocab_fingerprint"] == str(fp)
+    (tmp_path / "other.bin").write_bytes(other_vocabulary(good))
+    r = run([runner, env["pt2"], "-z", env["bins"]["bpe"], "-i", "Once upon a time", "-n", 8, "-t", 0])
+    assert r.returncode == 0 and "achieved tok/s" in r.stderr, r.stderr
+    r = run([runner, env["pt2"], "-z", tmp_path / "other.bin", "-i", "Once upon a time", "-n", 8, "-t", 0])
+    last = r.stderr.strip().splitlines()[-1]
+    assert r.returncode == 1 and r.stdout == "" and last.startswith("error: "), r.stderr
+    assert "other.bin is not the vocabulary the model was exported with" in last and str(fp) in last, last
+    assert [l for l in r.stderr.splitlines() if l.startswith("error: ")] == [last], r.stderr
 
 
 @pytest.fixture(scope="module")
