@@ -1,12 +1,18 @@
 # backends.py: the backend a command line names, for generate.py, server.py, eval.py and bench.py: model.py's network
 # (eager or --compile, engine.TorchBackend), an AOT Inductor package, an ExecuTorch .pte, an ONNX graph on ONNX
 # Runtime or a Cloud AI 100 QPC. Each exporter's backend class is imported only when its flag is given.
+import json
 from pathlib import Path
 
+import torch
+
 import tp  # tensor parallelism under torchrun
-from common import DEFAULT_CHECKPOINT, REPO, THREADS, ArgumentParser, at_least
+from common import DEFAULT_CHECKPOINT, REPO, THREADS, ArgumentParser, at_least, available_memory, checkpoint_file
 from engine import TorchBackend
+from model_configs import ModelArgs
 from quantize import load_model
+
+RUNTIME_BYTES = 300 << 20  # Python and PyTorch's own libraries, before any tensor
 
 
 def load_backend(args, device, dtype, max_batch_size, max_seq_length):
@@ -27,8 +33,46 @@ def load_backend(args, device, dtype, max_batch_size, max_seq_length):
     if tp.get_world_size() > 1:  # under torchrun: this rank's shard of every attention / feed-forward matrix
         model = tp.load_model_tp(args.checkpoint_path, device=device, dtype=dtype)
     else:
+        if device.type == "cpu":
+            check_fits(args.checkpoint_path, dtype, max_batch_size, max_seq_length)
         model = load_model(args.checkpoint_path, device=device, dtype=dtype)
     return TorchBackend(model, max_batch_size, max_seq_length, compile=args.compile)
+
+
+def memory_needed(checkpoint_path, dtype, max_batch_size: int, max_seq_length: int) -> tuple[int, int]:
+    """(weights, KV cache) bytes that running a checkpoint takes at least: its floating-point tensors at dtype (the
+    rest as stored), the cache of max_batch_size x max_seq_length positions. Reads the file's index, not its data."""
+    path = checkpoint_file(checkpoint_path)
+    sd = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
+    cfg = sd.get("_config")
+    if isinstance(cfg, str):
+        args = ModelArgs.from_dict(json.loads(cfg))
+    elif (path.parent / "config.json").is_file():
+        args = ModelArgs.from_dict(json.loads((path.parent / "config.json").read_text()))
+    else:
+        args = ModelArgs.from_name(path.parent.name)
+    size = lambda t: t.numel() * (dtype.itemsize if dtype is not None and t.is_floating_point() else t.element_size())
+    weights = sum(size(t) for t in sd.values() if isinstance(t, torch.Tensor))
+    kv_dtype = dtype or next((t.dtype for t in sd.values() if isinstance(t, torch.Tensor) and t.is_floating_point()),
+                             torch.float32)
+    kv = 2 * args.n_layer * max_batch_size * args.n_local_heads * args.head_dim * max_seq_length * kv_dtype.itemsize
+    return weights, kv
+
+
+def check_fits(checkpoint_path, dtype, max_batch_size: int, max_seq_length: int) -> None:
+    """Refuse, before loading, a model that cannot fit in the memory this machine has free (MemAvailable): one line
+    with what it needs and what there is. A file that cannot be read is left for load_model to report."""
+    free = available_memory()
+    try:
+        weights, kv = memory_needed(checkpoint_path or DEFAULT_CHECKPOINT, dtype, max_batch_size, max_seq_length)
+    except Exception:  # noqa: BLE001 - load_model names what is wrong with the file
+        return
+    if free is not None and weights + kv + RUNTIME_BYTES > free:
+        at = f" at {str(dtype).removeprefix('torch.')}" if dtype is not None else ""
+        raise ValueError(f"{checkpoint_path or DEFAULT_CHECKPOINT} needs about {(weights + kv + RUNTIME_BYTES) / 1e9:.1f} GB"
+                          f"{at} (weights {weights / 1e9:.1f} GB, KV cache {kv / 1e9:.1f} GB, PyTorch "
+                          f"{RUNTIME_BYTES / 1e9:.1f} GB) and this machine has {free / 1e9:.1f} GB available: quantize "
+                          "it (quantize.py) or shorten --max_seq_length")
 
 
 def add_backend_args(p: ArgumentParser):

@@ -182,7 +182,7 @@ def test_chat_reuses_the_cache(tiny_checkpoint, cpu):
 
 
 @pytest.mark.parametrize("case", ["missing", "garbage", "truncated", "too_long", "bad_tokenizer", "empty_prompts",
-                                  "vocab_mismatch", "no_cuda"])
+                                  "vocab_mismatch", "no_cuda", "too_big"])
 def test_bad_input_gives_one_line_error(case, tiny_checkpoint, tmp_path):
     d, _ = tiny_checkpoint
     ck = d / "model.pth"
@@ -225,4 +225,23 @@ def test_bad_input_gives_one_line_error(case, tiny_checkpoint, tmp_path):
             pytest.skip("this machine has CUDA")
         args += ["--device", "cuda"]
         pattern = "cuda"
+    elif case == "too_big":  # a KV cache of ~300 GB: refused before loading, with what it needs and what there is
+        args += ["--full_batch_size", 10 ** 7, "--max_seq_length", 64]
+        pattern = r"needs about [\d.]+ GB .*KV cache [\d.]+ GB.* has [\d.]+ GB available"
     assert_clean_error(run_cli("generate.py", "--checkpoint_path", ck, *args), pattern)
+
+
+def test_memory_needed_counts_weights_at_dtype_and_the_cache(tiny_checkpoint):
+    """backends.memory_needed (the check before loading) reads sizes from the file's index: the float tensors at the
+    requested dtype, and a cache of 2 x layers x slots x KV heads x head_dim x positions."""
+    from backends import memory_needed
+    from model import load_model
+    d, _ = tiny_checkpoint
+    m = load_model(d / "model.pth")
+    n = sum(t.numel() for t in m.state_dict().values() if t.is_floating_point())
+    c = m.config
+    for dtype, size in ((torch.float32, 4), (torch.bfloat16, 2)):
+        weights, kv = memory_needed(d / "model.pth", dtype, 3, 64)
+        assert weights >= n * size - c.vocab_size * c.dim * size  # (a tied output projection is stored once)
+        assert weights <= n * size
+        assert kv == 2 * c.n_layer * 3 * c.n_local_heads * c.head_dim * 64 * size
