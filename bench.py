@@ -371,15 +371,18 @@ def cpu_model() -> str:
 
 
 def server_table(server, results, max_new_tokens) -> str:
-    """--rows server: server.py under 1, 4 and 8 clients against the generate.py batch-1 row of the same run."""
+    """--rows server: server.py under 1, 4 and 8 clients against the generate.py batch-1 row of the same run (its
+    median over --runs runs after a discarded one), with the load average after each row (the machine may be shared:
+    compare rows of similar load)."""
     base = next((r.get("decode_tok_s") for r in results if r["name"] == "compile fp32"), None)
     lines = [f"server.py {' '.join(SERVER_ARGS)}, {max_new_tokens} greedy tokens per request", "",
              "| clients | aggregate tok/s | vs compile fp32 batch 1 | TTFT p50 ms | TTFT p95 ms | decode tok/s per "
-             "request |", "|---" * 6 + "|"]
+             "request | load avg |", "|---" * 7 + "|"]
     for r in server:
         ratio = f"{r['aggregate_tok_s'] / base:.2f}x" if base else "-"
+        load = f"{r['load_avg']:.1f}" if "load_avg" in r else "-"
         lines.append(f"| {r['clients']} | {r['aggregate_tok_s']:.1f} | {ratio} | {1000 * r['ttft_p50_s']:.0f} | "
-                     f"{1000 * r['ttft_p95_s']:.0f} | {r['decode_tok_s']:.1f} |")
+                     f"{1000 * r['ttft_p95_s']:.0f} | {r['decode_tok_s']:.1f} | {load} |")
     return "\n".join(lines)
 
 
