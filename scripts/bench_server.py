@@ -148,9 +148,10 @@ def chat_turns(args_for_server: list, turns: int = 6, max_tokens: int = 48) -> l
 
 def generate_batch1(args_for_generate: list, max_tokens: int = 64, prompt: str = PROMPT, runs: int = 3) -> dict:
     """generate.py batch 1 on the same backend flags, greedy, exactly max_tokens: the median decode and TTFT of `runs`
-    runs after a discarded one. The first run after --compile's warm-up run is not representative (same process,
-    2 threads, this prompt: decode 25.9 tok/s, then 57.2 and 55.1): a single run, as this function did, read 1.5 tok/s
-    on a loaded machine against the server's 27 tok/s for one client."""
+    runs after a discarded one. One run is not a measurement on a shared machine: generate.py --compile --threads 2,
+    128 tokens, read 25.9 tok/s on its first run after the warm-up, then 57.2 and 55.1; two consecutive runs in one
+    process 54.7 then 1.0 tok/s when another process took a core (OpenMP's spin-waiting threads). This function's
+    single run read 1.5 tok/s once, against the server's 27 tok/s for one client."""
     r = subprocess.run([sys.executable, str(REPO / "generate.py"), *map(str, args_for_generate), "--prompt", prompt,
                         "--temperature", "0", "--max_new_tokens", str(max_tokens), "--ignore_eos",
                         "--num_samples", str(runs + 1)], cwd=REPO, capture_output=True, text=True)
