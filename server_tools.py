@@ -38,8 +38,10 @@ class ToolCall:
         return d if index is None else {"index": index, **d}
 
 
-def _call(obj, names) -> ToolCall | None:
-    """{"name", "arguments" | "parameters"} naming a known tool -> a ToolCall, else None."""
+def _call(obj, names, fmt=None) -> ToolCall | None:
+    """{"name", "arguments" | "parameters"} naming a known tool -> a ToolCall, else None. Mistral's templates refuse a
+    call id that is not 9 letters and digits (raise_exception when the call comes back in the history): its ids are
+    that (vLLM's form); others get OpenAI's call_ form."""
     if not isinstance(obj, dict) or obj.get("name") not in names:
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
@@ -48,7 +50,12 @@ def _call(obj, names) -> ToolCall | None:
             args = json.loads(args)
         except ValueError:
             return None
-    return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False)) if isinstance(args, dict) else None
+    if not isinstance(args, dict):
+        return None
+    call = ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
+    if fmt == "mistral":
+        call.id = uuid.uuid4().hex[:9]
+    return call
 
 
 def _json_values(text: str) -> list:
@@ -83,7 +90,7 @@ def parse(fmt: str, text: str, names: set) -> tuple:
         elif not body.startswith(("{", "[")):
             return text, []
         values = _json_values(body)
-        calls = [c for c in (_call(v, names) for v in values) if c]
+        calls = [c for c in (_call(v, names, fmt) for v in values) if c]
         if len(calls) != len(values):
             return text, []
         content = text[:start].strip() if start > 0 else ""

@@ -10,6 +10,7 @@
 import argparse
 import json
 import math
+import os
 import re
 import statistics
 import subprocess
@@ -68,12 +69,13 @@ def _pct(xs, q):  # nearest-rank percentile
     return xs[max(0, math.ceil(q * len(xs)) - 1)]
 
 
-def bench_server(args_for_server: list, clients=(1, 4, 8), max_tokens: int = 64, prompt: str = PROMPT) -> list:
+def bench_server(args_for_server: list, clients=(1, 4, 8), max_tokens: int = 64, prompt: str = PROMPT,
+                 rounds: int = 1) -> list:
     """Start server.py with these flags (give --full_batch_size >= max(clients) for continuous batching of them all),
     warm it up, then for each N in clients run N concurrent greedy completions of exactly max_tokens tokens.
     Returns one dict per N: clients, completion_tokens (all requests), wall_s, aggregate_tok_s (all tokens / wall),
     ttft_p50_s, ttft_p95_s, decode_tok_s (median over requests of each one's tokens after the first / its time after
-    the first)."""
+    the first), load_avg (the 1-minute load average after it: the machine is shared); `rounds` times over."""
     import openai
     proc, url = start_server(args_for_server)
     try:
@@ -82,7 +84,7 @@ def bench_server(args_for_server: list, clients=(1, 4, 8), max_tokens: int = 64,
         count = iter(range(10**9))
         _one(client, model, f"({next(count)}) {prompt}", max_tokens)  # warm-up
         rows = []
-        for n in clients:
+        for n in [n for _ in range(rounds) for n in clients]:
             results: list = [None] * n
             start = threading.Barrier(n)
 
@@ -99,7 +101,8 @@ def bench_server(args_for_server: list, clients=(1, 4, 8), max_tokens: int = 64,
             ttfts = [r["ttft"] for r in results]
             rows.append(dict(clients=n, completion_tokens=total, wall_s=wall, aggregate_tok_s=total / wall,
                              ttft_p50_s=statistics.median(ttfts), ttft_p95_s=_pct(ttfts, 0.95),
-                             decode_tok_s=statistics.median(r["decode_tok_s"] for r in results)))
+                             decode_tok_s=statistics.median(r["decode_tok_s"] for r in results),
+                             load_avg=os.getloadavg()[0]))
         return rows
     finally:
         proc.terminate()
@@ -143,15 +146,39 @@ def chat_turns(args_for_server: list, turns: int = 6, max_tokens: int = 48) -> l
         proc.wait(timeout=30)
 
 
-def generate_batch1(args_for_generate: list, max_tokens: int = 64, prompt: str = PROMPT) -> dict:
-    """generate.py batch 1 on the same backend flags, greedy, exactly max_tokens: its decode and TTFT figures."""
+def generate_batch1(args_for_generate: list, max_tokens: int = 64, prompt: str = PROMPT, runs: int = 3) -> dict:
+    """generate.py batch 1 on the same backend flags, greedy, exactly max_tokens: the median decode and TTFT of `runs`
+    runs after a discarded one. One run is not a measurement on a shared machine: generate.py --compile --threads 2,
+    128 tokens, read 25.9 tok/s on its first run after the warm-up, then 57.2 and 55.1; two consecutive runs in one
+    process 54.7 then 1.0 tok/s when another process took a core (OpenMP's spin-waiting threads). This function's
+    single run read 1.5 tok/s once, against the server's 27 tok/s for one client."""
     r = subprocess.run([sys.executable, str(REPO / "generate.py"), *map(str, args_for_generate), "--prompt", prompt,
-                        "--temperature", "0", "--max_new_tokens", str(max_tokens), "--ignore_eos"],
-                       cwd=REPO, capture_output=True, text=True)
-    m = re.search(r"TTFT ([\d.]+) ms .*decode ([\d.]+) tok/s", r.stderr)
-    if r.returncode or not m:
+                        "--temperature", "0", "--max_new_tokens", str(max_tokens), "--ignore_eos",
+                        "--num_samples", str(runs + 1)], cwd=REPO, capture_output=True, text=True)
+    found = re.findall(r"TTFT ([\d.]+) ms .*decode ([\d.]+) tok/s", r.stderr)
+    if r.returncode or len(found) != runs + 1:
         raise RuntimeError(f"generate.py failed: {r.stderr[-500:]}")
-    return dict(ttft_s=float(m.group(1)) / 1000, decode_tok_s=float(m.group(2)))
+    found = found[1:]
+    return dict(ttft_s=statistics.median(float(t) for t, _ in found) / 1000,
+                decode_tok_s=statistics.median(float(d) for _, d in found), decode_runs=[float(d) for _, d in found],
+                load_avg=os.getloadavg()[0])
+
+
+SERVER_ONLY = {"--full_batch_size": 1, "--prefill_budget": 1, "--chat_template": 1, "--api_key": 1,
+               "--no_prefix_reuse": 0}  # server.py flags generate.py has not (the value count after each)
+
+
+def generate_args(server_args: list) -> list:
+    """The server's flags less the server-only ones: generate.py batch 1 on the same backend, threads, context."""
+    out, i = [], 0
+    while i < len(server_args):
+        a = str(server_args[i])
+        if a in SERVER_ONLY:
+            i += 1 + SERVER_ONLY[a]
+            continue
+        out.append(a)
+        i += 1
+    return out
 
 
 def main():
@@ -159,6 +186,7 @@ def main():
     p.add_argument("--clients", default="1,4,8", help="comma-separated client counts")
     p.add_argument("--max_tokens", type=int, default=64)
     p.add_argument("--chat_turns", type=int, default=0, help="instead: TTFT per turn of one chat of N turns")
+    p.add_argument("--rounds", type=int, default=1, help="every client count this many times, one row each")
     args, server_args = p.parse_known_args()
     if args.chat_turns:
         on, off = chat_turns(server_args, args.chat_turns), chat_turns(server_args + ["--no_prefix_reuse"],
@@ -173,18 +201,22 @@ def main():
     clients = [int(c) for c in args.clients.split(",")]
     if "--full_batch_size" not in server_args:
         server_args += ["--full_batch_size", str(max(clients))]
-    i = server_args.index("--full_batch_size")
-    base = generate_batch1(server_args[:i] + server_args[i + 2:], args.max_tokens)
-    rows = bench_server(server_args, clients, args.max_tokens)
+    if "--threads" not in server_args:  # one count for both (each would otherwise pick its own from the busy cores)
+        sys.path.insert(0, str(REPO))
+        from common import set_threads
+        server_args += ["--threads", str(set_threads(None))]
+    base = generate_batch1(generate_args(server_args), args.max_tokens)
+    rows = bench_server(server_args, clients, args.max_tokens, rounds=args.rounds)
     print(f"server.py {' '.join(server_args)}; {args.max_tokens} greedy tokens per request")
-    print("| clients | aggregate tok/s | x generate.py batch 1 | TTFT p50 | TTFT p95 | decode tok/s per request |")
-    print("|---|---|---|---|---|---|")
+    print("| clients | aggregate tok/s | x generate.py batch 1 | TTFT p50 | TTFT p95 | decode tok/s per request | "
+          "load avg |")
+    print("|---|---|---|---|---|---|---|")
     print(f"| generate.py batch 1 | {base['decode_tok_s']:.1f} | 1.00 | {base['ttft_s'] * 1000:.0f} ms | | "
-          f"{base['decode_tok_s']:.1f} |")
+          f"{base['decode_tok_s']:.1f} | {base['load_avg']:.1f} |")
     for r in rows:
         print(f"| {r['clients']} | {r['aggregate_tok_s']:.1f} | {r['aggregate_tok_s'] / base['decode_tok_s']:.2f} | "
-              f"{r['ttft_p50_s'] * 1000:.0f} ms | {r['ttft_p95_s'] * 1000:.0f} ms | {r['decode_tok_s']:.1f} |")
-
+              f"{r['ttft_p50_s'] * 1000:.0f} ms | {r['ttft_p95_s'] * 1000:.0f} ms | {r['decode_tok_s']:.1f} | "
+              f"{r['load_avg']:.1f} |")
 
 if __name__ == "__main__":
     main()

@@ -464,3 +464,16 @@ def test_default_model_end_to_end_matches_generate_cli(capsys):
     assert got[0][0] == out[len(prompt):-1]
     out = cli_text(capsys, "--chat", "--temperature", 0, "--max_new_tokens", 24, stdin=message + "\n")
     assert got[1][0] == out[len(f"> {message}\n"):-4] and "Paris" in got[1][0]  # (the echoed line, "\n> \n")
+
+
+def test_bench_server_baseline_is_the_median_of_runs_after_a_discarded_one(tmp_path):
+    """scripts/bench_server.py's generate.py batch-1 baseline: the server's flags less its own, `runs` runs after a
+    discarded one (the first run after --compile's warm-up is not representative), their median."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    import bench_server as BS
+    assert BS.generate_args(["--compile", "--threads", "2", "--full_batch_size", "8", "--no_prefix_reuse",
+                             "--max_seq_length", "512", "--prefill_budget", "64"]) == \
+        ["--compile", "--threads", "2", "--max_seq_length", "512"]
+    d = make_checkpoint(tmp_path / "tiny-bench")
+    b = BS.generate_batch1(["--checkpoint_path", d / "model.pth", "--threads", 1], 8, "Once upon a time", runs=3)
+    assert len(b["decode_runs"]) == 3 and b["decode_tok_s"] == sorted(b["decode_runs"])[1] > 0 and b["ttft_s"] > 0
