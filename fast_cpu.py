@@ -2,6 +2,7 @@
 # products, attention over the filled cache slots only, float32 attention for half-precision models) and, for
 # torch.compile, compiled per-layer prompt callers with oneDNN-packed prompt weights; it owns every Inductor setting.
 # engine.py and aoti_export.py call it. Delete this file and everything still runs: the same tokens, slower.
+import ctypes
 import sys
 from typing import Optional
 
@@ -31,7 +32,6 @@ def fixed_mmap_threshold(nbytes: int = 4 << 20) -> None:
     that threshold to the largest block freed so far, so the layouts' temporaries (fast_cpu_quant) stay in the heap,
     fragmented: a Llama-3.2-1B-shaped int8 model held 4.4 GB after speed_up where 2.4 GB are its weights and layouts."""
     try:
-        import ctypes
         ctypes.CDLL("libc.so.6").mallopt(-3, nbytes)  # M_MMAP_THRESHOLD (also turns the raising off)
     except (OSError, AttributeError):  # not glibc
         pass
@@ -217,7 +217,7 @@ def speed_up(model: Transformer, compile: bool = False, export: bool = False) ->
             attn.attend = FilledSlotsAttention(attn.attend)
     if export:
         return model
-    fast_cpu_quant.swap_in(model)
+    fast_cpu_quant.swap_in(model, words=compile)
     if ONEDNN:
         for parent in list(model.modules()):
             for name, child in list(parent.named_children()):
@@ -234,6 +234,9 @@ def speed_up(model: Transformer, compile: bool = False, export: bool = False) ->
         free = available_memory()
         budget = PROMPT_COPIES_MAX if free is None else min(PROMPT_COPIES_MAX, free // 2)
         size, made = pack_prompt_weights(model, budget)
+        for mod in model.modules():  # compiled code reads their words (or packed copies), not qdata (again)
+            if isinstance(mod, fast_cpu_quant.FastQuantizedLinear) and mod.reads_words_only():
+                fast_cpu_quant.release_pages(mod.qweight.qdata)
         if not made:
             print(f"prompts run on the weights as stored: their packed copies ({size / 2**20:.0f} MB) would take "
                   f"more than {budget / 2**20:.0f} MB (PROMPT_COPIES_MAX, or half of the free memory)", file=sys.stderr)

@@ -3,6 +3,8 @@
 # bfloat16 GEMM for prompts, one generated reduction over word layouts of the integer weights for compiled decode, and
 # integer GEMMs for 8da8w. The layouts are its own (derived from the stored weight when it is made, not saved).
 # Delete this file (with fast_cpu.py) and quantized models run qops.py's exact eager products.
+import ctypes
+import sys
 from typing import Optional
 
 import torch
@@ -98,34 +100,47 @@ class FastQuantizedLinear(QuantizedLinear):
     export_rows (qexport.py's AOT Inductor forms; torch.export only): "words" the word kernels for any number of rows;
     "native" a package's prompt model (the packed kernels, int8 on its bfloat16 copy); "bf16" its long_prompt model."""
 
-    def __init__(self, lin: QuantizedLinear, export_rows: Optional[str] = None):
+    def __init__(self, lin: QuantizedLinear, export_rows: Optional[str] = None, words: bool = True):
         super().__init__(lin.qweight, None, lin.act)
         self.bias, self.act_quant, self.export_rows = lin.bias, lin.act_quant, export_rows
         self.prompt_packed = getattr(lin, "prompt_packed", False)
         if isinstance(lin, FastQuantizedLinear):  # another form of the same weight: the same layouts
             for name in LAYOUTS:
                 setattr(self, name, getattr(lin, name))
+            if words:
+                self.add_words()
         else:
-            self._make_layouts()
+            self._make_layouts(words)
 
-    def _make_layouts(self):
-        """The layouts the kernels read, from qdata, scales and zeros (plain attributes: not saved, not moved)."""
+    def add_words(self):
+        """The word layouts (compiled decode's), where the module was made without them."""
+        if self.int8_words is None and self.int4_words is None:
+            self._make_layouts(True, keep=True)
+
+    def _make_layouts(self, words: bool = True, keep: bool = False):
+        """The layouts the kernels read, from qdata, scales and zeros (plain attributes: not saved, not moved). words:
+        also the word layouts, which only compiled code reads (an eager model would hold them beside qdata for
+        nothing: 1 GB for a 1B int8 model). keep: add the word layouts to those already made."""
         qw, static = self.qweight, TI.mark_static
         N, K = qw.out_features, qw.in_features
-        for name in LAYOUTS:
-            setattr(self, name, None)
-        if qw.bits == 8:  # unit bfloat16 scales for float32 activations (native_linear); per-channel sums of q
-            self.int8_unit = static(torch.ones(N, dtype=torch.bfloat16, device=qw.qdata.device))
-            self.int8_sums = static(qw.qdata.sum(1, dtype=torch.int32))
-        elif qw.symmetric or qw.xnnpack:  # q - 8 as int8 [N, K]: eager (q - 8) s in one pass (chunked_linear)
-            self.qdata_int8 = unpack_int4(qw.qdata, qw.groupsize).to(torch.int8) - 8
-        tiles = qw.qdata.is_cpu and N % 16 == 0  # the word layouts' tiles of 16 output channels
+        if not keep:
+            for name in LAYOUTS:
+                setattr(self, name, None)
+            if qw.bits == 8:  # unit bfloat16 scales for float32 activations (native_linear); per-channel sums of q
+                self.int8_unit = static(torch.ones(N, dtype=torch.bfloat16, device=qw.qdata.device))
+                self.int8_sums = static(qw.qdata.sum(1, dtype=torch.int32))
+            elif qw.symmetric or qw.xnnpack:  # q - 8 as int8 [N, K]: eager (q - 8) s in one pass (chunked_linear)
+                self.qdata_int8 = unpack_int4(qw.qdata, qw.groupsize).to(torch.int8) - 8
+        tiles = words and qw.qdata.is_cpu and N % 16 == 0  # the word layouts' tiles of 16 output channels
         if qw.bits == 8 and tiles and K % 4 == 0:
             # int32 words [N/16, 1, K/4, 16] (the 1: the rows of x): byte j of word [t, 0, i, c] holds
             # q[16t + c, j*K/4 + i], plus 128 in bytes 0-2 (read as unsigned), as is in byte 3 (read signed)
-            u = qw.qdata.to(torch.int32).view(N // 16, 16, 4, K // 4)
-            w = (u[:, :, 0] + 128) | ((u[:, :, 1] + 128) << 8) | ((u[:, :, 2] + 128) << 16) | (u[:, :, 3] << 24)
-            self.int8_words = static(w.transpose(1, 2).contiguous().unsqueeze(1))
+            w = torch.empty(N // 16, K // 4, 16, dtype=torch.int32)
+            for t in range(0, N // 16, 256):  # 4096 channels at a time: the temporaries stay small
+                u = qw.qdata[16 * t:16 * (t + 256)].to(torch.int32).view(-1, 16, 4, K // 4)
+                w[t:t + 256] = ((u[:, :, 0] + 128) | ((u[:, :, 1] + 128) << 8) | ((u[:, :, 2] + 128) << 16)
+                                | (u[:, :, 3] << 24)).transpose(1, 2)
+            self.int8_words = static(w.unsqueeze(1))
         G = qw.groupsize
         if qw.bits == 4 and tiles and G % 8 == 0:
             # int32 words [N/16, 1, K/G, G/8, 16]: nibble j of word [t, 0, g, i, c] holds q[16t + c, g*G + j*G/8 + i],
@@ -137,7 +152,8 @@ class FastQuantizedLinear(QuantizedLinear):
             tile = lambda t: static(t.reshape(N // 16, 16, *t.shape[1:]).movedim(1, -1).contiguous().unsqueeze(1))
             self.int4_words = (tile(w), tile(qw.scales.float().unsqueeze(-1)),
                                None if qw.zeros is None else tile(qw.zeros.float().unsqueeze(-1)))
-        if (qw.bits == 4 and tiles and hasattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu")
+        if (not keep and qw.bits == 4 and qw.qdata.is_cpu and N % 16 == 0
+                and hasattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu")
                 and (qw.scales.dtype == torch.bfloat16 or qw.weight_only  # (8da4w: see int4_act_linear)
                      or torch.equal(qw.scales.to(torch.bfloat16).to(qw.scales.dtype), qw.scales))):
             s = qw.scales  # ATen's blocked layout, bfloat16 scales and offsets: (q - 8) s + z'
@@ -168,6 +184,15 @@ class FastQuantizedLinear(QuantizedLinear):
         if self.prompt_copy_bytes():
             self.int8_bf16_t = TI.mark_static(self.qweight.qdata.t().to(torch.bfloat16).contiguous())
         return self.int8_bf16_t is not None
+
+    def reads_words_only(self) -> bool:
+        """Compiled code multiplies by the word layouts (and the packed prompt copy) alone, never reading qdata:
+        weight-only int8 with bfloat16 GEMMs (prompts: words_bf16_t or the copy), int4 with ATen's blocked layout
+        (short prompts) too; fast_cpu.speed_up then gives qdata's pages back (release_pages)."""
+        qw = self.qweight
+        if qw.bits == 8:
+            return self.int8_words is not None and self.act is None and BF16_GEMM
+        return self.int4_words is not None and self.int4_cpu is not None and qw.weight_only
 
     # ------------------------------------------------------------------------------------------------- dispatch
     def _exporting(self) -> bool:
@@ -290,6 +315,8 @@ class FastQuantizedLinear(QuantizedLinear):
                 return self.int8_bf16_t
             many = TI.statically_known_true(x2.shape[0] >= BF16_ROWS)  # "long_prompt": BF16_ROWS tokens or more
             return self.words_bf16_t() if self.export_rows == "bf16" and many else None
+        if torch.compiler.is_compiling() and self.qweight.bits == 8 and not self.prompt_packed:
+            return self.words_bf16_t()  # (any length: a compiled run reads the words, not qdata: release_pages)
         if x2.shape[0] < BF16_ROWS:
             return None
         if torch.compiler.is_compiling():
@@ -404,6 +431,35 @@ class FastQuantizedLinear(QuantizedLinear):
         return t.sum((-2, -1))
 
 
+def release_pages(t: Tensor) -> int:
+    """Give back to the system the resident pages of t's bytes where they are a private mapping of a file (a
+    checkpoint loaded with mmap=True) and still hold what the file holds (compared first, so nothing written is lost):
+    they leave this process's memory and, read again, come back from the file. Whole pages inside t only. Returns the
+    bytes released (0 elsewhere: anonymous or shared memory, changed bytes, not Linux)."""
+    start, n, page = t.data_ptr(), t.untyped_storage().nbytes(), 4096
+    lo, hi = -(-start // page) * page, (start + n) // page * page
+    if hi <= lo or sys.platform != "linux":
+        return 0
+    try:
+        with open("/proc/self/maps") as maps:
+            found = next((p for p in (line.split(maxsplit=5) for line in maps)
+                          if int(p[0].split("-")[0], 16) <= start < int(p[0].split("-")[1], 16)), None)
+        if found is None or len(found) < 6 or not found[5].startswith("/") or "p" not in found[1]:
+            return 0
+        mine = torch.frombuffer(memoryview((ctypes.c_char * (hi - lo)).from_address(lo)), dtype=torch.uint8)
+        with open(found[5].rstrip("\n"), "rb") as fh:
+            fh.seek(lo - int(found[0].split("-")[0], 16) + int(found[2], 16))
+            for i in range(0, hi - lo, 16 << 20):
+                chunk = fh.read(min(16 << 20, hi - lo - i))
+                if not torch.equal(torch.frombuffer(bytearray(chunk), dtype=torch.uint8), mine[i:i + len(chunk)]):
+                    return 0
+        if ctypes.CDLL("libc.so.6").madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), 4):  # MADV_DONTNEED
+            return 0
+    except (OSError, ValueError, AttributeError):
+        return 0
+    return hi - lo
+
+
 def replace_module(parent: nn.Module, name: str, new: nn.Module) -> None:
     """parent.name = new, keeping the hooks others put on the module it replaces (tp.py's all-reduce)."""
     old = getattr(parent, name)
@@ -413,9 +469,14 @@ def replace_module(parent: nn.Module, name: str, new: nn.Module) -> None:
     setattr(parent, name, new)
 
 
-def swap_in(model: nn.Module) -> None:
-    """Replace every qops.QuantizedLinear in model with a FastQuantizedLinear over the same weight (idempotent)."""
+def swap_in(model: nn.Module, words: bool = True) -> None:
+    """Replace every qops.QuantizedLinear in model with a FastQuantizedLinear over the same weight (idempotent).
+    words: with the word layouts that compiled code reads (torch.compile; an eager model goes without them)."""
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is QuantizedLinear:
-                replace_module(parent, name, FastQuantizedLinear(child))
+                replace_module(parent, name, child := FastQuantizedLinear(child, words=words))
+            elif words and isinstance(child, FastQuantizedLinear):
+                child.add_words()
+            if words and isinstance(child, FastQuantizedLinear) and child.reads_words_only():
+                release_pages(child.qweight.qdata)  # one weight's qdata and words at a time at most

@@ -311,8 +311,36 @@ def test_compiled_int8_prompts_use_bfloat16_copies(peaked, monkeypatch, capsys):
     monkeypatch.setattr(fast_cpu, "available_memory", lambda: 0)
     capsys.readouterr()
     generate.TorchBackend(m2, 1, 64, compile=True)
-    assert "would take more than half of the free memory" in capsys.readouterr().err
+    assert "would take more than 0 MB (PROMPT_COPIES_MAX, or half of the free memory)" in capsys.readouterr().err
     assert not any(mod.prompt_packed for mod in m2.layers.modules() if isinstance(mod, qops.QuantizedLinear))
+
+
+def test_word_layouts_only_when_compiled_and_prompts_without_copies(peaked, tmp_path, monkeypatch):
+    """An eager model holds no word layouts (only compiled code reads them); a compiled int8 model whose prompt copies
+    are not made (over PROMPT_COPIES_MAX) multiplies its prompts by the words as bfloat16: the same greedy tokens as
+    eager, short and long prompts. FQ.release_pages gives back the pages of a file-mapped tensor whose bytes
+    still equal the file's (read again, the same values), and keeps a written one."""
+    monkeypatch.setattr(FQ, "BF16_GEMM", True)
+    m = copy.deepcopy(peaked)
+    Q.quantize_model(m, "int8", embedding="int8", log=False)
+    prompts = [PROMPT, (PROMPT * 8)[:FQ.BF16_ROWS + 4]]
+    eager = generate.TorchBackend(copy.deepcopy(m), 1, 64)
+    fast = [mod for mod in eager.model.modules() if isinstance(mod, FQ.FastQuantizedLinear)]
+    assert fast and all(f.int8_words is None for f in fast)
+    want = [generate.generate(eager, [p], 8, CPU)[0] for p in prompts]
+    monkeypatch.setattr(fast_cpu, "PROMPT_COPIES_MAX", 0)
+    be = generate.TorchBackend(m, 1, 64, compile=True)
+    fast = [mod for mod in m.modules() if isinstance(mod, FQ.FastQuantizedLinear)]
+    assert all(f.int8_words is not None and not f.prompt_packed and f.reads_words_only() for f in fast)
+    assert [generate.generate(be, [p], 8, CPU)[0] for p in prompts] == want
+    torch.save({"a": torch.arange(1 << 20, dtype=torch.int32), "b": torch.arange(1 << 18)}, tmp_path / "t.pth")
+    sd = torch.load(tmp_path / "t.pth", mmap=True, weights_only=True)
+    before = sd["a"].clone()
+    assert FQ.release_pages(sd["a"]) >= (4 << 20) - 8192
+    assert torch.equal(sd["a"], before)
+    sd["b"][:4096] += 1
+    assert FQ.release_pages(sd["b"]) == 0 and sd["b"][0] == 1
+    assert FQ.release_pages(before) == 0  # anonymous memory: never
 
 
 def test_compiled_8da8w_prefill_matches_eager(peaked):
