@@ -10,6 +10,7 @@ import tp  # tensor parallelism under torchrun
 from common import DEFAULT_CHECKPOINT, REPO, THREADS, ArgumentParser, at_least, available_memory, checkpoint_file
 from engine import TorchBackend
 from model_configs import ModelArgs
+from validation import json_object
 from quantize import load_model
 
 RUNTIME_BYTES = 300 << 20  # Python and PyTorch's own libraries, before any tensor
@@ -44,9 +45,8 @@ def memory_needed(checkpoint_path, dtype, max_batch_size: int, max_seq_length: i
     rest as stored), the cache of max_batch_size x max_seq_length positions. Reads the file's index, not its data."""
     path = checkpoint_file(checkpoint_path)
     sd = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
-    cfg = sd.get("_config")
-    if isinstance(cfg, str):
-        args = ModelArgs.from_dict(json.loads(cfg))
+    if "_config" in sd:
+        args = ModelArgs.from_dict(json_object(sd["_config"], "_config", path))
     elif (path.parent / "config.json").is_file():
         args = ModelArgs.from_dict(json.loads((path.parent / "config.json").read_text()))
     else:

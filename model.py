@@ -14,9 +14,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from common import atomic_path, checkpoint_file, first_line
+from common import atomic_path, checkpoint_file
 from model_configs import ModelArgs, rope_frequencies, longrope_attention_factor, transformer_configs  # noqa: F401
-from validation import CHECKSUMS, check_shapes, check_sizes, check_state, checksums
+from validation import CHECKSUMS, check_shapes, check_sizes, check_state, checked, checksums, json_object
 
 
 class KVCache(nn.Module):
@@ -407,25 +407,6 @@ class FullCache(nn.Module):
         return S
 
 
-def _json_object(value, key: str, path) -> dict:
-    """A checkpoint's JSON field (_config, _quantization, config.json) as a dict, or one clear ValueError."""
-    try:
-        obj = json.loads(value) if isinstance(value, (str, bytes)) else None
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        obj = None
-    if not isinstance(obj, dict):
-        raise ValueError(f"checkpoint {path}: {key} is not a JSON object string (got {type(value).__name__})")
-    return obj
-
-
-def _checked(build, path, key):
-    """build() (ModelArgs from a config, a recipe's modules), its complaint as one ValueError naming file and key."""
-    try:
-        return build()
-    except (ValueError, TypeError, KeyError, AttributeError, ZeroDivisionError) as e:
-        raise ValueError(f"checkpoint {path}: {key}: {first_line(e)}") from None
-
-
 def load_model(checkpoint_path, device="cpu", dtype: Optional[torch.dtype] = None,
                quantized: Optional[Callable] = None) -> Transformer:
     """Load a checkpoint written by scripts/convert_checkpoint.py or quantize.py, safely (weights_only, mmap).
@@ -448,22 +429,22 @@ def load_model(checkpoint_path, device="cpu", dtype: Optional[torch.dtype] = Non
     check_state(sd, path)
     sd.pop(CHECKSUMS, None)
     if "_config" in sd:
-        cfg = _json_object(sd.pop("_config"), "_config", path)
-        args = _checked(lambda: ModelArgs.from_dict(cfg), path, "_config")
+        cfg = json_object(sd.pop("_config"), "_config", path)
+        args = checked(lambda: ModelArgs.from_dict(cfg), path, "_config")
     elif (path.parent / "config.json").is_file():
-        cfg = _json_object((path.parent / "config.json").read_bytes(), "config.json", path)
-        args = _checked(lambda: ModelArgs.from_dict(cfg), path, "config.json")
+        cfg = json_object((path.parent / "config.json").read_bytes(), "config.json", path)
+        args = checked(lambda: ModelArgs.from_dict(cfg), path, "config.json")
     else:
         args = ModelArgs.from_name(path.parent.name)
     check_sizes(sd, args, path)
     recipe = sd.pop("_quantization", None)
-    recipe = None if recipe is None else _json_object(recipe, "_quantization", path)
+    recipe = None if recipe is None else json_object(recipe, "_quantization", path)
     with torch.device("meta"):
         model = Transformer(args)
     if recipe:  # quantized(model, recipe) swaps in the quantized modules (quantize.load_model passes its own)
         if quantized is None:
             raise ValueError(f"checkpoint {path} is quantized ({recipe.get('mode')}): load it with quantize.load_model")
-        model = _checked(lambda: quantized(model, recipe), path, "_quantization")
+        model = checked(lambda: quantized(model, recipe), path, "_quantization")
     model.quantization = recipe or None
     if args.tie_embeddings:
         sd.pop("output.weight", None)
@@ -492,7 +473,7 @@ def save_checkpoint(sd: dict, path) -> None:
     (validation.checksums: load_model verifies them). What load_model would refuse is never written: a "_config"
     that is no valid ModelArgs, a NaN or infinite weight."""
     if "_config" in sd:
-        _checked(lambda: ModelArgs.from_dict(_json_object(sd["_config"], "_config", path)), path, "_config")
+        checked(lambda: ModelArgs.from_dict(json_object(sd["_config"], "_config", path)), path, "_config")
     sd = {k: v for k, v in sd.items() if k != CHECKSUMS}
     check_state(sd, path)
     sd[CHECKSUMS] = checksums(sd)

@@ -167,3 +167,28 @@ def check_shapes(sd: dict, expected: dict, path) -> None:
             want = "floating-point" if e.dtype.is_floating_point else str(e.dtype).removeprefix("torch.")
             raise ValueError(f"checkpoint {path}: tensor {k} is {str(v.dtype).removeprefix('torch.')} "
                              f"{tuple(v.shape)}, its config and recipe say {want} {tuple(e.shape)}")
+
+
+def json_object(value, key: str, path) -> dict:
+    """A checkpoint's JSON field (_config, _quantization, config.json) as a dict, or one clear ValueError."""
+    try:
+        obj = json.loads(value) if isinstance(value, (str, bytes)) else None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        obj = None
+    if not isinstance(obj, dict):
+        raise ValueError(f"checkpoint {path}: {key} is not a JSON object string (got {type(value).__name__})")
+    return obj
+
+
+def _first_line(e: BaseException, limit: int = 300) -> str:  # (common.first_line; this file imports no repo file)
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    msg = lines[0] if lines else type(e).__name__
+    return msg[:limit] + ("..." if len(msg) > limit else "")
+
+
+def checked(build, path, key):
+    """build() (ModelArgs from a config, a recipe's modules), its complaint as one ValueError naming file and key."""
+    try:
+        return build()
+    except (ValueError, TypeError, KeyError, AttributeError, ZeroDivisionError) as e:
+        raise ValueError(f"checkpoint {path}: {key}: {_first_line(e)}") from None
