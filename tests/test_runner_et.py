@@ -64,9 +64,11 @@ def compare(runner, pte, tok_dir, tok_bin, prompt, n):
 
 @pytest.mark.parametrize("kind", ["bpe", "sp"])
 def test_runner_matches_generate_py(env, runner, kind):
+    # the program records its tokenizer's vocabulary fingerprint: the SentencePiece run gets one exported with it
+    pte = env["pte"] if kind == "bpe" else export_pte(env["ckpt"], env["root"] / "tiny_sp.pte", "--tokenizer_path", env["sp"])
     for prompt in PROMPTS:
-        compare(runner, env["pte"], env[kind], env["bins"][kind], prompt, 24)
-    compare(runner, env["pte"], env[kind], env["bins"][kind], "Once upon a time", 500)  # clamped to the context
+        compare(runner, pte, env[kind], env["bins"][kind], prompt, 24)
+    compare(runner, pte, env[kind], env["bins"][kind], "Once upon a time", 500)  # clamped to the context
 
 
 def test_ignore_stop_tokens(env, runner):
@@ -214,6 +216,18 @@ def other_vocabulary(good: bytes) -> bytes:
     return bytes(other)
 
 
+def takes_only(runner, program, good_bin, other_bin, fp):
+    """The runner runs program with good_bin and refuses other_bin (another vocabulary of the same size) with one
+    error line naming the fingerprint fp, exit 1 (test_aoti.py's package too)."""
+    r = run([runner, program, "-z", good_bin, "-i", "Once upon a time", "-n", 8, "-t", 0])
+    assert r.returncode == 0 and "achieved tok/s" in r.stderr, r.stderr
+    r = run([runner, program, "-z", other_bin, "-i", "Once upon a time", "-n", 8, "-t", 0])
+    last = r.stderr.strip().splitlines()[-1]
+    assert r.returncode == 1 and r.stdout == "" and last.startswith("error: "), r.stderr
+    assert f"{other_bin.name} is not the vocabulary the model was exported with" in last and str(fp) in last, last
+    assert [l for l in r.stderr.splitlines() if l.startswith("error: ")] == [last], r.stderr
+
+
 def test_vocabulary_fingerprint(env, runner, tmp_path):
     """et_export.py writes get_vocab_fingerprint, the fingerprint of the checkpoint's tokenizer.bin (equal to this
     file's reference implementation), so the .pte runs only with that tokenizer.bin: another vocabulary of the same
@@ -225,12 +239,7 @@ def test_vocabulary_fingerprint(env, runner, tmp_path):
     fp = vocab_fingerprint(good)
     assert et_export.vocab_fingerprint(load_tokenizer(env["bpe"])) % (1 << 64) == fp
     (tmp_path / "other.bin").write_bytes(other_vocabulary(good))
-    r = run([runner, env["pte"], "-z", env["bins"]["bpe"], "-i", "Once upon a time", "-n", 12, "-t", 0])
-    assert r.returncode == 0 and "achieved tok/s" in r.stderr, r.stderr
-    r = run([runner, env["pte"], "-z", tmp_path / "other.bin", "-i", "Once upon a time", "-n", 12, "-t", 0])
-    last = r.stderr.strip().splitlines()[-1]
-    assert r.returncode == 1 and r.stdout == "" and last.startswith("error: "), r.stderr
-    assert "other.bin is not the vocabulary the model was exported with" in last and str(fp) in last, last
+    takes_only(runner, env["pte"], env["bins"]["bpe"], tmp_path / "other.bin", fp)
     (tmp_path / "none").mkdir()  # no tokenizer: no fingerprint in the program, only the size is checked
     pte = tmp_path / "nofp.pte"
     et_export.main(["--checkpoint_path", str(env["ckpt"]), "--output_path", str(pte), "--max_seq_length", str(MAX_SEQ),
