@@ -1,7 +1,6 @@
 # backends.py: the backend a command line names, for generate.py, server.py, eval.py and bench.py: model.py's network
 # (eager or --compile, engine.TorchBackend), an AOT Inductor package, an ExecuTorch .pte, an ONNX graph on ONNX
 # Runtime or a Cloud AI 100 QPC. Each exporter's backend class is imported only when its flag is given.
-import json
 from pathlib import Path
 
 import torch
@@ -9,8 +8,7 @@ import torch
 import tp  # tensor parallelism under torchrun
 from common import DEFAULT_CHECKPOINT, REPO, THREADS, ArgumentParser, at_least, available_memory, checkpoint_file
 from engine import TorchBackend
-from model_configs import ModelArgs
-from validation import json_object
+from model import checkpoint_config
 from quantize import load_model
 
 RUNTIME_BYTES = 300 << 20  # Python and PyTorch's own libraries, before any tensor
@@ -45,12 +43,7 @@ def memory_needed(checkpoint_path, dtype, max_batch_size: int, max_seq_length: i
     rest as stored), the cache of max_batch_size x max_seq_length positions. Reads the file's index, not its data."""
     path = checkpoint_file(checkpoint_path)
     sd = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
-    if "_config" in sd:
-        args = ModelArgs.from_dict(json_object(sd["_config"], "_config", path))
-    elif (path.parent / "config.json").is_file():
-        args = ModelArgs.from_dict(json.loads((path.parent / "config.json").read_text()))
-    else:
-        args = ModelArgs.from_name(path.parent.name)
+    args = checkpoint_config(sd, path)
     size = lambda t: t.numel() * (dtype.itemsize if dtype is not None and t.is_floating_point() else t.element_size())
     weights = sum(size(t) for t in sd.values() if isinstance(t, torch.Tensor))
     kv_dtype = dtype or next((t.dtype for t in sd.values() if isinstance(t, torch.Tensor) and t.is_floating_point()),

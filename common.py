@@ -40,6 +40,8 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
+from validation import first_line  # noqa: F401 (defined there: validation.py imports no repo file)
+
 REPO = Path(__file__).resolve().parent
 DEFAULT_CHECKPOINT = REPO / "checkpoints" / "SmolLM2-135M-Instruct" / "model.pth"
 
@@ -121,13 +123,6 @@ def set_threads(threads: Optional[int], log=None) -> int:
     if threads:
         torch.set_num_threads(threads)
     return torch.get_num_threads()
-
-
-def first_line(e: BaseException, limit: int = 300) -> str:
-    """The first non-empty line of an exception's message (or its type name), cut to `limit` characters."""
-    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
-    msg = lines[0] if lines else type(e).__name__
-    return msg[:limit] + ("..." if len(msg) > limit else "")
 
 
 def checkpoint_file(path) -> Path:

@@ -234,9 +234,6 @@ def speed_up(model: Transformer, compile: bool = False, export: bool = False) ->
         free = available_memory()
         budget = PROMPT_COPIES_MAX if free is None else min(PROMPT_COPIES_MAX, free // 2)
         size, made = pack_prompt_weights(model, budget)
-        for mod in model.modules():  # compiled code reads their words (or packed copies), not qdata (again)
-            if isinstance(mod, fast_cpu_quant.FastQuantizedLinear) and mod.reads_words_only():
-                fast_cpu_quant.release_pages(mod.qweight.qdata)
         if not made:
             print(f"prompts run on the weights as stored: their packed copies ({size / 2**20:.0f} MB) would take "
                   f"more than {budget / 2**20:.0f} MB (PROMPT_COPIES_MAX, or half of the free memory)", file=sys.stderr)

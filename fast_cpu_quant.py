@@ -115,24 +115,39 @@ class FastQuantizedLinear(QuantizedLinear):
     def add_words(self):
         """The word layouts (compiled decode's), where the module was made without them."""
         if self.int8_words is None and self.int4_words is None:
-            self._make_layouts(True, keep=True)
+            self._make_words()
 
-    def _make_layouts(self, words: bool = True, keep: bool = False):
+    def _make_layouts(self, words: bool = True):
         """The layouts the kernels read, from qdata, scales and zeros (plain attributes: not saved, not moved). words:
         also the word layouts, which only compiled code reads (an eager model would hold them beside qdata for
-        nothing: 1 GB for a 1B int8 model). keep: add the word layouts to those already made."""
+        nothing: 1 GB for a 1B int8 model)."""
         qw, static = self.qweight, TI.mark_static
-        N, K = qw.out_features, qw.in_features
-        if not keep:
-            for name in LAYOUTS:
-                setattr(self, name, None)
-            if qw.bits == 8:  # unit bfloat16 scales for float32 activations (native_linear); per-channel sums of q
-                self.int8_unit = static(torch.ones(N, dtype=torch.bfloat16, device=qw.qdata.device))
-                self.int8_sums = static(qw.qdata.sum(1, dtype=torch.int32))
-            elif qw.symmetric or qw.xnnpack:  # q - 8 as int8 [N, K]: eager (q - 8) s in one pass (chunked_linear)
-                self.qdata_int8 = unpack_int4(qw.qdata, qw.groupsize).to(torch.int8) - 8
-        tiles = words and qw.qdata.is_cpu and N % 16 == 0  # the word layouts' tiles of 16 output channels
-        if qw.bits == 8 and tiles and K % 4 == 0:
+        N = qw.out_features
+        for name in LAYOUTS:
+            setattr(self, name, None)
+        if qw.bits == 8:  # unit bfloat16 scales for float32 activations (native_linear); per-channel sums of q
+            self.int8_unit = static(torch.ones(N, dtype=torch.bfloat16, device=qw.qdata.device))
+            self.int8_sums = static(qw.qdata.sum(1, dtype=torch.int32))
+        elif qw.symmetric or qw.xnnpack:  # q - 8 as int8 [N, K]: eager (q - 8) s in one pass (chunked_linear)
+            self.qdata_int8 = unpack_int4(qw.qdata, qw.groupsize).to(torch.int8) - 8
+        if (qw.bits == 4 and qw.qdata.is_cpu and N % 16 == 0
+                and hasattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu")
+                and (qw.scales.dtype == torch.bfloat16 or qw.weight_only  # (8da4w: see int4_act_linear)
+                     or torch.equal(qw.scales.to(torch.bfloat16).to(qw.scales.dtype), qw.scales))):
+            s = qw.scales  # ATen's blocked layout, bfloat16 scales and offsets: (q - 8) s + z'
+            z = torch.zeros_like(s) if qw.zeros is None or qw.xnnpack else qw.zeros + 8 * s
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(qw.int_values().to(torch.int32), 1)
+            self.int4_cpu = (static(packed), static(torch.stack([s.t(), z.t()], -1).to(torch.bfloat16).contiguous()))
+        if words:
+            self._make_words()
+
+    def _make_words(self):
+        """The word layouts of the compiled decode kernels (fused_linear), in tiles of 16 output channels."""
+        qw, static = self.qweight, TI.mark_static
+        N, K, G = qw.out_features, qw.in_features, qw.groupsize
+        if not (qw.qdata.is_cpu and N % 16 == 0):
+            return
+        if qw.bits == 8 and K % 4 == 0:
             # int32 words [N/16, 1, K/4, 16] (the 1: the rows of x): byte j of word [t, 0, i, c] holds
             # q[16t + c, j*K/4 + i], plus 128 in bytes 0-2 (read as unsigned), as is in byte 3 (read signed)
             w = torch.empty(N // 16, K // 4, 16, dtype=torch.int32)
@@ -141,8 +156,7 @@ class FastQuantizedLinear(QuantizedLinear):
                 w[t:t + 256] = ((u[:, :, 0] + 128) | ((u[:, :, 1] + 128) << 8) | ((u[:, :, 2] + 128) << 16)
                                 | (u[:, :, 3] << 24)).transpose(1, 2)
             self.int8_words = static(w.unsqueeze(1))
-        G = qw.groupsize
-        if qw.bits == 4 and tiles and G % 8 == 0:
+        if qw.bits == 4 and G % 8 == 0:
             # int32 words [N/16, 1, K/G, G/8, 16]: nibble j of word [t, 0, g, i, c] holds q[16t + c, g*G + j*G/8 + i],
             # so each word's 8 nibbles lie in one group and a tile's words are contiguous; scales and zeros tiled alike
             q = unpack_int4(qw.qdata, G).to(torch.int32).view(N, K // G, 8, G // 8)
@@ -152,14 +166,6 @@ class FastQuantizedLinear(QuantizedLinear):
             tile = lambda t: static(t.reshape(N // 16, 16, *t.shape[1:]).movedim(1, -1).contiguous().unsqueeze(1))
             self.int4_words = (tile(w), tile(qw.scales.float().unsqueeze(-1)),
                                None if qw.zeros is None else tile(qw.zeros.float().unsqueeze(-1)))
-        if (not keep and qw.bits == 4 and qw.qdata.is_cpu and N % 16 == 0
-                and hasattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu")
-                and (qw.scales.dtype == torch.bfloat16 or qw.weight_only  # (8da4w: see int4_act_linear)
-                     or torch.equal(qw.scales.to(torch.bfloat16).to(qw.scales.dtype), qw.scales))):
-            s = qw.scales  # ATen's blocked layout, bfloat16 scales and offsets: (q - 8) s + z'
-            z = torch.zeros_like(s) if qw.zeros is None or qw.xnnpack else qw.zeros + 8 * s
-            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(qw.int_values().to(torch.int32), 1)
-            self.int4_cpu = (static(packed), static(torch.stack([s.t(), z.t()], -1).to(torch.bfloat16).contiguous()))
 
     # ------------------------------------------------------------------------------------------------- prompt copies
     def prompt_copy_bytes(self) -> int:
@@ -174,6 +180,8 @@ class FastQuantizedLinear(QuantizedLinear):
         qdata = self.qweight.qdata
         if self.prompt_copy_bytes() and packed_copy(qdata) is None:
             keep_packed_copy(qdata, torch.ops.mkldnn._reorder_linear_weight(qdata.to(torch.bfloat16), 16))
+            if self.reads_words_only():
+                release_pages(qdata)  # (read again for the copy: see swap_in)
         self.prompt_packed = packed_copy(qdata) is not None
 
     def add_export_copy(self) -> bool:
@@ -188,7 +196,7 @@ class FastQuantizedLinear(QuantizedLinear):
     def reads_words_only(self) -> bool:
         """Compiled code multiplies by the word layouts (and the packed prompt copy) alone, never reading qdata:
         weight-only int8 with bfloat16 GEMMs (prompts: words_bf16_t or the copy), int4 with ATen's blocked layout
-        (short prompts) too; fast_cpu.speed_up then gives qdata's pages back (release_pages)."""
+        (short prompts) too; swap_in and pack_prompt then give qdata's pages back (release_pages)."""
         qw = self.qweight
         if qw.bits == 8:
             return self.int8_words is not None and self.act is None and BF16_GEMM

@@ -407,6 +407,18 @@ class FullCache(nn.Module):
         return S
 
 
+def checkpoint_config(sd: dict, path) -> ModelArgs:
+    """The ModelArgs of a checkpoint's state dict: its "_config" entry, else config.json beside it (older files), else
+    its directory's name. One ValueError naming the file and the field where it is no valid config."""
+    if "_config" in sd:
+        cfg = json_object(sd["_config"], "_config", path)
+        return checked(lambda: ModelArgs.from_dict(cfg), path, "_config")
+    if (path.parent / "config.json").is_file():
+        cfg = json_object((path.parent / "config.json").read_bytes(), "config.json", path)
+        return checked(lambda: ModelArgs.from_dict(cfg), path, "config.json")
+    return ModelArgs.from_name(path.parent.name)
+
+
 def load_model(checkpoint_path, device="cpu", dtype: Optional[torch.dtype] = None,
                quantized: Optional[Callable] = None) -> Transformer:
     """Load a checkpoint written by scripts/convert_checkpoint.py or quantize.py, safely (weights_only, mmap).
@@ -428,14 +440,8 @@ def load_model(checkpoint_path, device="cpu", dtype: Optional[torch.dtype] = Non
         raise ValueError(f"checkpoint {path} does not hold a state dict")
     check_state(sd, path)
     sd.pop(CHECKSUMS, None)
-    if "_config" in sd:
-        cfg = json_object(sd.pop("_config"), "_config", path)
-        args = checked(lambda: ModelArgs.from_dict(cfg), path, "_config")
-    elif (path.parent / "config.json").is_file():
-        cfg = json_object((path.parent / "config.json").read_bytes(), "config.json", path)
-        args = checked(lambda: ModelArgs.from_dict(cfg), path, "config.json")
-    else:
-        args = ModelArgs.from_name(path.parent.name)
+    args = checkpoint_config(sd, path)
+    sd.pop("_config", None)
     check_sizes(sd, args, path)
     recipe = sd.pop("_quantization", None)
     recipe = None if recipe is None else json_object(recipe, "_quantization", path)

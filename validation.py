@@ -180,7 +180,8 @@ def json_object(value, key: str, path) -> dict:
     return obj
 
 
-def _first_line(e: BaseException, limit: int = 300) -> str:  # (common.first_line; this file imports no repo file)
+def first_line(e: BaseException, limit: int = 300) -> str:
+    """The first non-empty line of an exception's message (or its type name), cut to `limit` characters."""
     lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
     msg = lines[0] if lines else type(e).__name__
     return msg[:limit] + ("..." if len(msg) > limit else "")
@@ -191,4 +192,4 @@ def checked(build, path, key):
     try:
         return build()
     except (ValueError, TypeError, KeyError, AttributeError, ZeroDivisionError) as e:
-        raise ValueError(f"checkpoint {path}: {key}: {_first_line(e)}") from None
+        raise ValueError(f"checkpoint {path}: {key}: {first_line(e)}") from None
