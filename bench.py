@@ -13,13 +13,16 @@ import shlex
 import statistics
 import subprocess
 import sys
+import tempfile
+import time
 import timeit
 from pathlib import Path
 from typing import Optional
 
 import torch
 
-from common import DEFAULT_CHECKPOINT, REPO, THREADS, ArgumentParser, at_least, cli, peak_memory_mb, write_atomic
+from common import (DEFAULT_CHECKPOINT, REPO, THREADS, ArgumentParser, at_least, cli, peak_memory_mb, vm_hwm_mb,
+                    within, write_atomic)
 
 CK = DEFAULT_CHECKPOINT.parent
 PY = sys.executable
@@ -31,10 +34,10 @@ PROMPTS = {
 }
 # 495 tokens with SmolLM2's tokenizer (4 prefill chunks of 128): hybrid (fixed-length prefill) vs one dynamic forward
 PROMPTS["long"] = " ".join([PROMPTS["story"]] * 15)
-CB_PROMPTS = ["The history of the printing press begins", "Here is a recipe for a simple tomato soup:",  # cb rows
-              "The three laws of motion are", "Once upon a time, in a village at the edge of a forest,", "A good way "
-              "to learn a new language is", "The main causes of the French Revolution were", "To change a flat tyre "
-              "on a bicycle, first", "The weather on Mars is"]
+CB_PROMPTS = ["The history of the printing press begins", "Here is a recipe for a simple tomato soup:", "The three "  # cb
+              "laws of motion are", "Once upon a time, in a village at the edge of a forest,", "A good way to learn a new "
+              "language is", "The main causes of the French Revolution were", "To change a flat tyre on a bicycle, first",
+              "The weather on Mars is"]
 # Artifacts: path -> the command that builds it ({ck} the checkpoint directory, {art} {ck}/bench, {j} the threads)
 FP, I8, I4, D4, D8 = (f"{{ck}}/model{s}.pth" for s in ("", "_int8", "_int4.g32", "_8da4w.g32", "_8da8w"))
 Q = ["quantize.py", "--checkpoint_path", FP, "--mode"]
@@ -100,8 +103,7 @@ def artifact_row(flag, artifact, weights, vs=None, peer=None):  # an exported pr
 
 
 def llamacpp(kind):  # llama.cpp (llama-cpp-python) on the same weights as a GGUF of this kind, same prompt, threads
-    return dict(kind="peer", gguf=(g := f"{{art}}/{kind}.gguf"), weights=g, prompt="story", vs=None, needs=[g],
-                peer=None)
+    return dict(kind="peer", gguf=(g := f"{{art}}/{kind}.gguf"), weights=g, prompt="story", vs=None, needs=[g])
 
 
 RA, RE, F32, F16, Q8, Q4 = ("runner-aoti/build/run", "runner-et/build/run", "llama.cpp F32", "llama.cpp F16",
@@ -131,10 +133,8 @@ ROWS = {
     "runner-aoti int4 g32": runner(RA, "{art}/int4.g32.s256.j{j}.pt2", I4, vs="runner-aoti fp32", peer=Q4),
     "runner-aoti int4 g32 ctx1024": runner(RA, "{art}/int4.g32.j{j}.pt2", I4, vs="runner-aoti int4 g32", peer=Q4),
     "runner-aoti int8 fast_prefill": runner(RA, "{art}/int8.fp.s256.j{j}.pt2", I8, vs="runner-aoti int8", peer=Q8),
-    "runner-aoti int4 g32 fast_prefill": runner(RA, "{art}/int4.g32.fp.s256.j{j}.pt2", I4,
-                                                vs="runner-aoti int4 g32", peer=Q4),
-    "runner-aoti 8da8w fast_prefill": runner(RA, "{art}/8da8w.fp.s256.j{j}.pt2", D8, vs="runner-aoti int8 fast_prefill",
-                                             peer=Q8),
+    "runner-aoti int4 g32 fast_prefill": runner(RA, "{art}/int4.g32.fp.s256.j{j}.pt2", I4, "runner-aoti int4 g32", Q4),
+    "runner-aoti 8da8w fast_prefill": runner(RA, "{art}/8da8w.fp.s256.j{j}.pt2", D8, "runner-aoti int8 fast_prefill", Q8),
     "runner-aoti 8da4w g32 fast_prefill": runner(RA, "{art}/8da4w.g32.fp.s256.j{j}.pt2", D4,
                                                  vs="runner-aoti 8da4w g32", peer=Q4),
     "runner-aoti 8da4w g32": runner(RA, "{art}/8da4w.g32.s256.j{j}.pt2", D4, vs="runner-aoti fp32", peer=Q4),
@@ -151,9 +151,8 @@ ROWS = {
     # decoding modes (issue 7): speedup over plain decoding of the same prompt and precision
     "compile spec int4 k5": gen("--compile", "--draft_checkpoint_path", I4, "--speculate_k", "5", vs="compile fp32"),
     "compile spec int8 k6": gen("--compile", "--draft_checkpoint_path", I8, "--speculate_k", "6", vs="compile fp32"),
-    "eager fp32 code": gen(prompt="code"),
+    "eager fp32 code": gen(prompt="code"), "compile fp32 code": gen("--compile", prompt="code", vs="eager fp32 code"),
     "eager lookahead code": gen("--lookahead", "5,1,2", prompt="code", vs="eager fp32 code"),  # runs model.py eagerly
-    "compile fp32 code": gen("--compile", prompt="code", vs="eager fp32 code"),
     "compile fp32 cb4": gen("--compile", "--full_batch_size", "4", prompt="cb", vs="compile fp32"),
     "eager fp32 cb4": gen("--full_batch_size", "4", prompt="cb", vs="eager fp32"),
     **runner_modes("runner-et", RE, "{art}/fp32.modes.pte"),
@@ -176,6 +175,8 @@ GROUPS = {  # --rows shorthands
     "prefill": [F32, "compile fp32", "runner-aoti fp32", "runner-aoti fp32 fast_prefill", "runner-et fp32", Q8,
                 "compile int8", "runner-aoti int8 fast_prefill", "compile 8da8w", "runner-aoti 8da8w fast_prefill",
                 "runner-et 8da8w", Q4, "compile int4 g32", "runner-aoti int4 g32 fast_prefill", "runner-et 8da4w g32"],
+    "big": ["compile bf16", F16, "compile int8", Q8, "compile int4 g32", "runner-aoti int4 g32", "runner-et 8da4w g32",
+            Q4],
     "all": list(ROWS), "server": ["compile fp32"],  # server: + server.py under 1, 4 and 8 clients (bench_server.py)
 }
 SERVER_ARGS = ["--compile", "--full_batch_size", "8", "--max_seq_length", "512"]
@@ -184,9 +185,7 @@ SERVER_ARGS = ["--compile", "--full_batch_size", "8", "--max_seq_length", "512"]
 def measure_bandwidth(gib: float = 1.0, runs: int = 7) -> float:
     """Read bandwidth in GB/s: median time of summing a buffer far larger than the caches, on torch's threads."""
     x = torch.ones(int(gib * 2**30) // 4, dtype=torch.float32)
-    x.sum()
-    times = timeit.repeat(x.sum, number=1, repeat=runs)
-    return x.numel() * 4 / statistics.median(times) / 1e9
+    return x.numel() * 4 / statistics.median(timeit.repeat(x.sum, number=1, repeat=runs)) / 1e9
 
 
 def child(args):
@@ -210,8 +209,7 @@ def run_peer(row, args, fill):
     return json.loads(_checked(subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)).splitlines()[-1])
 
 
-def _checked(r) -> str:
-    """A finished row process's stdout, or its last stderr line as the row's error."""
+def _checked(r) -> str:  # a finished row process's stdout, or its last stderr line as the row's error
     if r.returncode != 0:
         raise RuntimeError((r.stderr.strip().splitlines() or ["?"])[-1])
     return r.stdout.strip()
@@ -226,8 +224,7 @@ def run_runner(row, args, fill):
         cmd += ["-M", row["mode"], "-L", "6,1,1"]
     runs, rss = [], 0.0
     for _ in range(args.runs + 1):
-        p = subprocess.run(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        err = p.stderr
+        err = (p := subprocess.run(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)).stderr
         if p.returncode != 0:
             raise RuntimeError((err.strip().splitlines() or ["?"])[-1])
         m = re.search(r"TTFT ([\d.]+) ms \| prefill ([\d.]+) tok/s \| decode ([\d.]+) tok/s \((\d+) steps\) \| "
@@ -248,7 +245,7 @@ def run_runner(row, args, fill):
     return med
 
 
-def build(path_tpl, fill):
+def build(path_tpl, fill):  # the artifact and what it is made from, each timed, with its own peak RSS
     target = REPO / fill(path_tpl)  # (an absolute path stays as it is)
     if target.exists():
         return
@@ -257,9 +254,15 @@ def build(path_tpl, fill):
             build(dep, fill)
     print(f"building {target} ...", file=sys.stderr)
     target.parent.mkdir(parents=True, exist_ok=True)
-    r = subprocess.run([fill(a) for a in BUILD[path_tpl]], cwd=REPO, capture_output=True, text=True)
-    if r.returncode != 0 or not target.exists():
-        raise RuntimeError(f"building {target.name} failed: {(r.stderr.strip().splitlines() or ['?'])[-1]}")
+    start, err, peak = timeit.default_timer(), tempfile.TemporaryFile("w+"), 0
+    p = subprocess.Popen([fill(a) for a in BUILD[path_tpl]], cwd=REPO, stdout=subprocess.DEVNULL, stderr=err, text=True)
+    while p.poll() is None:  # its own peak (a child's ru_maxrss would count what this process had at the fork)
+        peak = max(peak, vm_hwm_mb(p.pid))
+        time.sleep(0.5)
+    if p.returncode != 0 or not target.exists():
+        err.seek(0)
+        raise RuntimeError(f"building {target.name} failed: {(err.read().strip().splitlines() or ['?'])[-1]}")
+    print(f"built {target.name} in {timeit.default_timer() - start:.0f} s, peak RSS {peak:.0f} MB", file=sys.stderr)
 
 
 def run_row(name, args, bw, nproc=1):
@@ -296,7 +299,7 @@ def run_row(name, args, bw, nproc=1):
     except (RuntimeError, OSError, subprocess.SubprocessError) as e:
         print(f"[{name}] failed: {e}", file=sys.stderr)
         return dict(name=name, error=f"failed: {e}")
-    res.update(name=name if nproc == 1 else f"{name} tp{nproc}", world_size=nproc, vs=row["vs"], peer=row["peer"],
+    res.update(name=name if nproc == 1 else f"{name} tp{nproc}", world_size=nproc, vs=row["vs"], peer=row.get("peer"),
                file_mb=_file_mb(Path(size_of)) if size_of else None)
     # a GGUF holds exactly the tensors one step reads (tied embedding once): its size is the weight bytes
     args_ = row.get("args", [])
@@ -354,8 +357,7 @@ def table(results, bw):
         ratio += (f" | {r['peer']}: {r['decode_tok_s'] / peer['decode_tok_s']:.2f}x / "
                   f"{r['prefill_tok_s'] / peer['prefill_tok_s']:.2f}x" if peer and peer["decode_tok_s"] else " | -")
         extra = f" ({r['tokens_per_step']:.2f} tok/step)" if "tokens_per_step" in r else ""
-        ceil = (f"{r['gb_s']:.1f} | {r['pct_of_ceiling']:.0f}% | {r['ceiling_tok_s']:.1f}" if "gb_s" in r
-                else "- | - | -")
+        ceil = f"{r['gb_s']:.1f} | {r['pct_of_ceiling']:.0f}% | {r['ceiling_tok_s']:.1f}" if "gb_s" in r else "- | - | -"
         file_mb = f"{r['file_mb']:.0f}" if r["file_mb"] is not None else "-"
         lines.append(f"| {r['name']} | {r['decode_tok_s']:.2f}{extra} | {r['vs'] or '-'} | {ratio} | "
                      f"{r['prefill_tok_s']:.1f} | {r['ttft_s'] * 1000:.0f} | {file_mb} | "
@@ -427,7 +429,8 @@ def main():
     p.add_argument("--threads", type=int, help="CPU threads per row (default: torch's)", rule=THREADS)
     p.add_argument("--rounds", type=int, default=1, help="the rows N times, interleaved; medians", rule=at_least(1))
     p.add_argument("--nproc", default="1", help="tensor-parallel world sizes (torchrun), e.g. 1,2,4")
-    p.add_argument("--prompt_tokens", type=int, help="prefill at N tokens: the first N of the long prompt, every row")
+    p.add_argument("--prompt_tokens", type=int, help="prefill at N tokens: the first N of the long prompt, every row",
+                   rule=within(1, 480))
     p.add_argument("--markdown", default=None, help="also write the benchmark page (e.g. docs/benchmarks.md)")
     p.add_argument("--from_json", default=None, help="with --markdown: render this bench.json, run nothing")
     p.add_argument("--_child", action="store_true", help=argparse.SUPPRESS)
@@ -454,9 +457,6 @@ def main():
     unknown = [n for n in names if n not in ROWS]
     if unknown:
         raise ValueError(f"unknown rows {unknown}; known: {', '.join(ROWS)} (groups: {', '.join(GROUPS)})")
-    if args.prompt_tokens is not None and not 1 <= args.prompt_tokens <= 480:
-        raise ValueError("--prompt_tokens must be between 1 and 480 (the long prompt's length), "
-                         f"got {args.prompt_tokens}")
     sys.path.insert(0, str(REPO / "scripts"))
     if bool(args.model) != args.random_weights:
         raise ValueError("--model NAME and --random_weights go together (a real checkpoint: --checkpoint_dir)")

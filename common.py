@@ -249,11 +249,15 @@ def peak_memory_mb(device) -> float:
     import torch
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated() / 2**20
-    try:  # this process's own high-water mark (ru_maxrss would also count what a parent had before exec)
-        status = Path("/proc/self/status").read_text()
-        return int(status.split("VmHWM:")[1].split()[0]) / 1024
+    return vm_hwm_mb() or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB, macOS bytes
+
+
+def vm_hwm_mb(pid="self") -> float:
+    """A process's own peak RSS (VmHWM; ru_maxrss would also count what its parent had before exec), 0 if unknown."""
+    try:
+        return int(Path(f"/proc/{pid}/status").read_text().split("VmHWM:")[1].split()[0]) / 1024
     except (OSError, IndexError, ValueError):
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB, macOS bytes
+        return 0.0
 
 
 def available_memory() -> Optional[int]:

@@ -96,7 +96,7 @@ class FastQuantizedLinear(QuantizedLinear):
         values through the int4 kernels (int4_act_linear); eager 8da4w keeps qops' float32 products (the .pte's
         reference);
       * compiled decode (one row): one generated reduction over the word layouts (fused_linear);
-      * bfloat16 models: ATen's packed kernels at every length.
+      * weight-only int4 (no word layouts: _make_words) and bfloat16 models: ATen's packed kernels at every length.
     export_rows (qexport.py's AOT Inductor forms; torch.export only): "words" the word kernels for any number of rows;
     "native" a package's prompt model (the packed kernels, int8 on its bfloat16 copy); "bf16" its long_prompt model."""
 
@@ -104,11 +104,11 @@ class FastQuantizedLinear(QuantizedLinear):
         super().__init__(lin.qweight, None, lin.act)
         self.bias, self.act_quant, self.export_rows = lin.bias, lin.act_quant, export_rows
         self.prompt_packed = getattr(lin, "prompt_packed", False)
-        if isinstance(lin, FastQuantizedLinear):  # another form of the same weight: the same layouts
+        if isinstance(lin, FastQuantizedLinear):  # another form of the same weight: the same layouts (made on lin,
+            if words:                               # which the other forms share)
+                lin.add_words()
             for name in LAYOUTS:
                 setattr(self, name, getattr(lin, name))
-            if words:
-                self.add_words()
         else:
             self._make_layouts(words)
 
@@ -142,10 +142,13 @@ class FastQuantizedLinear(QuantizedLinear):
             self._make_words()
 
     def _make_words(self):
-        """The word layouts of the compiled decode kernels (fused_linear), in tiles of 16 output channels."""
+        """The word layouts of the compiled decode kernels (fused_linear), in tiles of 16 output channels. Not for
+        weight-only int4 with ATen's blocked layout, which it multiplies by at every length, eager, compiled and in a
+        package (int4_cpu: one layout, not two; in compiled decode measured equal to the word kernel, 24.5 against
+        23.2 ms per step at Llama-3.2-1B's shape, 5.0 against 5.0 at SmolLM2-135M's, 2 threads)."""
         qw, static = self.qweight, TI.mark_static
         N, K, G = qw.out_features, qw.in_features, qw.groupsize
-        if not (qw.qdata.is_cpu and N % 16 == 0):
+        if not (qw.qdata.is_cpu and N % 16 == 0) or (self.int4_cpu is not None and qw.weight_only):
             return
         if qw.bits == 8 and K % 4 == 0:
             # int32 words [N/16, 1, K/4, 16] (the 1: the rows of x): byte j of word [t, 0, i, c] holds
@@ -194,13 +197,13 @@ class FastQuantizedLinear(QuantizedLinear):
         return self.int8_bf16_t is not None
 
     def reads_words_only(self) -> bool:
-        """Compiled code multiplies by the word layouts (and the packed prompt copy) alone, never reading qdata:
-        weight-only int8 with bfloat16 GEMMs (prompts: words_bf16_t or the copy), int4 with ATen's blocked layout
-        (short prompts) too; swap_in and pack_prompt then give qdata's pages back (release_pages)."""
+        """The products read this module's own layouts alone, never qdata (nor int4's scales and zeros): compiled
+        weight-only int8 with bfloat16 GEMMs (the word layouts; prompts: words_bf16_t or the packed copy), weight-only
+        int4 with ATen's blocked layout (eager and compiled); swap_in and pack_prompt then give their pages back."""
         qw = self.qweight
         if qw.bits == 8:
             return self.int8_words is not None and self.act is None and BF16_GEMM
-        return self.int4_words is not None and self.int4_cpu is not None and qw.weight_only
+        return self.int4_cpu is not None and qw.weight_only
 
     # ------------------------------------------------------------------------------------------------- dispatch
     def _exporting(self) -> bool:
@@ -210,8 +213,11 @@ class FastQuantizedLinear(QuantizedLinear):
         """ATen's CPU kernels may run: eager and compiled prompts (not compiled decode's one row), a package's prompt
         models."""
         if self._exporting():
-            return self.export_rows in ("native", "bf16")
-        return not (torch.compiler.is_exporting() or self._compiled_row(x))
+            return self.export_rows in ("native", "bf16") or self._int4_blocked_only()
+        return not (torch.compiler.is_exporting() or (self._compiled_row(x) and not self._int4_blocked_only()))
+
+    def _int4_blocked_only(self) -> bool:  # weight-only int4 without word layouts: see _make_words
+        return self.int4_cpu is not None and self.int4_words is None and self.qweight.weight_only
 
     @staticmethod
     def _compiled_row(x: Tensor) -> bool:
@@ -286,7 +292,8 @@ class FastQuantizedLinear(QuantizedLinear):
         float_rows False: x must not be rounded to bfloat16 (8da4w's fake-quantized activations)."""
         qw = self.qweight
         bf16 = x.dtype == torch.bfloat16 and qw.scales.dtype == torch.bfloat16
-        rows = float_rows and x.numel() > x.shape[-1] and (qw.bits == 8 or qw.weight_only)
+        rows = float_rows and (x.numel() > x.shape[-1] and (qw.bits == 8 or qw.weight_only)
+                               or self._int4_blocked_only())
         if not x.is_cpu or not (bf16 or rows):
             return None
         if qw.zeros is not None and offset == qw.xnnpack:  # the packed copy holds the other variant
@@ -486,5 +493,7 @@ def swap_in(model: nn.Module, words: bool = True) -> None:
                 replace_module(parent, name, child := FastQuantizedLinear(child, words=words))
             elif words and isinstance(child, FastQuantizedLinear):
                 child.add_words()
-            if words and isinstance(child, FastQuantizedLinear) and child.reads_words_only():
-                release_pages(child.qweight.qdata)  # one weight's qdata and words at a time at most
+            if isinstance(child, FastQuantizedLinear) and child.reads_words_only():
+                qw = child.qweight  # one weight's qdata and words at a time at most; int4's layouts hold their own
+                for t in (qw.qdata, *((qw.scales, qw.zeros) if qw.bits == 4 else ())):  # scales and zeros too
+                    release_pages(t) if t is not None else None

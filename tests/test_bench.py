@@ -41,7 +41,7 @@ def test_bench_rows_run_and_report(tmp_path):
     assert json.loads(out.read_text())["rows"][0]["prompt_tokens"] == 12
     r = run_cli("bench.py", "--checkpoint_dir", d, "--rows", "eager fp32", "--prompt_tokens", "0")
     assert r.returncode != 0 and r.stderr.strip().splitlines() == [
-        "error: --prompt_tokens must be between 1 and 480 (the long prompt's length), got 0"]
+        "error: --prompt_tokens must be in [1, 480], got 0"]
 
 
 def test_build_makes_missing_artifacts_in_dependency_order(tmp_path, monkeypatch):
