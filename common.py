@@ -260,6 +260,33 @@ def vm_hwm_mb(pid="self") -> float:
         return 0.0
 
 
+def release_pages(t) -> int:
+    """Give back the resident pages of tensor t's bytes where they map a file privately (torch.load(mmap=True)) and
+    still hold what the file holds (compared first: nothing written is lost); read again, they come back from the
+    file. Returns the bytes released (whole pages inside t; 0 for anonymous memory, changed bytes, not Linux)."""
+    import ctypes, torch  # noqa: E401
+    start, n, page = t.data_ptr(), t.untyped_storage().nbytes(), 4096
+    lo, hi = -(-start // page) * page, (start + n) // page * page
+    if hi <= lo or sys.platform != "linux":
+        return 0
+    try:
+        found = next((p for p in (line.split(maxsplit=5) for line in Path("/proc/self/maps").read_text().splitlines())
+                      if int(p[0].split("-")[0], 16) <= start < int(p[0].split("-")[1], 16)), None)
+        if found is None or len(found) < 6 or not found[5].startswith("/") or "p" not in found[1]:
+            return 0
+        mine = torch.frombuffer(memoryview((ctypes.c_char * (hi - lo)).from_address(lo)), dtype=torch.uint8)
+        with open(found[5], "rb") as fh:
+            fh.seek(lo - int(found[0].split("-")[0], 16) + int(found[2], 16))
+            for i in range(0, hi - lo, 16 << 20):
+                chunk = fh.read(min(16 << 20, hi - lo - i))
+                if not torch.equal(torch.frombuffer(bytearray(chunk), dtype=torch.uint8), mine[i:i + len(chunk)]):
+                    return 0
+        failed = ctypes.CDLL("libc.so.6").madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), 4)  # MADV_DONTNEED
+    except (OSError, ValueError, AttributeError):
+        return 0
+    return 0 if failed else hi - lo
+
+
 def available_memory() -> Optional[int]:
     """Bytes the kernel says new allocations can take without swapping (MemAvailable), or None where unknown."""
     try:

@@ -3,8 +3,6 @@
 # bfloat16 GEMM for prompts, one generated reduction over word layouts of the integer weights for compiled decode, and
 # integer GEMMs for 8da8w. The layouts are its own (derived from the stored weight when it is made, not saved).
 # Delete this file (with fast_cpu.py) and quantized models run qops.py's exact eager products.
-import ctypes
-import sys
 from typing import Optional
 
 import torch
@@ -13,6 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import torch_internals as TI
+from common import release_pages
 from qops import (QuantizedLinear, fake_quant_per_token_int8, group_sums, quant_per_token_int8, unpack_int4)
 
 # Under torch.compile with freezing, Inductor folds every computation that depends only on weights into a new constant.
@@ -444,35 +443,6 @@ class FastQuantizedLinear(QuantizedLinear):
         else:
             t = t * qw.scales.unsqueeze(-1) + (x_hi + x_lo) * qw.zeros.unsqueeze(-1)
         return t.sum((-2, -1))
-
-
-def release_pages(t: Tensor) -> int:
-    """Give back to the system the resident pages of t's bytes where they are a private mapping of a file (a
-    checkpoint loaded with mmap=True) and still hold what the file holds (compared first, so nothing written is lost):
-    they leave this process's memory and, read again, come back from the file. Whole pages inside t only. Returns the
-    bytes released (0 elsewhere: anonymous or shared memory, changed bytes, not Linux)."""
-    start, n, page = t.data_ptr(), t.untyped_storage().nbytes(), 4096
-    lo, hi = -(-start // page) * page, (start + n) // page * page
-    if hi <= lo or sys.platform != "linux":
-        return 0
-    try:
-        with open("/proc/self/maps") as maps:
-            found = next((p for p in (line.split(maxsplit=5) for line in maps)
-                          if int(p[0].split("-")[0], 16) <= start < int(p[0].split("-")[1], 16)), None)
-        if found is None or len(found) < 6 or not found[5].startswith("/") or "p" not in found[1]:
-            return 0
-        mine = torch.frombuffer(memoryview((ctypes.c_char * (hi - lo)).from_address(lo)), dtype=torch.uint8)
-        with open(found[5].rstrip("\n"), "rb") as fh:
-            fh.seek(lo - int(found[0].split("-")[0], 16) + int(found[2], 16))
-            for i in range(0, hi - lo, 16 << 20):
-                chunk = fh.read(min(16 << 20, hi - lo - i))
-                if not torch.equal(torch.frombuffer(bytearray(chunk), dtype=torch.uint8), mine[i:i + len(chunk)]):
-                    return 0
-        if ctypes.CDLL("libc.so.6").madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), 4):  # MADV_DONTNEED
-            return 0
-    except (OSError, ValueError, AttributeError):
-        return 0
-    return hi - lo
 
 
 def replace_module(parent: nn.Module, name: str, new: nn.Module) -> None:

@@ -14,7 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from common import atomic_path, checkpoint_file
+from common import atomic_path, checkpoint_file, release_pages
 from model_configs import ModelArgs, rope_frequencies, longrope_attention_factor, transformer_configs  # noqa: F401
 from validation import CHECKSUMS, check_shapes, check_sizes, check_state, checked, checksums, json_object
 
@@ -438,7 +438,7 @@ def load_model(checkpoint_path, device="cpu", dtype: Optional[torch.dtype] = Non
         raise ValueError(f"cannot read checkpoint {path}: not a valid PyTorch weights file ({type(e).__name__})") from None
     if not isinstance(sd, dict):
         raise ValueError(f"checkpoint {path} does not hold a state dict")
-    check_state(sd, path)
+    check_state(sd, path, each=release_pages if dtype is not None else None)  # (pages: see cast)
     sd.pop(CHECKSUMS, None)
     args = checkpoint_config(sd, path)
     sd.pop("_config", None)
@@ -460,9 +460,22 @@ def load_model(checkpoint_path, device="cpu", dtype: Optional[torch.dtype] = Non
     if missing or unexpected:
         raise ValueError(f"checkpoint {path} does not match its config: missing {missing[:3]}, unexpected {unexpected[:3]}")
     model.tie_weights()
-    if dtype is not None:
-        model = model.to(dtype=dtype)  # casts floating-point tensors only; quantized integer weights stay as they are
+    if dtype is not None:  # floating-point tensors only; quantized integer weights stay as they are
+        cast(model, dtype)
     return model.to(device).eval().requires_grad_(False)
+
+
+def cast(model: nn.Module, dtype: torch.dtype) -> None:
+    """model.to(dtype) a tensor at a time, each one's checkpoint pages given back: the cast model plus one tensor."""
+    done = {}  # id -> (source, cast): a tied tensor is cast once
+    for mod in model.modules():
+        for name, t in [*mod.named_parameters(recurse=False), *mod.named_buffers(recurse=False)]:
+            if t.is_floating_point() and t.dtype != dtype:
+                if id(t) not in done:
+                    new = t.detach().to(dtype)
+                    done[id(t)] = t, nn.Parameter(new, requires_grad=False) if isinstance(t, nn.Parameter) else new
+                    release_pages(t)
+                setattr(mod, name, done[id(t)][1])
 
 
 def checkpoint_state(model: Transformer, quantization: Optional[dict] = None) -> dict:

@@ -117,32 +117,36 @@ def checksums(sd: dict) -> str:
     return json.dumps(out)
 
 
-def check_state(sd: dict, path) -> None:
+def check_state(sd: dict, path, each=None) -> None:
     """A loaded state dict, before anything is built from it: names are strings, values tensors (the METADATA entries
     JSON strings), every floating-point tensor finite (one aminmax per tensor: 0.06 s warm on the default model's
     538 MB) and, when the file carries CHECKSUMS (save_checkpoint writes them), every tensor's CRC32 as written
-    (0.2 s there). Files written before checksums existed load without that check."""
+    (0.2 s there). Files written before checksums existed load without that check. each(tensor) is called on every
+    tensor once it is checked, one at a time (model.load_model gives its file pages back there before a cast)."""
     import torch
+    stored = None
+    if CHECKSUMS in sd:
+        try:
+            stored = json.loads(sd[CHECKSUMS])
+        except json.JSONDecodeError:
+            pass
+        if not isinstance(stored, dict) or set(stored) != set(sd) - set(METADATA):
+            raise ValueError(f"checkpoint {path}: {CHECKSUMS} does not list exactly the file's tensors")
     for k, v in sd.items():
         if not isinstance(k, str):
             raise ValueError(f"checkpoint {path}: state dict key {k!r} is not a string")
         if k in METADATA:
             if not isinstance(v, str):
                 raise ValueError(f"checkpoint {path}: {k} is not a JSON object string (got {type(v).__name__})")
-        elif not isinstance(v, torch.Tensor):
+            continue
+        if not isinstance(v, torch.Tensor):
             raise ValueError(f"checkpoint {path}: {k} is a {type(v).__name__}, not a tensor")
-        elif v.is_floating_point() and v.numel() and not all(map(math.isfinite, map(float, torch.aminmax(v)))):
+        if v.is_floating_point() and v.numel() and not all(map(math.isfinite, map(float, torch.aminmax(v)))):
             raise ValueError(f"checkpoint {path}: tensor {k} holds NaN or infinite values")
-    if CHECKSUMS in sd:
-        try:
-            stored = json.loads(sd[CHECKSUMS])
-        except json.JSONDecodeError:
-            stored = None
-        if not isinstance(stored, dict) or set(stored) != set(sd) - set(METADATA):
-            raise ValueError(f"checkpoint {path}: {CHECKSUMS} does not list exactly the file's tensors")
-        for k, v in sd.items():
-            if k not in METADATA and crc32(v) != stored[k]:
-                raise ValueError(f"checkpoint {path}: tensor {k} is corrupt (its CRC32 differs from the one written)")
+        if stored is not None and crc32(v) != stored[k]:
+            raise ValueError(f"checkpoint {path}: tensor {k} is corrupt (its CRC32 differs from the one written)")
+        if each is not None:
+            each(v)
 
 
 def check_sizes(sd: dict, args, path) -> None:
