@@ -70,7 +70,8 @@ _NIBBLE_SCALES = torch.tensor([16.0 ** -j for j in range(7)] + [1.0]).view(8, 1,
 BF16_GEMM = any(getattr(torch.cpu, f, lambda: False)() for f in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
 BF16_ROWS = 32
 _SHIFTS = {8: torch.tensor([0, 8, 16, 24], dtype=torch.int32).view(4, 1, 1, 1),
-           4: torch.arange(0, 32, 4, dtype=torch.int32).view(8, 1, 1, 1, 1, 1)}
+           4: torch.arange(0, 32, 4, dtype=torch.int32).view(8, 1, 1, 1, 1, 1),
+           2: torch.tensor([4, 0], dtype=torch.uint8).view(1, 1, 2, 1)}  # qdata's high, then low nibbles
 _BYTE_OFFSETS = torch.tensor([0, 0, 0, 128], dtype=torch.int32).view(4, 1, 1, 1)  # see words_bf16_t
 LAYOUTS = ("int8_words", "int4_words", "int4_cpu", "int8_unit", "int8_sums", "qdata_int8", "int8_bf16_t")
 
@@ -328,7 +329,9 @@ class FastQuantizedLinear(QuantizedLinear):
             if self.export_rows == "native" and self.int8_bf16_t is not None:  # int8's "prompt": any length
                 return self.int8_bf16_t
             many = TI.statically_known_true(x2.shape[0] >= BF16_ROWS)  # "long_prompt": BF16_ROWS tokens or more
-            return self.words_bf16_t() if self.export_rows == "bf16" and many else None
+            if self.export_rows != "bf16" or not many:
+                return None
+            return self.words_bf16_t() if not self._int4_blocked_only() else self._qdata_bf16_t()
         if torch.compiler.is_compiling() and self.qweight.bits == 8 and not self.prompt_packed:
             return self.words_bf16_t()  # (any length: a compiled run reads the words, not qdata: release_pages)
         if x2.shape[0] < BF16_ROWS:
@@ -352,6 +355,16 @@ class FastQuantizedLinear(QuantizedLinear):
             w, st, zt = self.int4_words
             return _int4_words_bf16_t(w, st, zt if qw.weight_only else None)
         return None
+
+    def _qdata_bf16_t(self) -> Tensor:
+        """Weight-only int4 w.T as bfloat16 [K, N] from qdata, scales and zeros (q s + z in float32, rounded once): a
+        package's long_prompt model, where this int4 has no word layouts (shifts by a tensor: freezing folds none)."""
+        qw = self.qweight
+        N, K, G = qw.out_features, qw.in_features, qw.groupsize
+        q = (qw.qdata.view(N, K // G, 1, G // 2) >> _SHIFTS[2].to(qw.qdata.device)) & 15  # [N, K/G, 2, G/2]
+        s = qw.scales.float()[:, :, None, None]
+        v = q.float() * s + (qw.zeros.float()[:, :, None, None] if qw.zeros is not None else -8 * s)
+        return v.to(torch.bfloat16).reshape(N, K).t()
 
     def int8_act_linear(self, x: Tensor) -> Tensor:
         """x @ w.T for int8 weights with per-token int8 activations as one integer GEMM, torch._int_mm (oneDNN's VNNI

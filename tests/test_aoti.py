@@ -338,8 +338,9 @@ LONG_PROMPT = "Once upon a time there was a little cat who lived in a big red ho
 def test_long_prompt_model(env, runner, quantized, mode, monkeypatch):
     """A weight-only int4 or an 8da4w package made on a CPU with bfloat16 dot products (forced in `quantized` and
     here, so any CPU runs the test: oneDNN converts where the instructions are missing) adds "long_prompt":
-    prompts of BF16_ROWS tokens or more, their products through words_bf16_t and oneDNN's bfloat16 GEMM (as
-    compiled prefill runs them). It adds no weights to the package (only the shift amounts); the long prompt's last
+    prompts of BF16_ROWS tokens or more, their products through oneDNN's bfloat16 GEMM on weights converted per
+    product: 8da4w's from its words (words_bf16_t: it adds only the shift amounts), weight-only int4's, which has no
+    words (ATen's blocked layout alone), from qdata, its scales and zeros (_qdata_bf16_t); the long prompt's last
     logits (int4 / 8da4w: weights rounded once to bfloat16; eager int4's packed kernel rounds its scales and offsets
     instead, eager 8da4w runs float32 products) are no further from the float32 product of the dequantized weights
     than eager's are, up to a factor of 2 (int4, measured: 0.0043 against 0.0057 of 0.71); the cache it writes is
@@ -357,8 +358,8 @@ def test_long_prompt_model(env, runner, quantized, mode, monkeypatch):
     b = aoti_export.AOTIBackend(pt2)
     with zipfile.ZipFile(pt2) as z:  # its products are GEMMs (oneDNN's), not ATen's packed weight-only kernels
         code = {n.split("/")[-2]: z.read(n).decode() for n in z.namelist() if n.endswith(".wrapper.cpp")}
-    if mode in ("int8", "int4"):
-        assert b.metadata["models"] == "model,prompt" and ("pack_mm" in code["prompt"]) == (mode == "int4")
+    if mode == "int8":
+        assert b.metadata["models"] == "model,prompt" and "pack_mm" not in code["prompt"]
     else:
         assert b.metadata["models"] == "model,prompt,long_prompt" and b.long_prompt_min == fast_cpu_quant.BF16_ROWS
         _, index = package_index(pt2)
@@ -366,8 +367,14 @@ def test_long_prompt_model(env, runner, quantized, mode, monkeypatch):
         for row in index:
             records.setdefault(row[0], {})[row[2]] = row
         added = [row for rec, row in records["long_prompt"].items() if rec not in records["model"]]
-        assert all(row[3] == "int32" and int(row[5].split(",")[0]) in (4, 8) for row in added), added  # shifts
-        assert "aoti_torch_cpu_mm" in code["long_prompt"] and "pack_mm" not in code["long_prompt"]
+        if mode == "8da4w":  # the shift amounts only
+            assert all(row[3] == "int32" and int(row[5].split(",")[0]) in (4, 8) for row in added), added
+        else:  # each int4 linear's qdata, scales and zeros (and one shift-amount tensor)
+            n = sum(1 for m in load_model(q).layers.modules() if isinstance(m, qops.QuantizedLinear))
+            kinds = Counter(row[3] for row in added)
+            assert set(kinds) == {"uint8", "float32"} and kinds["uint8"] >= n and kinds["float32"] == 2 * n, kinds
+        assert "aoti_torch_cpu_mm" in code["long_prompt"]  # (int4's one-row output projection: ATen's int4 kernel)
+        assert ("pack_mm" in code["long_prompt"]) == (mode == "int4")
         assert "pack_mm" in code["prompt"]
     m = load_model(q)
     fast_cpu_quant.swap_in(m)  # eager with the CPU kernels (generate.py's)
@@ -390,7 +397,7 @@ def test_long_prompt_model(env, runner, quantized, mode, monkeypatch):
     expect = generate_py(["--aoti_package", pt2], env["bpe"], LONG_PROMPT, 12)
     r = run([runner, pt2, "-z", env["bins"]["bpe"], "-i", LONG_PROMPT, "-n", 12, "-t", 0])
     assert r.returncode == 0 and r.stdout == expect, r.stderr
-    assert (f'from {fast_cpu_quant.BF16_ROWS} tokens "long_prompt"' in r.stderr) == (mode == "8da4w")
+    assert (f'from {fast_cpu_quant.BF16_ROWS} tokens "long_prompt"' in r.stderr) == (mode != "int8")
 
 
 def test_broken_inputs(env, runner, tmp_path):
