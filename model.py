@@ -438,7 +438,11 @@ def load_model(checkpoint_path, device="cpu", dtype: Optional[torch.dtype] = Non
         raise ValueError(f"cannot read checkpoint {path}: not a valid PyTorch weights file ({type(e).__name__})") from None
     if not isinstance(sd, dict):
         raise ValueError(f"checkpoint {path} does not hold a state dict")
-    check_state(sd, path, each=release_pages if dtype is not None else None)  # (pages: see cast)
+    def cast(k, v):  # as each tensor is checked: cast in the state dict, its checkpoint pages given back (the peak is
+        if v.is_floating_point() and v.dtype != dtype:  # the cast weights plus one tensor, not both copies)
+            sd[k] = v.to(dtype)
+            release_pages(v)
+    check_state(sd, path, each=cast if dtype is not None else None)
     sd.pop(CHECKSUMS, None)
     args = checkpoint_config(sd, path)
     sd.pop("_config", None)
@@ -460,22 +464,9 @@ def load_model(checkpoint_path, device="cpu", dtype: Optional[torch.dtype] = Non
     if missing or unexpected:
         raise ValueError(f"checkpoint {path} does not match its config: missing {missing[:3]}, unexpected {unexpected[:3]}")
     model.tie_weights()
-    if dtype is not None:  # floating-point tensors only; quantized integer weights stay as they are
-        cast(model, dtype)
+    if dtype is not None:  # (already cast in the state dict above: nothing left to copy)
+        model = model.to(dtype=dtype)  # casts floating-point tensors only; quantized integer weights stay as they are
     return model.to(device).eval().requires_grad_(False)
-
-
-def cast(model: nn.Module, dtype: torch.dtype) -> None:
-    """model.to(dtype) a tensor at a time, each one's checkpoint pages given back: the cast model plus one tensor."""
-    done = {}  # id -> (source, cast): a tied tensor is cast once
-    for mod in model.modules():
-        for name, t in [*mod.named_parameters(recurse=False), *mod.named_buffers(recurse=False)]:
-            if t.is_floating_point() and t.dtype != dtype:
-                if id(t) not in done:
-                    new = t.detach().to(dtype)
-                    done[id(t)] = t, nn.Parameter(new, requires_grad=False) if isinstance(t, nn.Parameter) else new
-                    release_pages(t)
-                setattr(mod, name, done[id(t)][1])
 
 
 def checkpoint_state(model: Transformer, quantization: Optional[dict] = None) -> dict:

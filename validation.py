@@ -121,8 +121,8 @@ def check_state(sd: dict, path, each=None) -> None:
     """A loaded state dict, before anything is built from it: names are strings, values tensors (the METADATA entries
     JSON strings), every floating-point tensor finite (one aminmax per tensor: 0.06 s warm on the default model's
     538 MB) and, when the file carries CHECKSUMS (save_checkpoint writes them), every tensor's CRC32 as written
-    (0.2 s there). Files written before checksums existed load without that check. each(tensor) is called on every
-    tensor once it is checked, one at a time (model.load_model gives its file pages back there before a cast)."""
+    (0.2 s there). Files written before checksums existed load without that check. each(key, tensor) is called on
+    every tensor once it is checked, one at a time (model.load_model casts it there and gives its file pages back)."""
     import torch
     stored = None
     if CHECKSUMS in sd:
@@ -146,7 +146,7 @@ def check_state(sd: dict, path, each=None) -> None:
         if stored is not None and crc32(v) != stored[k]:
             raise ValueError(f"checkpoint {path}: tensor {k} is corrupt (its CRC32 differs from the one written)")
         if each is not None:
-            each(v)
+            each(k, v)
 
 
 def check_sizes(sd: dict, args, path) -> None:
