@@ -454,9 +454,10 @@ def weight_bytes(model) -> int:
     seen, total = set(), 0
     skip = ("cache", "rope")  # the KV cache and the rotary tables
     for t in list(model.parameters()) + [b for n, b in model.named_buffers() if not any(s in n for s in skip)]:
-        if t.data_ptr() in seen:
+        key = id(t) if t.is_mkldnn else t.data_ptr()  # (an opaque oneDNN layout: fast_cpu.PackedLinear)
+        if key in seen:
             continue
-        seen.add(t.data_ptr())
+        seen.add(key)
         total += t.numel() * t.element_size()
     return total
 

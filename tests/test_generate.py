@@ -116,6 +116,44 @@ def test_compiled_bfloat16_tracks_float32(tiny_checkpoint, cpu):
         assert torch.equal(x.argmax(-1)[sure], ref.argmax(-1)[sure])
 
 
+@pytest.mark.skipif(not fast_cpu.ONEDNN, reason="PyTorch built without oneDNN")
+def test_bfloat16_weights_held_once_packed(tiny_checkpoint, cpu, monkeypatch):
+    """A bfloat16 model on CPU holds each linear weight once, in oneDNN's packed layout (fast_cpu.PackedLinear): the
+    stored layout is gone, and eager products and every product of the compiled prompt and decode graphs read the
+    packed one (one opaque op each: no copy of Inductor's beside it), for the logits of the model as written, within
+    bfloat16's rounding (measured against float32: no further than the model as written is)."""
+    d, _ = tiny_checkpoint
+    ids = torch.randint(0, 300, (1, 9), generator=torch.Generator().manual_seed(1))
+
+    def plain(dtype):  # the model as written: no fast_cpu modules
+        m = load_model(d / "model.pth", dtype=dtype)
+        m.setup_caches(1, 48)
+        with torch.inference_mode():
+            return torch.cat([m(ids[:, :8], torch.arange(8)), m(ids[:, 8:], torch.tensor([8]))], 1).float()
+
+    ref, written = plain(torch.float32), plain(torch.bfloat16)
+    looked_up = []
+
+    class Counted(dict):
+        def __getitem__(self, key):
+            looked_up.append(key)
+            return super().__getitem__(key)
+
+    monkeypatch.setattr(fast_cpu, "_PACKED", Counted(fast_cpu._PACKED))
+    for compile in (False, True):
+        b = engine.TorchBackend(load_model(d / "model.pth", dtype=torch.bfloat16), 1, 48, compile=compile)
+        packed = [m for m in b.model.modules() if isinstance(m, fast_cpu.PackedLinear)]
+        assert len(packed) == 5 * len(b.model.layers) + 1  # wqkv, wo, w1, w2, w3; output
+        assert not any(isinstance(m, torch.nn.Linear) for m in b.model.modules())
+        fast_cpu._PACKED.update({int(m.key): m.weight_packed for m in packed})
+        looked_up.clear()
+        got = torch.cat([b.forward(ids[:, :8], torch.arange(8)), b.forward(ids[:, 8:], torch.tensor([8]))], 1).float()
+        assert sorted(looked_up) == (sorted(2 * [int(m.key) for m in packed]) if compile else [])
+        err, err_written = (got - ref).abs().max().item(), (written - ref).abs().max().item()
+        assert err <= 2 * err_written and err_written < 0.05 * ref.abs().max().item()
+        assert torch.equal(got.argmax(-1), ref.argmax(-1))
+
+
 def test_prefill_chunks_and_continuous_batching_equal_plain(tiny_checkpoint, cpu):
     d, _ = tiny_checkpoint
     model = load_model(d / "model.pth")
