@@ -446,7 +446,7 @@ class ArgumentParser(argparse.ArgumentParser):
 
 def fail(message: str) -> None:
     """The one way a script reports an expected failure: `error: <one line>` on stderr, exit code 1."""
-    print(f"error: {' '.join(str(message).split())}", file=sys.stderr)
+    sys.stderr.write(f"error: {' '.join(str(message).split())}\n")  # one write: torchrun's ranks share the stream
     sys.exit(1)
 
 

@@ -124,17 +124,22 @@ class _Prefixed:
     """A text stream that prefixes every line with a tag (for the stderr of ranks other than 0)."""
 
     def __init__(self, stream, tag: str):
-        self._stream, self._tag, self._bol = stream, tag, True
+        self._stream, self._tag, self._line = stream, tag, ""
 
     def write(self, s: str) -> int:
-        out = []
-        for line in s.splitlines(keepends=True):
-            if self._bol:
-                out.append(self._tag)
-            out.append(line)
-            self._bol = line.endswith("\n")
-        self._stream.write("".join(out))
+        """Whole lines only, each in one write (print's text and its newline come in two calls; another rank's line
+        written in between ran into this one, unbuffered under torchrun); flush() writes a partial line."""
+        lines = (self._line + s).splitlines(keepends=True)
+        self._line = lines.pop() if lines and not lines[-1].endswith("\n") else ""
+        if lines:
+            self._stream.write("".join(self._tag + line for line in lines))
         return len(s)
+
+    def flush(self):
+        if self._line:
+            self._stream.write(self._tag + self._line)
+            self._line = ""
+        self._stream.flush()
 
     def __getattr__(self, name):  # flush, fileno, isatty, encoding, ...
         return getattr(self._stream, name)
