@@ -192,7 +192,11 @@ def export(checkpoint_path, output_path, max_seq_length: int = 1024, dtype: Opti
                     "idx": {1: length}, "input_pos": {0: length}, "logits_at": None},
                     strict=False, prefer_deferred_runtime_asserts_over_guards=True), ex, kw)
     meta["models"] = ",".join(programs)
-    if len(programs) > 1:
+    # Several models share their constants (package_shared); a quantized model alone on CPU takes that layout too (its
+    # constants mapped, 64-byte aligned): weight-only int4 at the 1B shape decoded at 55 against 40 tok/s and peaked at
+    # 796 against 1,483 MB than in AOT Inductor's own package (constants inside the library; runner-aoti, 2 threads)
+    shared_layout = len(programs) > 1 or bool(model.quantization and device == "cpu" and fast_cpu is not None)
+    if shared_layout:
         meta["shared_weights"] = SHARED_WEIGHTS
     if prefill_chunk:
         meta["prefill_chunk"] = str(prefill_chunk)
@@ -213,15 +217,13 @@ def export(checkpoint_path, output_path, max_seq_length: int = 1024, dtype: Opti
                 path = TI.aot_compile(ep.module(), example, options=configs)
             write_atomic(so_metadata_path(output_path), json.dumps(meta, indent=1))
             os.replace(path, tmp)
-        elif len(programs) == 1:
+        elif not shared_layout:
             with torch.no_grad():
                 TI.aoti_compile_and_package(ep, package_path=str(tmp), inductor_configs=configs)
-        else:  # several models in one package, their constants once (package_shared)
-            files = {}
-            # each model's constants come out as a separate blob (binary_blob), which package_shared splits,
-            # dedups and stores; the shared libraries hold none. GEMMs are Inductor's C++ templates only: with
-            # ATen's among the candidates, freezing's oneDNN-packed weights (opaque tensors, which a loader cannot
-            # map from a file) win some GEMMs of the many-row programs (prefill, lookahead)
+        else:  # the shared-weights layout (package_shared): each model's constants come out as a blob (binary_blob),
+            files = {}  # which package_shared splits, dedups and stores. GEMMs are Inductor's C++ templates only:
+            # with ATen's among the candidates, freezing's oneDNN-packed weights (opaque tensors, which a loader
+            # cannot map from a file) win some GEMMs of the many-row programs (prefill, lookahead)
             shared = {**configs, "aot_inductor.package": True, "aot_inductor.package_constants_in_so": False,
                       "aot_inductor.package_constants_on_disk_format": "binary_blob",
                       "max_autotune_gemm_backends": "CPP"}
@@ -247,12 +249,10 @@ def package_shared(path, files: dict, log=print) -> None:
     its `index` (model, internal name, record, dtype, storage offset, shape, stride per line). A loader maps the file
     and hands each model tensors over those records with update_constant_buffer(..., user_managed=True), plus one KV
     cache it allocates (kv_cache_shape in the metadata; the cache is not in the index). Metadata `models` lists the
-    models, `shared_weights` the folder (shared_constants(), runner-aoti/run.cpp).
-    Writes a package of several models whose constants are stored once: each model's files from aot_compile
-    (binary_blob: the constants in a separate <wrapper>_weights.blob), the blobs split into their constants, every
-    distinct one (by content) a record under SHARED_WEIGHTS, and the index that maps each model's constants to them.
-    KV cache buffers are left out (the loader allocates one cache for all models). A model compiled with its
-    constants inside its library ("prompt") has no blob and no index lines."""
+    models, `shared_weights` the folder (shared_constants(), runner-aoti/run.cpp). Writes each model's files from
+    aot_compile (binary_blob: the constants in a separate <wrapper>_weights.blob), the blobs split into their
+    constants, every distinct one (by content) a record, and the index. KV cache buffers are left out (the loader
+    allocates one cache for all models). A model compiled with its constants inside its library has no index lines."""
     records: dict[bytes, str] = {}  # content hash -> record name
     index, stored, total = [], 0, 0
     with TI.PT2ArchiveWriter(str(path)) as archive:
