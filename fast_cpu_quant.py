@@ -69,6 +69,11 @@ _NIBBLE_SCALES = torch.tensor([16.0 ** -j for j in range(7)] + [1.0]).view(8, 1,
 # guards on the length: one recompile when prompts cross it).
 BF16_GEMM = any(getattr(torch.cpu, f, lambda: False)() for f in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
 BF16_ROWS = 32
+# Compiled weight-only int8 prompts of fewer rows than this, where the blocks have no packed bfloat16 copies (a 1B
+# model's: fast_cpu.PROMPT_COPIES_MAX), run the word kernels row by row (a tile's words stay in cache) rather than
+# converting every weight to bfloat16 per prompt: 2 threads, Llama-3.2-1B shape, 15 tokens 143 against 785 ms; the
+# two meet near 110 rows (128: 1,130 against 1,050 ms).
+INT8_WORD_ROWS = 64
 _SHIFTS = {8: torch.tensor([0, 8, 16, 24], dtype=torch.int32).view(4, 1, 1, 1),
            4: torch.arange(0, 32, 4, dtype=torch.int32).view(8, 1, 1, 1, 1, 1),
            2: torch.tensor([4, 0], dtype=torch.uint8).view(1, 1, 2, 1)}  # qdata's high, then low nibbles
@@ -95,7 +100,8 @@ class FastQuantizedLinear(QuantizedLinear):
       * 8da8w, more than one row: one integer GEMM (torch._int_mm); 8da4w compiled prompts: the activations' int8
         values through the int4 kernels (int4_act_linear); eager 8da4w keeps qops' float32 products (the .pte's
         reference);
-      * compiled decode (one row): one generated reduction over the word layouts (fused_linear);
+      * compiled decode (one row), and weight-only int8 prompts of fewer than INT8_WORD_ROWS rows without packed
+        copies: one generated reduction over the word layouts (fused_linear);
       * weight-only int4 (no word layouts: _make_words) and bfloat16 models: ATen's packed kernels at every length.
     export_rows (qexport.py's AOT Inductor forms; torch.export only): "words" the word kernels for any number of rows;
     "native" a package's prompt model (the packed kernels, int8 on its bfloat16 copy); "bf16" its long_prompt model."""
@@ -214,7 +220,8 @@ class FastQuantizedLinear(QuantizedLinear):
         models."""
         if self._exporting():
             return self.export_rows in ("native", "bf16") or self._int4_blocked_only()
-        return not (torch.compiler.is_exporting() or (self._compiled_row(x) and not self._int4_blocked_only()))
+        return not (torch.compiler.is_exporting() or self._word_rows(x)
+                    or (self._compiled_row(x) and not self._int4_blocked_only()))
 
     def _int4_blocked_only(self) -> bool:  # weight-only int4 without word layouts: see _make_words
         return self.int4_cpu is not None and self.int4_words is None and self.qweight.weight_only
@@ -227,7 +234,13 @@ class FastQuantizedLinear(QuantizedLinear):
 
     def _words(self, x: Tensor) -> bool:
         """The word kernels (fused_linear): compiled decode, and an AOT Inductor form where no other kernel applies."""
-        return self._compiled_row(x) or self._exporting()
+        return self._compiled_row(x) or self._word_rows(x) or self._exporting()
+
+    def _word_rows(self, x: Tensor) -> bool:
+        """A compiled weight-only int8 prompt of fewer than INT8_WORD_ROWS rows without a packed copy (see there)."""
+        return (self.int8_words is not None and self.act is None and not self.prompt_packed and x.numel() > x.shape[-1]
+                and torch.compiler.is_compiling() and not torch.compiler.is_exporting()
+                and x.numel() < INT8_WORD_ROWS * x.shape[-1])
 
     def _int_rows(self, x: Tensor) -> bool:
         """int8 x int8 products of more than one row (8da8w's prompts, 8da4w's tied int8 table); not tp.py's
@@ -268,8 +281,8 @@ class FastQuantizedLinear(QuantizedLinear):
     def product(self, x: Tensor, offset: bool = True, sums: Optional[Tensor] = None) -> Tensor:
         if self._native(x) and (y := self.native_linear(x, offset, self.act is None)) is not None:
             return y
-        if self._words(x):
-            return self.fused_linear(x, offset, sums).to(x.dtype)
+        if self._words(x):  # (several rows: x rounded to bfloat16, as the GEMMs of longer prompts and eager round it)
+            return self.fused_linear(x.to(torch.bfloat16) if self._word_rows(x) else x, offset, sums).to(x.dtype)
         if torch.compiler.is_compiling():  # compiled batched decode, export: one dequantize, one GEMM
             return F.linear(x, self.qweight.dequantize(x.dtype, offset=offset))
         if self.qdata_int8 is not None and (self.qweight.zeros is None or not offset):
