@@ -133,7 +133,8 @@ class FastQuantizedLinear(QuantizedLinear):
             setattr(self, name, None)
         if qw.bits == 8:  # unit bfloat16 scales for float32 activations (native_linear); per-channel sums of q
             self.int8_unit = static(torch.ones(N, dtype=torch.bfloat16, device=qw.qdata.device))
-            self.int8_sums = static(qw.qdata.sum(1, dtype=torch.int32))
+            self.int8_sums = static(torch.cat([qw.qdata[i:i + 4096].sum(1, dtype=torch.int32)  # (in int32: 400 MB
+                                               for i in range(0, N, 4096)]))             # at once for a 1B output)
         elif qw.symmetric or qw.xnnpack:  # q - 8 as int8 [N, K]: eager (q - 8) s in one pass (chunked_linear)
             self.qdata_int8 = unpack_int4(qw.qdata, qw.groupsize).to(torch.int8) - 8
         if (qw.bits == 4 and qw.qdata.is_cpu and N % 16 == 0
@@ -142,7 +143,9 @@ class FastQuantizedLinear(QuantizedLinear):
                      or torch.equal(qw.scales.to(torch.bfloat16).to(qw.scales.dtype), qw.scales))):
             s = qw.scales  # ATen's blocked layout, bfloat16 scales and offsets: (q - 8) s + z'
             z = torch.zeros_like(s) if qw.zeros is None or qw.xnnpack else qw.zeros + 8 * s
-            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(qw.int_values().to(torch.int32), 1)
+            packed = torch.cat([torch.ops.aten._convert_weight_to_int4pack_for_cpu(  # 4096 rows at a time: the
+                unpack_int4(qw.qdata[i:i + 4096], qw.groupsize).to(torch.int32), 1)  # int32 values of a 1B model's
+                for i in range(0, N, 4096)])                                         # output took 400 MB at once
             self.int4_cpu = (static(packed), static(torch.stack([s.t(), z.t()], -1).to(torch.bfloat16).contiguous()))
         if words:
             self._make_words()
