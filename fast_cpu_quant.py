@@ -69,16 +69,20 @@ _NIBBLE_SCALES = torch.tensor([16.0 ** -j for j in range(7)] + [1.0]).view(8, 1,
 # guards on the length: one recompile when prompts cross it).
 BF16_GEMM = any(getattr(torch.cpu, f, lambda: False)() for f in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
 BF16_ROWS = 32
-# Compiled weight-only int8 prompts of fewer rows than this, where the blocks have no packed bfloat16 copies (a 1B
-# model's: fast_cpu.PROMPT_COPIES_MAX), run the word kernels row by row (a tile's words stay in cache) rather than
-# converting every weight to bfloat16 per prompt: 2 threads, Llama-3.2-1B shape, 15 tokens 143 against 785 ms; the
-# two meet near 110 rows (128: 1,130 against 1,050 ms).
+# Compiled weight-only int8 prompts of fewer rows than this without packed bfloat16 copies (fast_cpu.PROMPT_COPIES_MAX)
+# run the word kernels row by row (a tile's words stay in cache), not every weight converted to bfloat16: 2 threads,
+# Llama-3.2-1B shape, 15 tokens 143 against 785 ms; the two meet near 110 rows (128: 1,130 against 1,050 ms).
 INT8_WORD_ROWS = 64
 _SHIFTS = {8: torch.tensor([0, 8, 16, 24], dtype=torch.int32).view(4, 1, 1, 1),
            4: torch.arange(0, 32, 4, dtype=torch.int32).view(8, 1, 1, 1, 1, 1),
            2: torch.tensor([4, 0], dtype=torch.uint8).view(1, 1, 2, 1)}  # qdata's high, then low nibbles
 _BYTE_OFFSETS = torch.tensor([0, 0, 0, 128], dtype=torch.int32).view(4, 1, 1, 1)  # see words_bf16_t
 LAYOUTS = ("int8_words", "int4_words", "int4_cpu", "int8_unit", "int8_sums", "qdata_int8", "int8_bf16_t")
+
+
+def _by_rows(fn, t: Tensor, rows: int = 4096) -> Tensor:
+    """fn over t's rows, `rows` at a time, concatenated: fn's temporaries stay small (a 1B output's int32: 400 MB)."""
+    return torch.cat([fn(t[i:i + rows]) for i in range(0, t.shape[0], rows)])
 
 
 def _int4_words_bf16_t(w: Tensor, st: Tensor, zt: Optional[Tensor]) -> Tensor:
@@ -133,8 +137,7 @@ class FastQuantizedLinear(QuantizedLinear):
             setattr(self, name, None)
         if qw.bits == 8:  # unit bfloat16 scales for float32 activations (native_linear); per-channel sums of q
             self.int8_unit = static(torch.ones(N, dtype=torch.bfloat16, device=qw.qdata.device))
-            self.int8_sums = static(torch.cat([qw.qdata[i:i + 4096].sum(1, dtype=torch.int32)  # (in int32: 400 MB
-                                               for i in range(0, N, 4096)]))             # at once for a 1B output)
+            self.int8_sums = static(_by_rows(lambda q: q.sum(1, dtype=torch.int32), qw.qdata))
         elif qw.symmetric or qw.xnnpack:  # q - 8 as int8 [N, K]: eager (q - 8) s in one pass (chunked_linear)
             self.qdata_int8 = unpack_int4(qw.qdata, qw.groupsize).to(torch.int8) - 8
         if (qw.bits == 4 and qw.qdata.is_cpu and N % 16 == 0
@@ -143,9 +146,8 @@ class FastQuantizedLinear(QuantizedLinear):
                      or torch.equal(qw.scales.to(torch.bfloat16).to(qw.scales.dtype), qw.scales))):
             s = qw.scales  # ATen's blocked layout, bfloat16 scales and offsets: (q - 8) s + z'
             z = torch.zeros_like(s) if qw.zeros is None or qw.xnnpack else qw.zeros + 8 * s
-            packed = torch.cat([torch.ops.aten._convert_weight_to_int4pack_for_cpu(  # 4096 rows at a time: the
-                unpack_int4(qw.qdata[i:i + 4096], qw.groupsize).to(torch.int32), 1)  # int32 values of a 1B model's
-                for i in range(0, N, 4096)])                                         # output took 400 MB at once
+            packed = _by_rows(lambda q: torch.ops.aten._convert_weight_to_int4pack_for_cpu(  # (blocked along
+                unpack_int4(q, qw.groupsize).to(torch.int32), 1), qw.qdata)                  # rows: slices concatenate)
             self.int4_cpu = (static(packed), static(torch.stack([s.t(), z.t()], -1).to(torch.bfloat16).contiguous()))
         if words:
             self._make_words()

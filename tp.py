@@ -141,7 +141,7 @@ class _Prefixed:
             self._line = ""
         self._stream.flush()
 
-    def __getattr__(self, name):  # flush, fileno, isatty, encoding, ...
+    def __getattr__(self, name):  # fileno, isatty, encoding, ...
         return getattr(self._stream, name)
 
 

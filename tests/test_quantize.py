@@ -320,8 +320,9 @@ def test_compiled_int8_prompts_use_bfloat16_copies(peaked, monkeypatch, capsys):
 def test_word_layouts_only_when_compiled_and_prompts_without_copies(peaked, tmp_path, monkeypatch):
     """An eager model holds no word layouts (only compiled code reads them); a compiled int8 model whose prompt copies
     are not made (over PROMPT_COPIES_MAX) multiplies its prompts by the words: row by row below INT8_WORD_ROWS rows,
-    as bfloat16 from there; the same greedy tokens as eager, short and long prompts. FQ.release_pages gives back the pages of a file-mapped tensor whose bytes
-    still equal the file's (read again, the same values), and keeps a written one."""
+    as bfloat16 from there; the same greedy tokens as eager, short and long prompts. FQ.release_pages gives back the
+    pages of a file-mapped tensor whose bytes still equal the file's (read again, the same values), and keeps a
+    written one."""
     monkeypatch.setattr(FQ, "BF16_GEMM", True)
     m = copy.deepcopy(peaked)
     Q.quantize_model(m, "int8", embedding="int8", log=False)
