@@ -7,8 +7,8 @@ import torch
 
 import tp  # tensor parallelism under torchrun
 from common import DEFAULT_CHECKPOINT, REPO, THREADS, ArgumentParser, at_least, available_memory, checkpoint_file
+from checkpoint import checkpoint_config
 from engine import TorchBackend
-from model import checkpoint_config
 from quantize import load_model
 
 RUNTIME_BYTES = 300 << 20  # Python and PyTorch's own libraries, before any tensor

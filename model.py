@@ -1,22 +1,19 @@
 # model.py: one transformer for every supported family (Llama 2/3, Mistral, Mixtral, SmolLM2/3, Qwen2.5/3, Gemma 1/2/3,
-# Phi-3/4-mini, StarCoder2, GPT-2, GPT-J, Falcon, MPT, CodeGen2.5/XGen), gpt-fast style, plus load/save.
+# Phi-3/4-mini, StarCoder2, GPT-2, GPT-J, Falcon, MPT, CodeGen2.5/XGen), gpt-fast style: the network only
+# (checkpoint.py reads and writes checkpoints).
 # A family is a set of ModelArgs fields that pick small named blocks (norms, gated or plain MLP, MoE, rotary / none /
 # learned positions / ALiBi, sliding windows, soft caps, parallel blocks); never a class per model. The network and
 # nothing else: faster kernels, packed weights and compiled callers are modules that fast_cpu.py swaps in at the swap
 # points Transformer's docstring lists; quantize.py swaps in quantized linears the same way.
-import json
 import math
-from dataclasses import asdict
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from common import atomic_path, checkpoint_file, release_pages
 from model_configs import ModelArgs, rope_frequencies, longrope_attention_factor, transformer_configs  # noqa: F401
-from validation import CHECKSUMS, check_shapes, check_sizes, check_state, checked, checksums, json_object
 
 
 class KVCache(nn.Module):
@@ -311,7 +308,7 @@ class Transformer(nn.Module):
         self.cache_len = FullCache()
         self.max_batch_size = -1
         self.max_seq_length = -1
-        self.quantization: Optional[dict] = None  # the recipe quantize.py applied (load_model sets it); None = float
+        self.quantization: Optional[dict] = None  # the recipe quantize.py applied (checkpoint.load_model sets it); None = float
         self.tie_weights()
 
     def tie_weights(self):
@@ -405,87 +402,3 @@ class FullCache(nn.Module):
 
     def forward(self, positions: Tensor, S: int) -> int:
         return S
-
-
-def checkpoint_config(sd: dict, path) -> ModelArgs:
-    """The ModelArgs of a checkpoint's state dict: its "_config" entry, else config.json beside it (older files), else
-    its directory's name. One ValueError naming the file and the field where it is no valid config."""
-    if "_config" in sd:
-        cfg = json_object(sd["_config"], "_config", path)
-        return checked(lambda: ModelArgs.from_dict(cfg), path, "_config")
-    if (path.parent / "config.json").is_file():
-        cfg = json_object((path.parent / "config.json").read_bytes(), "config.json", path)
-        return checked(lambda: ModelArgs.from_dict(cfg), path, "config.json")
-    return ModelArgs.from_name(path.parent.name)
-
-
-def load_model(checkpoint_path, device="cpu", dtype: Optional[torch.dtype] = None,
-               quantized: Optional[Callable] = None) -> Transformer:
-    """Load a checkpoint written by scripts/convert_checkpoint.py or quantize.py, safely (weights_only, mmap).
-
-    The file carries its own config under "_config" (a JSON string of ModelArgs) and, when quantized, its recipe
-    under "_quantization" (JSON, applied by `quantized` before the weights are assigned: quantize.load_model passes
-    quantize.apply_recipe, which checks it), so no flag and no filename parsing. Older files without "_config" fall
-    back to config.json beside them, then to the directory's name. Nothing in the file is trusted before it is
-    checked (validation.py): the config's fields, its sizes against the tensors, every tensor's name, type, shape,
-    finiteness and checksum; any failure is one ValueError naming the file and the field or tensor."""
-    path = checkpoint_file(checkpoint_path)
-    if not path.is_file():
-        raise FileNotFoundError(f"checkpoint not found: {path}")
-    try:
-        sd = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
-    except Exception as e:
-        raise ValueError(f"cannot read checkpoint {path}: not a valid PyTorch weights file ({type(e).__name__})") from None
-    if not isinstance(sd, dict):
-        raise ValueError(f"checkpoint {path} does not hold a state dict")
-    def cast(k, v):  # as each tensor is checked: cast in the state dict, its checkpoint pages given back (the peak is
-        if v.is_floating_point() and v.dtype != dtype:  # the cast weights plus one tensor, not both copies)
-            sd[k] = v.to(dtype)
-            release_pages(v)
-    check_state(sd, path, each=cast if dtype is not None else None)
-    sd.pop(CHECKSUMS, None)
-    args = checkpoint_config(sd, path)
-    sd.pop("_config", None)
-    check_sizes(sd, args, path)
-    recipe = sd.pop("_quantization", None)
-    recipe = None if recipe is None else json_object(recipe, "_quantization", path)
-    with torch.device("meta"):
-        model = Transformer(args)
-    if recipe:  # quantized(model, recipe) swaps in the quantized modules (quantize.load_model passes its own)
-        if quantized is None:
-            raise ValueError(f"checkpoint {path} is quantized ({recipe.get('mode')}): load it with quantize.load_model")
-        model = checked(lambda: quantized(model, recipe), path, "_quantization")
-    model.quantization = recipe or None
-    if args.tie_embeddings:
-        sd.pop("output.weight", None)
-    check_shapes(sd, model.state_dict(), path)
-    missing, unexpected = model.load_state_dict(sd, strict=False, assign=True)
-    missing = [k for k in missing if not (args.tie_embeddings and k == "output.weight")]
-    if missing or unexpected:
-        raise ValueError(f"checkpoint {path} does not match its config: missing {missing[:3]}, unexpected {unexpected[:3]}")
-    model.tie_weights()
-    if dtype is not None:  # (already cast in the state dict above: nothing left to copy)
-        model = model.to(dtype=dtype)  # casts floating-point tensors only; quantized integer weights stay as they are
-    return model.to(device).eval().requires_grad_(False)
-
-
-def checkpoint_state(model: Transformer, quantization: Optional[dict] = None) -> dict:
-    """The dict that load_model() reads back: weights (tied output dropped) + config (+ quantization recipe)."""
-    sd = {k: v for k, v in model.state_dict().items() if not (model.config.tie_embeddings and k == "output.weight")}
-    sd["_config"] = json.dumps(asdict(model.config))
-    if quantization:
-        sd["_quantization"] = json.dumps(quantization)
-    return sd
-
-
-def save_checkpoint(sd: dict, path) -> None:
-    """Write atomically (common.atomic_path), so no half-written checkpoint is left behind, with every tensor's CRC32
-    (validation.checksums: load_model verifies them). What load_model would refuse is never written: a "_config"
-    that is no valid ModelArgs, a NaN or infinite weight."""
-    if "_config" in sd:
-        checked(lambda: ModelArgs.from_dict(json_object(sd["_config"], "_config", path)), path, "_config")
-    sd = {k: v for k, v in sd.items() if k != CHECKSUMS}
-    check_state(sd, path)
-    sd[CHECKSUMS] = checksums(sd)
-    with atomic_path(path) as tmp:
-        torch.save(sd, str(tmp))

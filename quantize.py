@@ -27,7 +27,7 @@
 #
 # Storage: plain int8 / uint8 / float tensors (torch.load(weights_only=True)). int4 is packed two per byte: in each
 # group of G, byte j holds element j (high nibble) and j + G/2 (low). Scales and zeros are in the model's float dtype.
-# The file stores its recipe; load_model() below has model.load_model() call apply_recipe() on a meta-device model,
+# The file stores its recipe; load_model() below has checkpoint.load_model() call apply_recipe() on a meta-device model,
 # then assign the weights.
 #
 # Kernels (eager, packed CPU, bfloat16 GEMM, compiled decode, export forms): qops.py, beside the layouts they read.
@@ -40,8 +40,8 @@ from common import GROUPSIZES, ArgumentParser, at_least, check_device, checkpoin
 import torch
 import torch.nn as nn
 
-from model import checkpoint_state, save_checkpoint
-from model import load_model as load_float_or_hooked
+from checkpoint import checkpoint_state, save_checkpoint
+from checkpoint import load_model as load_float_or_hooked
 from qops import (SHRINKS, SYM_EXTRA, QuantizedEmbedding, QuantizedLinear, QuantizedWeight,  # noqa: F401
                   _int4_round, group_params, quantize_tensor, quantize_weight)
 
@@ -273,7 +273,7 @@ def parse_args(argv=None):
 
 
 def load_model(checkpoint_path, device="cpu", dtype=None):
-    """model.load_model for any checkpoint: a quantized one gets its recipe's modules (apply_recipe)."""
+    """checkpoint.load_model for any checkpoint: a quantized one gets its recipe's modules (apply_recipe)."""
     return load_float_or_hooked(checkpoint_path, device, dtype, quantized=apply_recipe)
 
 

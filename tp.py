@@ -332,7 +332,7 @@ def apply_tp(model: nn.Module, rank: Optional[int] = None, world_size: Optional[
 
 
 def load_model_tp(checkpoint_path, device="cpu", dtype: Optional[torch.dtype] = None) -> nn.Module:
-    """model.load_model + apply_tp for this rank: the checkpoint is memory-mapped on the CPU, this rank's slices are
+    """checkpoint.load_model + apply_tp for this rank: the checkpoint is memory-mapped on the CPU, this rank's slices are
     copied out, and only they (plus the replicated embedding, output and norms) move to the device and dtype, so no
     device ever holds the whole model. Integer (quantized) tensors keep their dtype, as in load_model."""
     from quantize import load_model

@@ -1,7 +1,7 @@
 # validation.py: what a checkpoint claims, checked before it is trusted (llama.cpp's and safetensors' rule). The one
 # validation every loader goes through: ModelArgs fields (types, ranges, rope scaling keys, sizes that can be built:
 # model_configs.ModelArgs.__post_init__ calls check_fields and check_rope_scaling) and a state dict's entries (names,
-# types, finite values, the per-tensor CRC32 that model.save_checkpoint stores: model.load_model calls check_state).
+# types, finite values, the per-tensor CRC32 that checkpoint.save_checkpoint stores: checkpoint.load_model calls check_state).
 # A failure is one ValueError naming the field or the tensor. Imports nothing from this repo.
 import json
 import math
@@ -122,7 +122,7 @@ def check_state(sd: dict, path, each=None) -> None:
     JSON strings), every floating-point tensor finite (one aminmax per tensor: 0.06 s warm on the default model's
     538 MB) and, when the file carries CHECKSUMS (save_checkpoint writes them), every tensor's CRC32 as written
     (0.2 s there). Files written before checksums existed load without that check. each(key, tensor) is called on
-    every tensor once it is checked, one at a time (model.load_model casts it there and gives its file pages back)."""
+    every tensor once it is checked, one at a time (checkpoint.load_model casts it there and gives its file pages back)."""
     import torch
     stored = None
     if CHECKSUMS in sd:

@@ -15,7 +15,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common import TOKENIZER_FILES, temp_dir  # noqa: E402
-from model import ModelArgs, save_checkpoint  # noqa: E402
+from checkpoint import save_checkpoint  # noqa: E402
+from model import ModelArgs  # noqa: E402
 
 
 class ConvertError(Exception):

@@ -17,7 +17,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from common import TOKENIZER_FILES, ArgumentParser, cli, default_checkpoint  # noqa: E402
-from model import ModelArgs, Transformer, checkpoint_state, save_checkpoint  # noqa: E402
+from checkpoint import checkpoint_state, save_checkpoint  # noqa: E402
+from model import ModelArgs, Transformer  # noqa: E402
 from model_configs import transformer_configs  # noqa: E402
 
 

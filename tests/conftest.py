@@ -107,7 +107,7 @@ def make_bpe_tokenizer(out_dir: Path, vocab_size: int = 320) -> Path:
 def tiny_checkpoint(tmp_path_factory):
     """checkpoints-style directory: a random tiny Llama (weights from a transformers model) + a BPE tokenizer.
     Returns (directory, the transformers model)."""
-    from model import checkpoint_state, save_checkpoint
+    from checkpoint import checkpoint_state, save_checkpoint
 
     d = make_bpe_tokenizer(tmp_path_factory.mktemp("tiny") / "tiny-llama")
     from tokenizer import load_tokenizer

@@ -34,7 +34,8 @@ SPECIAL_PROMPT = "<|im_start|>user\nhi<|im_end|>\n"
 
 
 def tiny_checkpoint(path: Path, seed=0, vocab=VOCAB):
-    from model import ModelArgs, Transformer, checkpoint_state, save_checkpoint
+    from checkpoint import checkpoint_state, save_checkpoint
+    from model import ModelArgs, Transformer
     torch.manual_seed(seed)
     args = ModelArgs(n_layer=2, n_head=4, n_local_heads=2, dim=64, intermediate_size=128, vocab_size=vocab,
                      block_size=256)

@@ -4,7 +4,7 @@
 import json
 
 from conftest import hf_to_model, make_bpe_tokenizer, run_cli, tiny_hf
-from model import checkpoint_state, save_checkpoint
+from checkpoint import checkpoint_state, save_checkpoint
 from tokenizer import load_tokenizer
 
 

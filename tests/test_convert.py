@@ -15,7 +15,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 import convert_checkpoint as C  # noqa: E402
 from conftest import make_bpe_tokenizer  # noqa: E402
-import model as M  # noqa: E402
+import checkpoint as CK  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
@@ -44,7 +44,7 @@ def hf_logits(m):
 
 
 def our_logits(path, dtype=None):
-    m = M.load_model(path, dtype=dtype)
+    m = CK.load_model(path, dtype=dtype)
     m.setup_caches(IDS.shape[0], 16)
     with torch.no_grad():
         return m(IDS, torch.arange(IDS.shape[1]))
@@ -413,7 +413,7 @@ def test_prepare_default_end_to_end(tmp_path, monkeypatch):
     assert (cfg["n_layer"], cfg["dim"], cfg["n_head"], cfg["n_local_heads"], cfg["vocab_size"], cfg["tie_embeddings"]) \
         == (30, 576, 9, 3, 49152, True)
     assert (path.parent / "tokenizer.json").is_file() and (path.parent / "tokenizer_config.json").is_file()
-    m = M.load_model(path)
+    m = CK.load_model(path)
     m.setup_caches(1, 16)
     ids = torch.tensor([[504, 3575, 282, 4649, 314]])  # "The capital of France is"
     with torch.no_grad():

@@ -39,7 +39,7 @@ TOKBIN = None  # "needs scripts/export_tokenizer_bin.py to build its parser with
 TOKPY = None  # "needs tokenizer.py to build its parser with common.ArgumentParser"
 GGUFTOK = None  # "needs scripts/gguf_tokenizer.py to build its parser with common.ArgumentParser"
 SERVER = None  # "needs server.py to build its parser with common.ArgumentParser"
-CONFIG = None  # "needs model.py load_model to check that _config / _quantization are JSON object strings"
+CONFIG = None  # "needs checkpoint.py load_model to check that _config / _quantization are JSON object strings"
 SUBPROCESS = "subprocess"
 
 G = ["--prompt", "hi", "--max_new_tokens", "2", "--temperature", "0", "--quiet"]

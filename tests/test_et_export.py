@@ -22,7 +22,8 @@ import pte_backend  # noqa: E402
 import engine  # noqa: E402
 import qops  # noqa: E402
 import quantize  # noqa: E402
-from model import ModelArgs, Transformer, checkpoint_state, save_checkpoint  # noqa: E402
+from checkpoint import checkpoint_state, save_checkpoint  # noqa: E402
+from model import ModelArgs, Transformer  # noqa: E402
 from quantize import load_model
 
 ARGS = dict(n_layer=2, n_head=4, n_local_heads=2, dim=64, intermediate_size=128, vocab_size=300, block_size=128)

@@ -29,7 +29,8 @@ from test_runner_et import RUNNER as ET_RUNNER, RUNNER_DIR as ET_RUNNER_DIR
 from test_tokenizer_bin import export_bin
 
 from generate import TorchBackend, generate
-from model import ModelArgs, Transformer, checkpoint_state, save_checkpoint
+from checkpoint import checkpoint_state, save_checkpoint
+from model import ModelArgs, Transformer
 from quantize import load_model
 
 REPO = __import__("pathlib").Path(__file__).resolve().parents[1]

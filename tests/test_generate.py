@@ -273,7 +273,7 @@ def test_memory_needed_counts_weights_at_dtype_and_the_cache(tiny_checkpoint):
     """backends.memory_needed (the check before loading) reads sizes from the file's index: the float tensors at the
     requested dtype, and a cache of 2 x layers x slots x KV heads x head_dim x positions."""
     from backends import memory_needed
-    from model import load_model
+    from checkpoint import load_model
     d, _ = tiny_checkpoint
     m = load_model(d / "model.pth")
     n = sum(t.numel() for t in m.state_dict().values() if t.is_floating_point())

@@ -17,7 +17,8 @@ sys.path.insert(0, str(REPO))
 import export_onnx  # noqa: E402
 import engine  # noqa: E402
 from export_onnx import OnnxBackend  # noqa: E402
-from model import ModelArgs, Transformer, checkpoint_state, save_checkpoint  # noqa: E402
+from checkpoint import checkpoint_state, save_checkpoint  # noqa: E402
+from model import ModelArgs, Transformer  # noqa: E402
 from quantize import load_model
 
 onnx = pytest.importorskip("onnx")

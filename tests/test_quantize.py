@@ -16,7 +16,7 @@ import gptq
 import qops
 import quantize as Q
 from conftest import assert_clean_error, hf_to_model, run_cli, tiny_hf
-from model import checkpoint_state, save_checkpoint
+from checkpoint import checkpoint_state, save_checkpoint
 from quantize import load_model
 from test_qkernels import CPU, SCHEMES, _linear
 

@@ -2,7 +2,7 @@
 # before it is trusted.
 # One test per class of the bad-input sweep (the samples of ../shared/reliability/ that a test needs are copied into
 # tests/data/reliability/), each also run on fresh corruptions (other fields, other tensors, other offsets), so the
-# fix is for the class and not the sample. Loader-level cases run in this process (model.load_model: the one path
+# fix is for the class and not the sample. Loader-level cases run in this process (checkpoint.load_model: the one path
 # every CLI loads through); each CLI is run once as a real command line on the sample.
 import hashlib
 import json
@@ -25,7 +25,8 @@ SAMPLE = DATA / "cfg_nlocal0"  # _config n_local_heads 0: ZeroDivisionError in e
 
 def tiny_checkpoint(d: Path) -> Path:
     """A random 2-layer model (GQA, 320 tokens) + a BPE tokenizer in d; returns model.pth."""
-    from model import ModelArgs, Transformer, checkpoint_state, save_checkpoint
+    from checkpoint import checkpoint_state, save_checkpoint
+    from model import ModelArgs, Transformer
     torch.manual_seed(0)
     m = Transformer(ModelArgs(n_layer=2, n_head=4, n_local_heads=2, dim=64, intermediate_size=128, vocab_size=320,
                               block_size=64))
@@ -112,7 +113,7 @@ def test_config_json_beside_an_old_checkpoint_is_checked_too(good, tmp_path):
 @pytest.fixture(scope="module")
 def quantized(good, tmp_path_factory) -> Path:
     import quantize
-    from model import checkpoint_state, save_checkpoint
+    from checkpoint import checkpoint_state, save_checkpoint
     m = quantize.load_model(good)
     recipe = quantize.quantize_model(m, "int4", 32, log=False)
     out = tmp_path_factory.mktemp("q") / "model.pth"
@@ -174,7 +175,7 @@ def test_nan_or_inf_weights_are_refused_at_load(good, tmp_path, seed):
 
 
 def test_save_checkpoint_writes_nothing_it_would_refuse(good, tmp_path):
-    from model import save_checkpoint
+    from checkpoint import save_checkpoint
     sd = torch.load(good, weights_only=True)
     sd["norm.weight"] = torch.full_like(sd["norm.weight"], float("nan"))
     with pytest.raises(ValueError, match="norm.weight holds NaN"):

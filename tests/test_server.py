@@ -82,7 +82,7 @@ class ServerProcess:
 
 def make_checkpoint(d, positions=1024):
     """A tiny random Llama (from transformers) with a small BPE tokenizer and a ChatML template, in checkpoint form."""
-    from model import checkpoint_state, save_checkpoint
+    from checkpoint import checkpoint_state, save_checkpoint
     from tokenizer import load_tokenizer
     make_bpe_tokenizer(d)
     hf = tiny_hf("llama", seed=5, vocab_size=load_tokenizer(d).vocab_size, max_position_embeddings=positions)

@@ -29,7 +29,7 @@ def family_checkpoint(d, name):
     """A tiny random Llama whose BPE tokenizer has the family's special tokens and the real template."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    from model import checkpoint_state, save_checkpoint
+    from checkpoint import checkpoint_state, save_checkpoint
     from tokenizer import load_tokenizer
     _, specials, bos, eos = FAMILIES[name]
     tk = Tokenizer(models.BPE())

@@ -10,7 +10,7 @@ from conftest import assert_clean_error, hf_to_model, run_cli, tiny_hf
 
 import engine
 import speculative as SP
-from model import checkpoint_state, save_checkpoint
+from checkpoint import checkpoint_state, save_checkpoint
 from quantize import load_model
 
 def backend(model, seq=160):

@@ -193,7 +193,7 @@ def test_torchrun_generate_cli_matches_single_process(tiny_checkpoint):
 
 
 def test_torchrun_generate_cli_bad_world_size(tmp_path):
-    from model import checkpoint_state, save_checkpoint
+    from checkpoint import checkpoint_state, save_checkpoint
     from conftest import make_bpe_tokenizer
     d = make_bpe_tokenizer(tmp_path / "odd")
     m = tiny_model(n_head=3, n_local_heads=3, dim=48, vocab_size=320)
