@@ -3,6 +3,7 @@
 # models) and, for torch.compile, compiled per-layer prompt callers with oneDNN-packed prompt weights; it owns every
 # Inductor setting.
 # engine.py and aoti_export.py call it. Delete this file and everything still runs: the same tokens, slower.
+import contextlib
 import ctypes
 import itertools
 import sys
@@ -34,10 +35,35 @@ def fixed_mmap_threshold(nbytes: int = 4 << 20) -> None:
     """glibc: serve blocks of nbytes and more by mmap, returned to the system when freed. By default glibc raises
     that threshold to the largest block freed so far, so the layouts' temporaries (fast_cpu_quant) stay in the heap,
     fragmented: a Llama-3.2-1B-shaped int8 model held 4.4 GB after speed_up where 2.4 GB are its weights and layouts."""
+    _mallopt(-3, nbytes)  # M_MMAP_THRESHOLD (also turns the raising off)
+
+
+@contextlib.contextmanager
+def heap_blocks(keep: int = 256 << 20):
+    """glibc, while a compiled prompt runs: every block from the heap, not mmap, and freed ones kept there (up to keep
+    bytes at its top) for the next product. A prompt allocates the same temporaries layer after layer, and fresh pages
+    fault in at ~3 GB/s: a Llama-3.2-1B-shaped int8 prompt converts each weight to a bfloat16 temporary of up to 32 MB
+    (above glibc's largest mmap threshold), 2 GB in all, which took 380 of a 128-token prompt's 1,060 ms. Not beyond
+    prompts: the decode graph's compilation would leave its large temporaries in the heap (+840 MB at that size)."""
+    _mallopt(-1, keep)  # M_TRIM_THRESHOLD
+    _mallopt(-4, 0)     # M_MMAP_MAX
     try:
-        ctypes.CDLL("libc.so.6").mallopt(-3, nbytes)  # M_MMAP_THRESHOLD (also turns the raising off)
-    except (OSError, AttributeError):  # not glibc
-        pass
+        yield
+    finally:
+        _mallopt(-4, 65536)  # glibc's default
+
+
+def _mallopt(param: int, value: int) -> None:
+    global _LIBC
+    if _LIBC is None:
+        try:
+            _LIBC = ctypes.CDLL("libc.so.6").mallopt
+        except (OSError, AttributeError):  # not glibc
+            _LIBC = lambda param, value: 0
+    _LIBC(param, value)
+
+
+_LIBC = None
 
 
 def configure_inductor() -> None:
@@ -230,7 +256,7 @@ class CompiledPrompt(nn.Module):
     def forward(self, *args, **kwargs):
         if torch.compiler.is_compiling():
             return self.inner(*args, **kwargs)
-        with TI.no_freezing():
+        with TI.no_freezing(), heap_blocks():
             return self.run(self.inner, *args, **kwargs)
 
 
