@@ -68,8 +68,8 @@ BUILD = {
         "fp32.modes.j{j}.pt2")},
     "{art}/onnx/model.onnx": [PY, "export_onnx.py", "--checkpoint_path", FP, "--output_dir", "{art}/onnx"],
     "{art}/tokenizer.bin": [PY, "scripts/export_tokenizer_bin.py", "{ck}", "-o", "{art}/tokenizer.bin"],
-    **{f"{{art}}/{t}.gguf": [PY, "scripts/llamacpp_peer.py", "write", "--checkpoint_path", FP,
-                              "--type", t, "--output", f"{{art}}/{t}.gguf"] for t in ("f32", "f16", "q8_0", "q4_0")},
+    **{f"{{art}}/{t}.gguf": [PY, "scripts/llamacpp_peer.py", "write", "--checkpoint_path", FP, "--type", t,
+                              "--output", f"{{art}}/{t}.gguf"] for t in ("f32", "f16", "q8_0", "q4_0", "q4_1")},
     **{f"{r}/build/run": ["sh", "-c", f"cmake -S {r} -B {r}/build && cmake --build {r}/build -j2"]
        for r in ("runner-et", "runner-aoti")},
 }
@@ -102,26 +102,26 @@ def artifact_row(flag, artifact, weights, vs=None, peer=None):  # an exported pr
     return gen(flag, artifact, "--tokenizer_path", "{ck}", weights=weights, vs=vs, needs=[artifact], peer=peer)
 
 
-def llamacpp(kind):  # llama.cpp (llama-cpp-python) on the same weights as a GGUF of this kind, same prompt, threads
+def llamacpp(kind):  # llama.cpp on the same weights as a GGUF of this kind (Q4_1: our int4 g32's bytes), same threads
     return dict(kind="peer", gguf=(g := f"{{art}}/{kind}.gguf"), weights=g, prompt="story", vs=None, needs=[g])
 
 
-RA, RE, F32, F16, Q8, Q4 = ("runner-aoti/build/run", "runner-et/build/run", "llama.cpp F32", "llama.cpp F16",
-                            "llama.cpp Q8_0", "llama.cpp Q4_0")
+RA, RE, F32, F16, Q8, Q4, Q41 = ("runner-aoti/build/run", "runner-et/build/run", "llama.cpp F32", "llama.cpp F16",
+                                 "llama.cpp Q8_0", "llama.cpp Q4_0", "llama.cpp Q4_1")
 ROWS = {
-    F32: llamacpp("f32"), F16: llamacpp("f16"), Q8: llamacpp("q8_0"), Q4: llamacpp("q4_0"),
+    F32: llamacpp("f32"), F16: llamacpp("f16"), Q8: llamacpp("q8_0"), Q4: llamacpp("q4_0"), Q41: llamacpp("q4_1"),
     "eager fp32": gen(peer=F32), "compile fp32": gen("--compile", vs="eager fp32", peer=F32),
     "eager bf16": gen("--dtype", "bfloat16", vs="eager fp32"),
     "compile bf16": gen("--compile", "--dtype", "bfloat16", vs="compile fp32", peer=F16),
     "eager int8": gen("--checkpoint_path", I8, vs="eager fp32"),
     "compile int8": gen("--compile", "--checkpoint_path", I8, vs="compile fp32", peer=Q8),
-    "compile int4 g32": gen("--compile", "--checkpoint_path", I4, vs="compile fp32", peer=Q4),
+    "compile int4 g32": gen("--compile", "--checkpoint_path", I4, vs="compile fp32", peer=Q41),
     # the server's and chat's 2048-token context: the layers attend over the filled cache slots (fast_cpu.FilledSlots)
     "compile fp32 ctx2048": gen("--compile", "--max_seq_length", "2048", vs="compile fp32", peer=F32),
     "compile int4 g32 ctx2048": gen("--compile", "--max_seq_length", "2048", "--checkpoint_path", I4,
-                                    vs="compile int4 g32", peer=Q4),
+                                    vs="compile int4 g32", peer=Q41),
     "compile 8da8w": gen("--compile", "--checkpoint_path", D8, vs="compile int8", peer=Q8),
-    "compile 8da4w g32": gen("--compile", "--checkpoint_path", D4, vs="compile fp32", peer=Q4),
+    "compile 8da4w g32": gen("--compile", "--checkpoint_path", D4, vs="compile fp32", peer=Q41),
     "compile bf16 int8": gen("--compile", "--dtype", "bfloat16", "--checkpoint_path", I8, vs="compile fp32"),
     "compile bf16 int4 g32": gen("--compile", "--dtype", "bfloat16", "--checkpoint_path", I4, vs="compile fp32"),
     # exported programs through generate.py (Python runtimes), then through the C++ runners
@@ -130,20 +130,20 @@ ROWS = {
     "runner-aoti fp32": runner(RA, "{art}/fp32.s256.j{j}.pt2", FP, vs="compile fp32", peer=F32),
     "runner-aoti fp32 fast_prefill": runner(RA, "{art}/fp32.fp.s256.j{j}.pt2", FP, vs="runner-aoti fp32", peer=F32),
     "runner-aoti int8": runner(RA, "{art}/int8.s256.j{j}.pt2", I8, vs="runner-aoti fp32", peer=Q8),
-    "runner-aoti int4 g32": runner(RA, "{art}/int4.g32.s256.j{j}.pt2", I4, vs="runner-aoti fp32", peer=Q4),
-    "runner-aoti int4 g32 ctx1024": runner(RA, "{art}/int4.g32.j{j}.pt2", I4, vs="runner-aoti int4 g32", peer=Q4),
+    "runner-aoti int4 g32": runner(RA, "{art}/int4.g32.s256.j{j}.pt2", I4, vs="runner-aoti fp32", peer=Q41),
+    "runner-aoti int4 g32 ctx1024": runner(RA, "{art}/int4.g32.j{j}.pt2", I4, vs="runner-aoti int4 g32", peer=Q41),
     "runner-aoti int8 fast_prefill": runner(RA, "{art}/int8.fp.s256.j{j}.pt2", I8, vs="runner-aoti int8", peer=Q8),
-    "runner-aoti int4 g32 fast_prefill": runner(RA, "{art}/int4.g32.fp.s256.j{j}.pt2", I4, "runner-aoti int4 g32", Q4),
+    "runner-aoti int4 g32 fast_prefill": runner(RA, "{art}/int4.g32.fp.s256.j{j}.pt2", I4, "runner-aoti int4 g32", Q41),
     "runner-aoti 8da8w fast_prefill": runner(RA, "{art}/8da8w.fp.s256.j{j}.pt2", D8, "runner-aoti int8 fast_prefill", Q8),
     "runner-aoti 8da4w g32 fast_prefill": runner(RA, "{art}/8da4w.g32.fp.s256.j{j}.pt2", D4,
-                                                 vs="runner-aoti 8da4w g32", peer=Q4),
-    "runner-aoti 8da4w g32": runner(RA, "{art}/8da4w.g32.s256.j{j}.pt2", D4, vs="runner-aoti fp32", peer=Q4),
+                                                 vs="runner-aoti 8da4w g32", peer=Q41),
+    "runner-aoti 8da4w g32": runner(RA, "{art}/8da4w.g32.s256.j{j}.pt2", D4, vs="runner-aoti fp32", peer=Q41),
     "pte fp32": artifact_row("--pte", "{art}/fp32.s256.pte", FP, vs="eager fp32"),
     "pte 8da4w g32": artifact_row("--pte", "{art}/8da4w.g32.s256.pte", D4, vs="pte fp32"),
     "runner-et fp32": runner(RE, "{art}/fp32.s256.pte", FP, vs="pte fp32", peer=F32),
     "runner-et fp32 fast_prefill": runner(RE, "{art}/fp32.fp.s256.pte", FP, vs="runner-et fp32", peer=F32),
-    "runner-et 8da4w g32": runner(RE, "{art}/8da4w.g32.s256.pte", D4, vs="runner-et fp32", peer=Q4),
-    "runner-et 8da4w g32 fast_prefill": runner(RE, "{art}/8da4w.g32.fp.s256.pte", D4, "runner-et 8da4w g32", Q4),
+    "runner-et 8da4w g32": runner(RE, "{art}/8da4w.g32.s256.pte", D4, vs="runner-et fp32", peer=Q41),
+    "runner-et 8da4w g32 fast_prefill": runner(RE, "{art}/8da4w.g32.fp.s256.pte", D4, "runner-et 8da4w g32", Q41),
     "runner-et 8da8w": runner(RE, "{art}/8da8w.s256.pte", D8, vs="runner-et fp32", peer=Q8),
     "runner-et fp32 ctx1024": runner(RE, "{art}/fp32.pte", FP, vs="runner-et fp32"),  # a .pte reads its whole cache
     "runner-et 8da4w g32 ctx1024": runner(RE, "{art}/8da4w.g32.pte", D4, vs="runner-et fp32 ctx1024"),
@@ -171,12 +171,12 @@ GROUPS = {  # --rows shorthands
               "compile fp32 code", "eager fp32", "eager fp32 cb4", "compile fp32 cb4",
               *(name for name, row in ROWS.items() if row.get("mode"))],  # the runners' -M modes
     "peer": [F32, "compile fp32", "aoti fp32", "runner-aoti fp32", "runner-aoti fp32 fast_prefill", "runner-et fp32",
-             F16, "compile bf16", Q8, "compile int8", Q4, "compile int4 g32", "runner-et 8da4w g32"],
+             F16, "compile bf16", Q8, "compile int8", Q4, Q41, "compile int4 g32", "runner-et 8da4w g32"],
     "prefill": [F32, "compile fp32", "runner-aoti fp32", "runner-aoti fp32 fast_prefill", "runner-et fp32", Q8,
                 "compile int8", "runner-aoti int8 fast_prefill", "compile 8da8w", "runner-aoti 8da8w fast_prefill",
-                "runner-et 8da8w", Q4, "compile int4 g32", "runner-aoti int4 g32 fast_prefill", "runner-et 8da4w g32"],
+                "runner-et 8da8w", Q41, "compile int4 g32", "runner-aoti int4 g32 fast_prefill", "runner-et 8da4w g32"],
     "big": ["compile bf16", F16, "compile int8", Q8, "compile int4 g32", "runner-aoti int4 g32", "runner-et 8da4w g32",
-            Q4],
+            Q41, Q4],
     "all": list(ROWS), "server": ["compile fp32"],  # server: + server.py under 1, 4 and 8 clients (bench_server.py)
 }
 SERVER_ARGS = ["--compile", "--full_batch_size", "8", "--max_seq_length", "512"]

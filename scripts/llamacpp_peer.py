@@ -2,12 +2,13 @@
 # The peer baseline for bench.py --rows peer: write a model.py checkpoint as GGUF (llama arch) and time llama.cpp's
 # decode on it (llama-cpp-python: `CMAKE_ARGS="-DGGML_NATIVE=ON" pip install llama-cpp-python==0.3.36`, ~8 min build).
 #
-#     python scripts/llamacpp_peer.py write --checkpoint_path checkpoints/SmolLM2-135M-Instruct/model.pth --type f32|f16|q8_0|q4_0
+#     python scripts/llamacpp_peer.py write --checkpoint_path checkpoints/SmolLM2-135M-Instruct/model.pth --type f32|f16|q8_0|q4_0|q4_1
 #     python scripts/llamacpp_peer.py time  --gguf <file> [--threads N] [--max_new_tokens 128] [--prompt "Once upon a time"]
 #
-# Q8_0 / Q4_0 files keep the token embedding (tied output) in Q8_0, as quantize.py keeps it int8. The tokenizer is
-# written as the byte-level BPE of tokenizer.json with the `smollm` pre-tokenizer (the default model's); the timing
-# feeds llama.cpp our own token ids, so the pre-tokenizer name does not change what is timed.
+# Quantized files keep the token embedding (tied output) in Q8_0, as quantize.py keeps it int8. Q4_1 (a scale and a
+# minimum per 32 weights: 5 bits per weight) is our asymmetric int4 g32 byte for byte; Q4_0 (a scale only) 4.5 bits.
+# The tokenizer is written as the byte-level BPE of tokenizer.json with the `smollm` pre-tokenizer (the default
+# model's); the timing feeds llama.cpp our own token ids, so the pre-tokenizer name does not change what is timed.
 #
 # GGUF keeps Q/K rows in Meta's adjacent-pair rotary layout (llama.cpp's LLAMA rope), model.py the Hugging Face
 # half-split one: the writer permutes them back exactly as llama.cpp's convert_hf_to_gguf.py does. The prompt is
@@ -25,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import ArgumentParser, at_least, atomic_path, checkpoint_file, cli, peak_memory_mb  # noqa: E402
 
-TYPES = {"f32": "F32", "f16": "F16", "q8_0": "Q8_0", "q4_0": "Q4_0"}
+TYPES = {"f32": "F32", "f16": "F16", "q8_0": "Q8_0", "q4_0": "Q4_0", "q4_1": "Q4_1"}
 
 
 def _hf_to_meta(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -62,7 +63,7 @@ def _write_gguf(gguf, m, ck, qt, out, kind):
     w.add_rope_freq_base(c.rope_base)
     w.add_layer_norm_rms_eps(c.norm_eps)
     w.add_vocab_size(c.vocab_size)
-    w.add_file_type({"f32": 0, "f16": 1, "q8_0": 7, "q4_0": 2}[kind])
+    w.add_file_type({"f32": 0, "f16": 1, "q8_0": 7, "q4_0": 2, "q4_1": 3}[kind])
     # tokenizer: byte-level BPE straight from tokenizer.json
     tj = json.loads((ck.parent / "tokenizer.json").read_text())
     special = {t["id"]: t["content"] for t in tj["added_tokens"]}
@@ -93,7 +94,7 @@ def _write_gguf(gguf, m, ck, qt, out, kind):
         elif qt == gguf.GGMLQuantizationType.F32:
             tt = qt
         else:
-            # our int8/int4 recipes keep the (tied) embedding table int8: Q8_0 for it in a Q4_0 file
+            # our int8/int4 recipes keep the (tied) embedding table int8: Q8_0 for it in a Q4_0 / Q4_1 file
             tt = gguf.GGMLQuantizationType.Q8_0 if name == "token_embd.weight" else qt
             a = gguf.quants.quantize(a, tt)
         w.add_tensor(name, a, raw_dtype=tt)
