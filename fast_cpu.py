@@ -17,7 +17,7 @@ from torch import Tensor
 
 import fast_cpu_quant
 import torch_internals as TI
-from common import available_memory
+from common import available_memory, release_pages
 from model import SDPA, Attention, Transformer
 
 # Inductor on CPU (torch.compile and AOT Inductor alike): weights become constants (folded and pre-packed), and
@@ -143,10 +143,11 @@ _KEYS = itertools.count()
 
 
 class PackedLinear(nn.Module):
-    """A bfloat16 nn.Linear whose weight is held in oneDNN's packed layout only (the stored layout is freed: a model
-    given to speed_up is for running, not saving). An output projection tied to the embedding gets a packed copy (the
-    embedding keeps the stored weight): oneDNN on the stored weight took 7 of the 1B shape's 40 ms decode step, for
-    the copy's 201 MB; Inductor's freezing made the same copy before."""
+    """A bfloat16 nn.Linear (and a compiled model's float32 ones from FLOAT32_PACKED_FROM bytes) whose weight is held
+    in oneDNN's packed layout only (the stored layout is freed: a model given to speed_up is for running, not saving).
+    An output projection tied to the embedding gets a packed copy (the embedding keeps the stored weight): oneDNN on
+    the stored weight took 7 of the 1B shape's 40 ms decode step, for the copy's 201 MB; Inductor's freezing made the
+    same copy before."""
 
     def __init__(self, lin: nn.Linear):
         super().__init__()
@@ -167,6 +168,11 @@ class PackedLinear(nn.Module):
 # (float32 406 MB, int8 213 MB), not a 1B model's (float32 3.9 GB, int8 1.9 GB), whose prompts then run on the weights
 # as stored, within the memory a user moving from llama.cpp expects (issue: weights + KV cache + ~600 MB).
 PROMPT_COPIES_MAX = 512 << 20
+# From this many bytes of float32 linear weights a compiled model holds them as bfloat16's are, packed once
+# (PackedLinear), not beside the copy Inductor's freezing makes for the decode graph, whose C++ template decodes
+# faster: SmolLM2 (538 MB) 16.6 against 21 ms per step; Llama-3.2-1B's shape (4.3 GB) 107-116 against 126-137 ms, for
+# a peak of 13,250 against 4,840 MB (2 threads, in-process).
+FLOAT32_PACKED_FROM = 1 << 30
 
 
 def pack_prompt_weights(model: Transformer, budget: Optional[int] = None) -> tuple[int, bool]:
@@ -266,7 +272,7 @@ def speed_up(model: Transformer, compile: bool = False, export: bool = False) ->
       * cache_len -> FilledSlots and each attention.attend -> FilledSlotsAttention;
       * export (aoti_export.py): nothing more; Inductor's own kernels take the products;
       * else qops.QuantizedLinear -> fast_cpu_quant.FastQuantizedLinear, bfloat16 nn.Linear -> PackedLinear, float32
-        ones -> OneDNNLinear, and with
+        ones -> OneDNNLinear (compiled, from FLOAT32_PACKED_FROM bytes: PackedLinear), and with
         compile the layers and the output projection run prompts through CompiledPrompt, the blocks' weights get
         packed prompt copies (pack_prompt_weights) unless they would take more than half of the free memory (one
         line on stderr says so).
@@ -284,12 +290,15 @@ def speed_up(model: Transformer, compile: bool = False, export: bool = False) ->
         return model
     fast_cpu_quant.swap_in(model, words=compile)
     if ONEDNN:
+        float32 = sum(m.weight.numel() * 4 for m in model.modules()
+                      if type(m) is nn.Linear and m.weight.dtype == torch.float32)
         for parent in list(model.modules()):
             for name, child in list(parent.named_children()):
                 if type(child) is not nn.Linear:
                     continue
-                if child.weight.dtype == torch.bfloat16:
+                if child.weight.dtype == torch.bfloat16 or float32 > FLOAT32_PACKED_FROM and compile:
                     fast_cpu_quant.replace_module(parent, name, PackedLinear(child))
+                    release_pages(child.weight)  # where it maps its checkpoint (loaded without a cast), pages too
                     child.weight = None  # (freed now, not when the loop ends; a tied output's stays the embedding's)
                 else:
                     fast = OneDNNLinear(child.in_features, child.out_features, bias=child.bias is not None,

@@ -154,6 +154,28 @@ def test_bfloat16_weights_held_once_packed(tiny_checkpoint, cpu, monkeypatch):
         assert torch.equal(got.argmax(-1), ref.argmax(-1))
 
 
+@pytest.mark.skipif(not fast_cpu.ONEDNN, reason="PyTorch built without oneDNN")
+def test_large_float32_weights_held_once_packed(tiny_checkpoint, cpu, monkeypatch):
+    """From FLOAT32_PACKED_FROM bytes of float32 linear weights (here: any), a compiled model holds them packed once,
+    as bfloat16's (no frozen copy of Inductor's beside them): its prompt and decode logits are float32's."""
+    d, _ = tiny_checkpoint
+    ids = torch.randint(0, 300, (1, 9), generator=torch.Generator().manual_seed(2))
+    m = load_model(d / "model.pth")
+    m.setup_caches(1, 48)
+    with torch.inference_mode():
+        ref = torch.cat([m(ids[:, :8], torch.arange(8)), m(ids[:, 8:], torch.tensor([8]))], 1)
+    monkeypatch.setattr(fast_cpu, "FLOAT32_PACKED_FROM", 0)
+    eager = engine.TorchBackend(load_model(d / "model.pth"), 1, 48)  # eager: no freezing, nothing to pack for
+    assert not any(isinstance(m, fast_cpu.PackedLinear) for m in eager.model.modules())
+    b = engine.TorchBackend(load_model(d / "model.pth"), 1, 48, compile=True)
+    packed = [m for m in b.model.modules() if isinstance(m, fast_cpu.PackedLinear)]
+    assert len(packed) == 5 * len(b.model.layers) + 1 and all(m.weight_packed.dtype == torch.float32 for m in packed)
+    assert not any(isinstance(m, torch.nn.Linear) for m in b.model.modules())
+    got = torch.cat([b.forward(ids[:, :8], torch.arange(8)), b.forward(ids[:, 8:], torch.tensor([8]))], 1)
+    assert torch.allclose(got.float(), ref, atol=1e-4 * ref.abs().max().item(), rtol=0)
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))
+
+
 def test_prefill_chunks_and_continuous_batching_equal_plain(tiny_checkpoint, cpu):
     d, _ = tiny_checkpoint
     model = load_model(d / "model.pth")
