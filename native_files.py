@@ -39,6 +39,9 @@ def native_tmpdir():
     with contextlib.suppress(ImportError):  # Inductor's cache stays put: its default is under $TMPDIR, pinned once
         from torch._inductor.runtime.cache_dir_utils import cache_dir
         cache_dir()
+        # and its precompiled headers' folder, fixed from $TMPDIR when codecache is first imported: imported in
+        # here, every later compile of the process re-created the removed folder for them (558 MB each)
+        import torch._inductor.codecache  # noqa: F401
     d = Path(tempfile.gettempdir()) / f"llama-flat-{secrets.token_hex(8)}"  # named before the try: see temp_dir
     saved = os.environ.get("TMPDIR")
     try:

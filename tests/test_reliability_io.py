@@ -3,6 +3,7 @@
 # are one error line, signals give 130 / 143 at any moment, and native code leaves nothing in /tmp. Fresh corruptions
 # of files made here; the sweep's GGUF sample is in tests/data/reliability/.
 import json
+import os
 import random
 import re
 import signal
@@ -267,6 +268,21 @@ def test_native_tmpdir_leaves_nothing_and_kills_what_it_started(tmp_path, monkey
                 time.sleep(0.001)
             raise RuntimeError("interrupted")
     assert child.wait(timeout=10) == -signal.SIGKILL and list(tmp_path.iterdir()) == []
+
+
+def test_native_tmpdir_leaves_no_folder_for_later_compiles(tmp_path):
+    """Inductor fixes its precompiled headers' folder from $TMPDIR when torch._inductor.codecache is first imported.
+    Imported inside native_tmpdir (an export, a package load), every later compile of the process re-created the
+    removed private folder for them: 558 MB left per test run. A fresh interpreter, where that import comes first."""
+    code = ("import json, os, sys, tempfile, torch\nsys.path.insert(0, sys.argv[1])\nfrom native_files import native_tmpdir\n"
+            "with native_tmpdir():\n    import torch._inductor.codecache\n"
+            "torch.compile(lambda x: (x * 2).sum(), options={'cpp_wrapper': True})(torch.randn(8))\n"
+            "print(json.dumps([p.name for p in os.scandir(tempfile.gettempdir())]))")
+    env = {**os.environ, "TMPDIR": str(tmp_path / "tmp"), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    (tmp_path / "tmp").mkdir()
+    r = subprocess.run([sys.executable, "-c", code, str(REPO)], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert not [n for n in json.loads(r.stdout.strip().splitlines()[-1]) if n.startswith("llama-flat-")]
 
 
 def test_a_failed_package_load_leaves_nothing_in_tmp(tmp_path, monkeypatch):
