@@ -7,6 +7,7 @@ import contextlib
 import ctypes
 import itertools
 import sys
+import threading
 import weakref
 from typing import Optional
 
@@ -40,17 +41,25 @@ def fixed_mmap_threshold(nbytes: int = 4 << 20) -> None:
 
 @contextlib.contextmanager
 def heap_blocks(keep: int = 256 << 20):
-    """glibc, while a compiled prompt runs: every block from the heap, not mmap, and freed ones kept there (up to keep
-    bytes at its top) for the next product. A prompt allocates the same temporaries layer after layer, and fresh pages
-    fault in at ~3 GB/s: a Llama-3.2-1B-shaped int8 prompt converts each weight to a bfloat16 temporary of up to 32 MB
-    (above glibc's largest mmap threshold), 2 GB in all, which took 380 of a 128-token prompt's 1,060 ms. Not beyond
-    prompts: the decode graph's compilation would leave its large temporaries in the heap (+840 MB at that size)."""
-    _mallopt(-1, keep)  # M_TRIM_THRESHOLD
-    _mallopt(-4, 0)     # M_MMAP_MAX
+    """glibc, while a compiled prompt runs: every block from the heap, not mmap; and from the first prompt on, up to
+    keep freed bytes stay at the heap's top (M_TRIM_THRESHOLD, for the process: between layers too) for the next
+    product. A prompt allocates the same temporaries layer after layer, and fresh pages fault in at ~3 GB/s: a
+    Llama-3.2-1B-shaped int8 prompt converts each weight to a bfloat16 temporary of up to 32 MB (above glibc's largest
+    mmap threshold), 2 GB in all, which took 380 of a 128-token prompt's 1,060 ms. mmap is back after the prompt: the
+    decode graph's compilation would leave its large temporaries in the heap (+840 MB at that size)."""
+    global _HEAP_DEPTH
+    with _HEAP_LOCK:  # nested or overlapping calls (threads): the outermost sets and restores
+        if _HEAP_DEPTH == 0:
+            _mallopt(-1, keep)  # M_TRIM_THRESHOLD
+            _mallopt(-4, 0)     # M_MMAP_MAX
+        _HEAP_DEPTH += 1
     try:
         yield
     finally:
-        _mallopt(-4, 65536)  # glibc's default
+        with _HEAP_LOCK:
+            _HEAP_DEPTH -= 1
+            if _HEAP_DEPTH == 0:
+                _mallopt(-4, 65536)  # glibc's default
 
 
 def _mallopt(param: int, value: int) -> None:
@@ -63,7 +72,7 @@ def _mallopt(param: int, value: int) -> None:
     _LIBC(param, value)
 
 
-_LIBC = None
+_LIBC, _HEAP_DEPTH, _HEAP_LOCK = None, 0, threading.Lock()
 
 
 def configure_inductor() -> None:
@@ -113,9 +122,9 @@ if not hasattr(torch.ops.llama_flat, "linear_onednn"):
     _LIB.impl("linear_onednn", _linear_onednn_op, "CPU")
     torch.library.register_fake("llama_flat::linear_onednn", lib=_LIB)(
         lambda x, w, b: x.new_empty((*x.shape[:-1], w.shape[0])))
-    _LIB.define("linear_bf16_packed(Tensor x, Tensor key, Tensor? b, int n) -> Tensor")
-    _LIB.impl("linear_bf16_packed", lambda x, key, b, n: _linear_onednn(x, _PACKED[int(key)], b), "CPU")
-    torch.library.register_fake("llama_flat::linear_bf16_packed", lib=_LIB)(
+    _LIB.define("linear_held_packed(Tensor x, Tensor key, Tensor? b, int n) -> Tensor")
+    _LIB.impl("linear_held_packed", lambda x, key, b, n: _linear_onednn(x, _PACKED[int(key)], b), "CPU")
+    torch.library.register_fake("llama_flat::linear_held_packed", lib=_LIB)(
         lambda x, key, b, n: x.new_empty((*x.shape[:-1], n)))
 
 
@@ -161,7 +170,7 @@ class PackedLinear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if not torch.compiler.is_compiling():
             return _linear_onednn(x, self.weight_packed, self.bias)
-        return torch.ops.llama_flat.linear_bf16_packed(x, self.key, self.bias, self.out_features)
+        return torch.ops.llama_flat.linear_held_packed(x, self.key, self.bias, self.out_features)
 
 
 # The packed prompt copies are made for models whose copies take at most this (and half of the free memory): SmolLM2's
@@ -296,7 +305,7 @@ def speed_up(model: Transformer, compile: bool = False, export: bool = False) ->
             for name, child in list(parent.named_children()):
                 if type(child) is not nn.Linear:
                     continue
-                if child.weight.dtype == torch.bfloat16 or float32 > FLOAT32_PACKED_FROM and compile:
+                if child.weight.dtype == torch.bfloat16 or (compile and float32 >= FLOAT32_PACKED_FROM):
                     fast_cpu_quant.replace_module(parent, name, PackedLinear(child))
                     release_pages(child.weight)  # where it maps its checkpoint (loaded without a cast), pages too
                     child.weight = None  # (freed now, not when the loop ends; a tied output's stays the embedding's)

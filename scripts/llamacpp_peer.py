@@ -6,7 +6,7 @@
 #     python scripts/llamacpp_peer.py time  --gguf <file> [--threads N] [--max_new_tokens 128] [--prompt "Once upon a time"]
 #
 # Quantized files keep the token embedding (tied output) in Q8_0, as quantize.py keeps it int8. Q4_1 (a scale and a
-# minimum per 32 weights: 5 bits per weight) is our asymmetric int4 g32 byte for byte; Q4_0 (a scale only) 4.5 bits.
+# minimum per 32 weights) has our asymmetric int4 g32's 5 bits per weight; Q4_0 (a scale only) 4.5 bits.
 # The tokenizer is written as the byte-level BPE of tokenizer.json with the `smollm` pre-tokenizer (the default
 # model's); the timing feeds llama.cpp our own token ids, so the pre-tokenizer name does not change what is timed.
 #

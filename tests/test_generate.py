@@ -165,13 +165,23 @@ def test_large_float32_weights_held_once_packed(tiny_checkpoint, cpu, monkeypatc
     with torch.inference_mode():
         ref = torch.cat([m(ids[:, :8], torch.arange(8)), m(ids[:, 8:], torch.tensor([8]))], 1)
     monkeypatch.setattr(fast_cpu, "FLOAT32_PACKED_FROM", 0)
+    looked_up = []
+
+    class Counted(dict):
+        def __getitem__(self, key):
+            looked_up.append(key)
+            return super().__getitem__(key)
+
+    monkeypatch.setattr(fast_cpu, "_PACKED", Counted())
     eager = engine.TorchBackend(load_model(d / "model.pth"), 1, 48)  # eager: no freezing, nothing to pack for
     assert not any(isinstance(m, fast_cpu.PackedLinear) for m in eager.model.modules())
     b = engine.TorchBackend(load_model(d / "model.pth"), 1, 48, compile=True)
     packed = [m for m in b.model.modules() if isinstance(m, fast_cpu.PackedLinear)]
     assert len(packed) == 5 * len(b.model.layers) + 1 and all(m.weight_packed.dtype == torch.float32 for m in packed)
     assert not any(isinstance(m, torch.nn.Linear) for m in b.model.modules())
+    looked_up.clear()  # every product of the compiled prompt and decode graphs reads the packed weight
     got = torch.cat([b.forward(ids[:, :8], torch.arange(8)), b.forward(ids[:, 8:], torch.tensor([8]))], 1)
+    assert sorted(looked_up) == sorted(2 * [int(m.key) for m in packed])
     assert torch.allclose(got.float(), ref, atol=1e-4 * ref.abs().max().item(), rtol=0)
     assert torch.equal(got.argmax(-1), ref.argmax(-1))
 
