@@ -31,7 +31,7 @@ from torch import Tensor
 
 from model import Transformer
 from quantize import load_model
-from onnx_backends import OnnxBackend, json_metadata  # noqa: F401 (OnnxBackend: re-exported for old callers)
+from onnx_backends import OnnxBackend, graph_context, json_metadata  # noqa: F401 (OnnxBackend: re-exported)
 
 FP16_MAX = float(np.finfo(np.float16).max)  # 65504
 
@@ -415,7 +415,7 @@ def self_check(onnx_path, model: Transformer, steps: int = 4, atol: float = 1e-4
     """Prefill a padded batch of two prompts of different lengths and decode `steps` greedy tokens on ONNX Runtime
     and in eager PyTorch (model.py's forward with its own KVCache, set up here); both are fed PyTorch's tokens, so
     every step compares. With a continuous-batching graph the rows go to swapped cache slots through batch_index."""
-    V, S = model.config.vocab_size, int(read_metadata(onnx_path).get("ctx_len") or 2048)  # (OnnxBackend's context)
+    V, S = model.config.vocab_size, graph_context(read_metadata(onnx_path))
     room = max(3, S - steps - 1)  # prompt + decode steps fit the context
     try:
         prompts = [tokenizer.encode("The capital of France is Paris, and the capital of Italy is")[:room],

@@ -31,6 +31,11 @@ def json_metadata(pairs) -> dict:
     return {k: value(v) for k, v in pairs}
 
 
+def graph_context(meta: dict, ctx_len: Optional[int] = None) -> int:
+    """The context a graph runs with: ctx_len if given, else the one it was exported for (its metadata), else 2048."""
+    return int(ctx_len or meta.get("ctx_len") or 2048)
+
+
 class OnnxBackend:
     """generate.py backend running an export_onnx.py graph on ONNX Runtime (CPU).
 
@@ -63,7 +68,7 @@ class OnnxBackend:
         self.output_names = ["logits"] + [n + "_RetainedState" for n in self.kv_names]
         shape = inputs[self.kv_names[0]].shape  # [rows, n_kv_heads, ctx_len, head_dim]
         max_ctx = self.meta.get("max_ctx_len")
-        self.max_seq_length = int(ctx_len or self.meta.get("ctx_len") or 2048)
+        self.max_seq_length = graph_context(self.meta, ctx_len)
         if max_ctx and self.max_seq_length > max_ctx:
             raise ValueError(f"ctx_len {self.max_seq_length} exceeds the graph's rotary table ({max_ctx} positions)")
         self.max_batch_size = int(max_batch_size)
