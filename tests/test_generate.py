@@ -116,6 +116,24 @@ def test_compiled_bfloat16_tracks_float32(tiny_checkpoint, cpu):
         assert torch.equal(x.argmax(-1)[sure], ref.argmax(-1)[sure])
 
 
+def count_packed_lookups(monkeypatch) -> list:
+    """fast_cpu._PACKED, counting its reads: the keys of the packed weights the products looked up, in order."""
+    looked_up = []
+
+    class Counted(dict):
+        def __getitem__(self, key):
+            looked_up.append(key)
+            return super().__getitem__(key)
+
+    monkeypatch.setattr(fast_cpu, "_PACKED", Counted(fast_cpu._PACKED))
+    return looked_up
+
+
+def prompt_then_step(forward, ids):
+    """The logits of an 8-token prompt, then of one decode step (ids [1, 9])."""
+    return torch.cat([forward(ids[:, :8], torch.arange(8)), forward(ids[:, 8:], torch.tensor([8]))], 1)
+
+
 @pytest.mark.skipif(not fast_cpu.ONEDNN, reason="PyTorch built without oneDNN")
 def test_bfloat16_weights_held_once_packed(tiny_checkpoint, cpu, monkeypatch):
     """A bfloat16 model on CPU holds each linear weight once, in oneDNN's packed layout (fast_cpu.PackedLinear): the
@@ -129,17 +147,10 @@ def test_bfloat16_weights_held_once_packed(tiny_checkpoint, cpu, monkeypatch):
         m = load_model(d / "model.pth", dtype=dtype)
         m.setup_caches(1, 48)
         with torch.inference_mode():
-            return torch.cat([m(ids[:, :8], torch.arange(8)), m(ids[:, 8:], torch.tensor([8]))], 1).float()
+            return prompt_then_step(m, ids).float()
 
     ref, written = plain(torch.float32), plain(torch.bfloat16)
-    looked_up = []
-
-    class Counted(dict):
-        def __getitem__(self, key):
-            looked_up.append(key)
-            return super().__getitem__(key)
-
-    monkeypatch.setattr(fast_cpu, "_PACKED", Counted(fast_cpu._PACKED))
+    looked_up = count_packed_lookups(monkeypatch)
     for compile in (False, True):
         b = engine.TorchBackend(load_model(d / "model.pth", dtype=torch.bfloat16), 1, 48, compile=compile)
         packed = [m for m in b.model.modules() if isinstance(m, fast_cpu.PackedLinear)]
@@ -147,7 +158,7 @@ def test_bfloat16_weights_held_once_packed(tiny_checkpoint, cpu, monkeypatch):
         assert not any(isinstance(m, torch.nn.Linear) for m in b.model.modules())
         fast_cpu._PACKED.update({int(m.key): m.weight_packed for m in packed})
         looked_up.clear()
-        got = torch.cat([b.forward(ids[:, :8], torch.arange(8)), b.forward(ids[:, 8:], torch.tensor([8]))], 1).float()
+        got = prompt_then_step(b.forward, ids).float()
         assert sorted(looked_up) == (sorted(2 * [int(m.key) for m in packed]) if compile else [])
         err, err_written = (got - ref).abs().max().item(), (written - ref).abs().max().item()
         assert err <= 2 * err_written and err_written < 0.05 * ref.abs().max().item()
@@ -163,16 +174,9 @@ def test_large_float32_weights_held_once_packed(tiny_checkpoint, cpu, monkeypatc
     m = load_model(d / "model.pth")
     m.setup_caches(1, 48)
     with torch.inference_mode():
-        ref = torch.cat([m(ids[:, :8], torch.arange(8)), m(ids[:, 8:], torch.tensor([8]))], 1)
+        ref = prompt_then_step(m, ids)
     monkeypatch.setattr(fast_cpu, "FLOAT32_PACKED_FROM", 0)
-    looked_up = []
-
-    class Counted(dict):
-        def __getitem__(self, key):
-            looked_up.append(key)
-            return super().__getitem__(key)
-
-    monkeypatch.setattr(fast_cpu, "_PACKED", Counted())
+    looked_up = count_packed_lookups(monkeypatch)
     eager = engine.TorchBackend(load_model(d / "model.pth"), 1, 48)  # eager: no freezing, nothing to pack for
     assert not any(isinstance(m, fast_cpu.PackedLinear) for m in eager.model.modules())
     b = engine.TorchBackend(load_model(d / "model.pth"), 1, 48, compile=True)
@@ -180,7 +184,7 @@ def test_large_float32_weights_held_once_packed(tiny_checkpoint, cpu, monkeypatc
     assert len(packed) == 5 * len(b.model.layers) + 1 and all(m.weight_packed.dtype == torch.float32 for m in packed)
     assert not any(isinstance(m, torch.nn.Linear) for m in b.model.modules())
     looked_up.clear()  # every product of the compiled prompt and decode graphs reads the packed weight
-    got = torch.cat([b.forward(ids[:, :8], torch.arange(8)), b.forward(ids[:, 8:], torch.tensor([8]))], 1)
+    got = prompt_then_step(b.forward, ids)
     assert sorted(looked_up) == sorted(2 * [int(m.key) for m in packed])
     assert torch.allclose(got.float(), ref, atol=1e-4 * ref.abs().max().item(), rtol=0)
     assert torch.equal(got.argmax(-1), ref.argmax(-1))
