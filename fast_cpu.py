@@ -17,9 +17,11 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import fast_cpu_quant
+from fast_cpu_quant import FastQuantizedLinear
 import torch_internals as TI
 from common import available_memory, release_pages
 from model import SDPA, Attention, Transformer
+from qops import QuantizedLinear
 
 # Inductor on CPU (torch.compile and AOT Inductor alike): weights become constants (folded and pre-packed), and
 # matrix products may use Inductor's own C++ GEMM template (blocked, OpenMP-parallel over the output, epilogues
@@ -99,6 +101,30 @@ def compile_decode(model: nn.Module):
     """The decode step as one graph of the whole model, its weights frozen into constants."""
     configure_inductor()
     return torch.compile(model, fullgraph=True, options={"guard_filter_fn": input_guards_only})
+
+
+def replace_module(parent: nn.Module, name: str, new: nn.Module) -> None:
+    """parent.name = new, keeping the hooks others put on the module it replaces (tp.py's all-reduce)."""
+    old = getattr(parent, name)
+    for hooks in ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks",
+                  "_forward_pre_hooks_with_kwargs"):
+        getattr(new, hooks).update(getattr(old, hooks))
+    setattr(parent, name, new)
+
+
+def swap_in(model: nn.Module, words: bool = True) -> None:
+    """Replace every qops.QuantizedLinear in model with a FastQuantizedLinear over the same weight (idempotent).
+    words: with the word layouts that compiled code reads (torch.compile; an eager model goes without them)."""
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is QuantizedLinear:
+                replace_module(parent, name, child := FastQuantizedLinear(child, words=words))
+            elif words and isinstance(child, FastQuantizedLinear):
+                child.add_words()
+            if isinstance(child, FastQuantizedLinear) and child.reads_words_only():
+                qw = child.qweight  # one weight's qdata and words at a time at most; int4's layouts hold their own
+                for t in (qw.qdata, *((qw.scales, qw.zeros) if qw.bits == 4 else ())):  # scales and zeros too
+                    release_pages(t) if t is not None else None
 
 
 # ----------------------------------------------------------------------------------------------------------- products
@@ -192,7 +218,7 @@ def pack_prompt_weights(model: Transformer, budget: Optional[int] = None) -> tup
     would take more than budget bytes (a prompt's products then run on the weights as they are)."""
     todo = []
     for mod in model.layers.modules():
-        if hasattr(mod, "pack_prompt"):  # a fast_cpu_quant.FastQuantizedLinear
+        if hasattr(mod, "pack_prompt"):  # a FastQuantizedLinear
             todo.append((mod, mod.prompt_copy_bytes()))
         elif isinstance(mod, OneDNNLinear) and mod.weight.dtype == torch.float32:
             todo.append((mod, mod.weight.numel() * 4))
@@ -280,7 +306,7 @@ def speed_up(model: Transformer, compile: bool = False, export: bool = False) ->
     """Assign the faster modules (in place; returns the model). On CPU only (elsewhere the model is left as is):
       * cache_len -> FilledSlots and each attention.attend -> FilledSlotsAttention;
       * export (aoti_export.py): nothing more; Inductor's own kernels take the products;
-      * else qops.QuantizedLinear -> fast_cpu_quant.FastQuantizedLinear, bfloat16 nn.Linear -> PackedLinear, float32
+      * else qops.QuantizedLinear -> FastQuantizedLinear, bfloat16 nn.Linear -> PackedLinear, float32
         ones -> OneDNNLinear (compiled, from FLOAT32_PACKED_FROM bytes: PackedLinear), and with
         compile the layers and the output projection run prompts through CompiledPrompt, the blocks' weights get
         packed prompt copies (pack_prompt_weights) unless they would take more than half of the free memory (one
@@ -297,7 +323,7 @@ def speed_up(model: Transformer, compile: bool = False, export: bool = False) ->
             attn.attend = FilledSlotsAttention(attn.attend)
     if export:
         return model
-    fast_cpu_quant.swap_in(model, words=compile)
+    swap_in(model, words=compile)
     if ONEDNN:
         float32 = sum(m.weight.numel() * 4 for m in model.modules()
                       if type(m) is nn.Linear and m.weight.dtype == torch.float32)
@@ -306,14 +332,14 @@ def speed_up(model: Transformer, compile: bool = False, export: bool = False) ->
                 if type(child) is not nn.Linear:
                     continue
                 if child.weight.dtype == torch.bfloat16 or (compile and float32 >= FLOAT32_PACKED_FROM):
-                    fast_cpu_quant.replace_module(parent, name, PackedLinear(child))
+                    replace_module(parent, name, PackedLinear(child))
                     release_pages(child.weight)  # where it maps its checkpoint (loaded without a cast), pages too
                     child.weight = None  # (freed now, not when the loop ends; a tied output's stays the embedding's)
                 else:
                     fast = OneDNNLinear(child.in_features, child.out_features, bias=child.bias is not None,
                                         device="meta")
                     fast.weight, fast.bias = child.weight, child.bias
-                    fast_cpu_quant.replace_module(parent, name, fast)
+                    replace_module(parent, name, fast)
     if compile and not isinstance(model.output, CompiledPrompt):
         configure_inductor()
         run = torch.compile(_call, dynamic=True, fullgraph=True)

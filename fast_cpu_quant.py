@@ -1,4 +1,4 @@
-# fast_cpu_quant.py: faster CPU products for qops.py's quantized weights, swapped in by fast_cpu.speed_up (swap_in):
+# fast_cpu_quant.py: faster CPU products for qops.py's quantized weights, swapped in by fast_cpu.swap_in (speed_up):
 # FastQuantizedLinear computes what qops.QuantizedLinear does, through ATen's packed int8 / int4 kernels and oneDNN's
 # bfloat16 GEMM for prompts, one generated reduction over word layouts of the integer weights for compiled decode, and
 # integer GEMMs for 8da8w. The layouts are its own (derived from the stored weight when it is made, not saved).
@@ -13,6 +13,11 @@ from torch import Tensor
 import torch_internals as TI
 from common import release_pages
 from qops import (QuantizedLinear, fake_quant_per_token_int8, group_sums, quant_per_token_int8, unpack_int4)
+
+try:  # int4 prompts through a kernel of our own (fast_cpu_int4.c; int4_cpu_mm); without it, ATen's
+    import fast_cpu_int4
+except ImportError:
+    fast_cpu_int4 = None
 
 # Under torch.compile with freezing, Inductor folds every computation that depends only on weights into a new constant.
 # The nibble unpacking (>> 4, & 15) must stay in the kernel, or the packed int4 weights would be folded into two bytes
@@ -106,7 +111,8 @@ class FastQuantizedLinear(QuantizedLinear):
         reference);
       * compiled decode (one row), and weight-only int8 prompts of fewer than INT8_WORD_ROWS rows without packed
         copies: one generated reduction over the word layouts (fused_linear);
-      * weight-only int4 (no word layouts: _make_words) and bfloat16 models: ATen's packed kernels at every length.
+      * weight-only int4 (no word layouts: _make_words) and bfloat16 models: ATen's packed layout at every length,
+        from fast_cpu_int4.ROWS_FROM rows through fast_cpu_int4's kernel where it runs, else ATen's kernel.
     export_rows (qexport.py's AOT Inductor forms; torch.export only): "words" the word kernels for any number of rows;
     "native" a package's prompt model (the packed kernels, int8 on its bfloat16 copy); "bf16" its long_prompt model."""
 
@@ -148,7 +154,10 @@ class FastQuantizedLinear(QuantizedLinear):
             z = torch.zeros_like(s) if qw.zeros is None or qw.xnnpack else qw.zeros + 8 * s
             packed = _by_rows(lambda q: torch.ops.aten._convert_weight_to_int4pack_for_cpu(  # (blocked along
                 unpack_int4(q, qw.groupsize).to(torch.int32), 1), qw.qdata)                  # rows: slices concatenate)
-            self.int4_cpu = (static(packed), static(torch.stack([s.t(), z.t()], -1).to(torch.bfloat16).contiguous()))
+            kernel = (fast_cpu_int4 is not None and N % 64 == 0 and qw.groupsize % 32 == 0
+                      and fast_cpu_int4.available())  # (the third entry: see int4_cpu_mm)
+            self.int4_cpu = (static(packed), static(torch.stack([s.t(), z.t()], -1).to(torch.bfloat16).contiguous()),
+                             kernel)
         if words:
             self._make_words()
 
@@ -195,7 +204,7 @@ class FastQuantizedLinear(QuantizedLinear):
         if self.prompt_copy_bytes() and packed_copy(qdata) is None:
             keep_packed_copy(qdata, torch.ops.mkldnn._reorder_linear_weight(qdata.to(torch.bfloat16), 16))
             if self.reads_words_only():
-                release_pages(qdata)  # (read again for the copy: see swap_in)
+                release_pages(qdata)  # (read again for the copy: see fast_cpu.swap_in)
         self.prompt_packed = packed_copy(qdata) is not None
 
     def add_export_copy(self) -> bool:
@@ -210,7 +219,8 @@ class FastQuantizedLinear(QuantizedLinear):
     def reads_words_only(self) -> bool:
         """The products read this module's own layouts alone, never qdata (nor int4's scales and zeros): compiled
         weight-only int8 with bfloat16 GEMMs (the word layouts; prompts: words_bf16_t or the packed copy), weight-only
-        int4 with ATen's blocked layout (eager and compiled); swap_in and pack_prompt then give their pages back."""
+        int4 with ATen's blocked layout (eager and compiled); fast_cpu.swap_in and pack_prompt then give their pages
+        back."""
         qw = self.qweight
         if qw.bits == 8:
             return self.int8_words is not None and self.act is None and BF16_GEMM
@@ -331,11 +341,19 @@ class FastQuantizedLinear(QuantizedLinear):
             y = (torch.ops.aten._weight_int8pack_mm(x2.to(torch.bfloat16), qw.qdata, self.int8_unit).to(x.dtype)
                  * qw.scales.to(x.dtype))
         elif self.int4_cpu is not None:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.to(torch.bfloat16), self.int4_cpu[0], qw.groupsize,
-                                                           self.int4_cpu[1]).to(x.dtype)
+            y = self.int4_cpu_mm(x2.to(torch.bfloat16)).to(x.dtype)
         else:
             return None
         return y.reshape(*x.shape[:-1], qw.out_features)
+
+    def int4_cpu_mm(self, x2: Tensor) -> Tensor:
+        """x2 [M, K] bfloat16 @ w.T on ATen's blocked int4 layout: from fast_cpu_int4.ROWS_FROM rows through
+        fast_cpu_int4's kernel where it runs (float32 out; not in exports, whose packages cannot hold it), else
+        ATen's kernel (bfloat16 out)."""
+        packed, sz, kernel = self.int4_cpu
+        if kernel and not torch.compiler.is_exporting() and x2.shape[0] >= fast_cpu_int4.ROWS_FROM:
+            return torch.ops.llama_flat.int4_mm(x2, packed, self.qweight.groupsize, sz)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x2, packed, self.qweight.groupsize, sz)
 
     def _bf16_weight_t(self, x2: Tensor) -> Optional[Tensor]:
         """w.T as bfloat16 [K, N] for oneDNN's bfloat16 GEMM of x2 [M, K], or None where the packed kernels run:
@@ -397,9 +415,10 @@ class FastQuantizedLinear(QuantizedLinear):
 
     def int4_act_linear(self, x: Tensor) -> Optional[Tensor]:
         """8da4w's x @ ((q - 8) s).T for more than one row under torch.compile and in a package's prompt models, or
-        None where it does not apply: x's per-token int8 values q - zp (exact in bfloat16) through ATen's packed int4
-        kernel (fewer than BF16_ROWS rows; scales on the bfloat16 grid) or oneDNN's bfloat16 GEMM on words_bf16_t's
-        (q - 8) s, then times x's scales. (The float32 product it replaces dequantized every weight per call.)"""
+        None where it does not apply: x's per-token int8 values q - zp (exact in bfloat16) through the packed int4
+        kernels (int4_cpu_mm: fewer than BF16_ROWS rows; scales on the bfloat16 grid) or oneDNN's bfloat16 GEMM on
+        words_bf16_t's (q - 8) s, then times x's scales. (The float32 product it replaces dequantized every weight per
+        call.)"""
         qw = self.qweight
         if qw.bits != 4 or qw.weight_only:
             return None
@@ -412,7 +431,7 @@ class FastQuantizedLinear(QuantizedLinear):
         if w is not None:
             y = torch.mm(xi, w)
         else:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(xi, self.int4_cpu[0], qw.groupsize, self.int4_cpu[1])
+            y = self.int4_cpu_mm(xi)
         return (y.float() * scale).to(x.dtype).reshape(*x.shape[:-1], qw.out_features)
 
     def fused_linear(self, x: Tensor, offset: bool = True, sums: Optional[Tensor] = None) -> Tensor:
@@ -475,26 +494,3 @@ class FastQuantizedLinear(QuantizedLinear):
             t = t * qw.scales.unsqueeze(-1) + (x_hi + x_lo) * qw.zeros.unsqueeze(-1)
         return t.sum((-2, -1))
 
-
-def replace_module(parent: nn.Module, name: str, new: nn.Module) -> None:
-    """parent.name = new, keeping the hooks others put on the module it replaces (tp.py's all-reduce)."""
-    old = getattr(parent, name)
-    for hooks in ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks",
-                  "_forward_pre_hooks_with_kwargs"):
-        getattr(new, hooks).update(getattr(old, hooks))
-    setattr(parent, name, new)
-
-
-def swap_in(model: nn.Module, words: bool = True) -> None:
-    """Replace every qops.QuantizedLinear in model with a FastQuantizedLinear over the same weight (idempotent).
-    words: with the word layouts that compiled code reads (torch.compile; an eager model goes without them)."""
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is QuantizedLinear:
-                replace_module(parent, name, child := FastQuantizedLinear(child, words=words))
-            elif words and isinstance(child, FastQuantizedLinear):
-                child.add_words()
-            if isinstance(child, FastQuantizedLinear) and child.reads_words_only():
-                qw = child.qweight  # one weight's qdata and words at a time at most; int4's layouts hold their own
-                for t in (qw.qdata, *((qw.scales, qw.zeros) if qw.bits == 4 else ())):  # scales and zeros too
-                    release_pages(t) if t is not None else None

@@ -351,6 +351,7 @@ def test_long_prompt_model(env, runner, quantized, mode, monkeypatch):
     neighbouring bfloat16 (measured 0.0032 from the float32 product against eager's 0.0037 of 0.64; the step after
     it 0.0024 against 0.0023)."""
     import aoti_export
+    import fast_cpu
     import fast_cpu_quant
     import qops
     from quantize import load_model
@@ -378,7 +379,7 @@ def test_long_prompt_model(env, runner, quantized, mode, monkeypatch):
         assert ("pack_mm" in code["long_prompt"]) == (mode == "int4")
         assert "pack_mm" in code["prompt"]
     m = load_model(q)
-    fast_cpu_quant.swap_in(m)  # eager with the CPU kernels (generate.py's)
+    fast_cpu.swap_in(m)  # eager with the CPU kernels (generate.py's)
     m.setup_caches(1, MAX_SEQ)
     T = fast_cpu_quant.BF16_ROWS + 8
     x, pos = torch.randint(0, VOCAB, (1, T), generator=torch.Generator().manual_seed(0)), torch.arange(T)

@@ -1,9 +1,13 @@
 # qops.py, fast_cpu_quant.py and qexport.py: every kernel and export form of a quantized product against references
-# computed from the weights' own dequantized values; the int4 layouts; the 8da4w pattern XNNPACK lowers.
+# computed from the weights' own dequantized values; the int4 layouts; the 8da4w pattern XNNPACK lowers; fast_cpu_int4's
+# kernel against float64 and ATen's.
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
 
+import fast_cpu_int4
 import fast_cpu_quant as FQ
 import qexport
 import qops
@@ -232,3 +236,71 @@ def test_8da4w_lowers_fully_to_xnnpack():
             or "affine" in t or "choose_qparams" in t]
     assert not left, left
     # (running the program, with its KV-cache buffers, is et_export.py's business: tests/test_et_export.py)
+
+
+# ----------------------------------------------------------------------------------------------------- fast_cpu_int4
+BF16_DOTS = getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)()
+needs_int4_kernel = pytest.mark.skipif(not BF16_DOTS, reason="this CPU has no AVX512-BF16: ATen's int4 kernel runs")
+
+
+def test_int4_kernel_runs_where_the_cpu_has_bfloat16_dot_products():
+    """Built, loaded and self-checked on every CPU with AVX512-BF16 (a failed build there is a failure here)."""
+    assert fast_cpu_int4.available() == (BF16_DOTS and os.environ.get("LLAMA_FLAT_INT4_KERNEL", "1") != "0")
+
+
+@needs_int4_kernel
+@pytest.mark.parametrize("M", [1, 5, 6, 8, 13])
+@pytest.mark.parametrize("N,K,G", [(64, 64, 32), (192, 512, 32), (128, 256, 64), (64, 256, 128)])
+def test_int4_kernel_matches_float64_and_atens_kernel(M, N, K, G):
+    """llama_flat::int4_mm on a weight packed by ATen: float64's product of the dequantized weight up to float32
+    rounding, and ATen's own kernel (bfloat16 output) up to its rounding."""
+    g = torch.Generator().manual_seed(M * N + K + G)
+    q = torch.randint(0, 16, (N, K), generator=g, dtype=torch.int32)
+    sz = (torch.randn(K // G, N, 2, generator=g) * 0.1).to(torch.bfloat16)
+    x = (torch.randn(M, K, generator=g) * 3).to(torch.bfloat16)
+    s, z = (sz[..., i].t().double().repeat_interleave(G, 1) for i in (0, 1))
+    ref = x.double() @ ((q - 8) * s + z).t()
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+    y = torch.ops.llama_flat.int4_mm(x, packed, G, sz)
+    assert y.dtype == torch.float32 and y.shape == (M, N)
+    torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    aten = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, G, sz).float()
+    torch.testing.assert_close(y, aten, rtol=2 ** -7, atol=2 ** -7 * ref.abs().max().item())
+
+
+@needs_int4_kernel
+def test_int4_kernel_refuses_a_shape_it_does_not_read():
+    q = torch.randint(0, 16, (96, 64), dtype=torch.int32)  # 96 channels: not whole blocks of 64
+    sz = torch.ones(2, 96, 2, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="unsupported shape"):
+        fast_cpu_int4.int4_mm(torch.ones(8, 64, dtype=torch.bfloat16),
+                              torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1), 32, sz)
+
+
+@needs_int4_kernel
+def test_int4_prompts_take_the_kernel_from_rows_from(monkeypatch):
+    """FastQuantizedLinear (weight-only int4, 128 channels): prompts of ROWS_FROM rows or more through the kernel, fewer
+    rows and the layer without it through ATen's kernel, on the same packed weight, the same products up to rounding."""
+    _, lin = _linear("int4-g32", N=128, K=128)
+    fast, aten = FQ.FastQuantizedLinear(lin), FQ.FastQuantizedLinear(lin)
+    assert fast.int4_cpu[2]
+    aten.int4_cpu = (*aten.int4_cpu[:2], False)
+    rows, real = [], fast_cpu_int4._LIB
+    monkeypatch.setattr(fast_cpu_int4, "_LIB", lambda *a: rows.append(a[5]) or real(*a))
+    for M in (fast_cpu_int4.ROWS_FROM - 1, fast_cpu_int4.ROWS_FROM, 21):
+        x = torch.randn(1, M, 128)
+        torch.testing.assert_close(fast(x), aten(x), rtol=2 ** -7, atol=1e-3)
+    assert rows == [fast_cpu_int4.ROWS_FROM, 21]
+
+
+def test_int4_kernel_build_is_atomic(monkeypatch, tmp_path, capsys):
+    """A failed build says so in one line and leaves nothing in the cache; a good one leaves its library alone."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("CC", "false")
+    assert fast_cpu_int4._build() is None
+    assert "int4 prompts use ATen's kernel: building fast_cpu_int4.c failed" in capsys.readouterr().err
+    assert list((tmp_path / "llama-flat").iterdir()) == []
+    if BF16_DOTS:
+        monkeypatch.delenv("CC")
+        assert fast_cpu_int4._build() is not None
+        assert [p.suffix for p in (tmp_path / "llama-flat").iterdir()] == [".so"]

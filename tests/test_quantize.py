@@ -306,7 +306,7 @@ def test_compiled_int8_prompts_use_bfloat16_copies(peaked, monkeypatch, capsys):
     for mode in ("int4", "8da4w", "8da8w"):
         m2 = copy.deepcopy(peaked)
         Q.quantize_model(m2, mode, 32, log=False)
-        FQ.swap_in(m2)
+        fast_cpu.swap_in(m2)
         assert fast_cpu.pack_prompt_weights(m2) == (0, True)
     m2 = copy.deepcopy(peaked)
     Q.quantize_model(m2, "int8", log=False)
