@@ -175,8 +175,8 @@ GROUPS = {  # --rows shorthands
     "prefill": [F32, "compile fp32", "runner-aoti fp32", "runner-aoti fp32 fast_prefill", "runner-et fp32", Q8,
                 "compile int8", "runner-aoti int8 fast_prefill", "compile 8da8w", "runner-aoti 8da8w fast_prefill",
                 "runner-et 8da8w", Q4, "compile int4 g32", "runner-aoti int4 g32 fast_prefill", "runner-et 8da4w g32"],
-    "big": ["compile bf16", F16, "compile int8", Q8, "compile int4 g32", "runner-aoti int4 g32", "runner-et 8da4w g32",
-            Q41, Q4],
+    "big": ["compile bf16", F16, "compile int8", Q8, "compile int4 g32", "runner-aoti int4 g32 fast_prefill",
+            "runner-et 8da4w g32", Q41, Q4],
     "all": list(ROWS), "server": ["compile fp32"],  # server: + server.py under 1, 4 and 8 clients (bench_server.py)
 }
 SERVER_ARGS = ["--compile", "--full_batch_size", "8", "--max_seq_length", "512"]

@@ -61,6 +61,8 @@ def _build() -> Optional[ctypes.CDLL]:
 def int4_mm(x: torch.Tensor, w: torch.Tensor, groupsize: int, sz: torch.Tensor) -> torch.Tensor:
     """aten._weight_int4pack_mm_for_cpu's product, its arguments (x [M, K] bfloat16; w and sz [K/G, N, 2], scale and
     offset, as ATen packs them), in float32: [M, N]."""
+    if not available():  # (a package exported where it runs, loaded where it does not)
+        raise RuntimeError("llama_flat::int4_mm: fast_cpu_int4's kernel does not run on this machine")
     x = x.contiguous()
     (M, K), N = x.shape, sz.shape[1]
     y = torch.empty(M, N, dtype=torch.float32)

@@ -243,19 +243,26 @@ def test_vocabulary_fingerprint(env, runner, tmp_path):
 def quantized(env):
     """quantized(mode) -> (checkpoint, package), made once per mode for the tests below: `quantize.py --mode M
     --groupsize 32` on env's checkpoint, then `aoti_export.export(..., fast_prefill=True)` with fast_cpu_quant.BF16_GEMM
-    forced on (any CPU makes the same package: a weight-only one adds "long_prompt", see test_long_prompt_model)."""
+    forced on (any CPU makes the same package: a weight-only one adds "long_prompt", see test_long_prompt_model), and
+    for "int4-nokernel" with fast_cpu_int4's kernel off (as on a CPU where it does not run)."""
     import aoti_export
+    import fast_cpu_int4
     import fast_cpu_quant
     made = {}
 
     def get(mode):
         if mode not in made:
-            q = env["root"] / f"model_{mode}.pth"
-            r = run([sys.executable, REPO / "quantize.py", "--checkpoint_path", env["ckpt"], "--mode", mode,
-                     "--groupsize", "32", "--output", q])
-            assert r.returncode == 0, r.stderr[-2000:]
+            base = mode.removesuffix("-nokernel")
+            q = env["root"] / f"model_{base}.pth"
+            if not q.exists():
+                r = run([sys.executable, REPO / "quantize.py", "--checkpoint_path", env["ckpt"], "--mode", base,
+                         "--groupsize", "32", "--output", q])
+                assert r.returncode == 0, r.stderr[-2000:]
             with pytest.MonkeyPatch.context() as mp:
                 mp.setattr(fast_cpu_quant, "BF16_GEMM", True)
+                if mode != base:
+                    mp.setattr(fast_cpu_int4, "_LIB", None)
+                    mp.setattr(fast_cpu_int4, "_TRIED", True)
                 made[mode] = q, aoti_export.export(q, env["root"] / f"tiny_{mode}.pt2", MAX_SEQ, None, "cpu",
                                                    env["bpe"], False, log=lambda *a: None, fast_prefill=True)
         return made[mode]
@@ -335,10 +342,44 @@ def test_quantized_package_keeps_integer_weights(env, quantized, mode):
 LONG_PROMPT = "Once upon a time there was a little cat who lived in a big red house by the river, and"  # 58 tokens
 
 
-@pytest.mark.parametrize("mode", ["int8", "int4", "8da4w"])
+def int4_kernel_calls(pt2) -> Counter:
+    """How many calls of llama_flat::int4_mm (fast_cpu_int4's kernel) each model of a package makes: AOT Inductor lists
+    the ops it reaches through its proxy executor in the model's wrapper.json."""
+    with zipfile.ZipFile(pt2) as z:
+        return Counter({n.split("/")[-2]: z.read(n).decode().count('"target": "llama_flat::int4_mm"')
+                        for n in z.namelist() if n.endswith(".wrapper.json") or n.endswith(".wrapper.cpp")})
+
+
+def test_int4_prompt_model_calls_the_kernel(env, runner, quantized):
+    """Where fast_cpu_int4's kernel runs, a weight-only int4 package's "prompt" model multiplies its many rows with it
+    (llama_flat::int4_mm, one call per linear of the blocks), its decode "model" keeps ATen's kernel inside the graph
+    (a call through the proxy executor costs more than a one-row product), and it has no "long_prompt". runner-aoti
+    serves the op from its own copy of the kernel: it prints the text generate.py prints with the package (itself
+    --compile's: test_quantized_checkpoint), for a short prompt and one of more than BF16_ROWS tokens."""
+    import fast_cpu_int4
+    import fast_cpu_quant
+    import qops
+    import tokenizer as T
+    from aoti_export import AOTIBackend
+    from quantize import load_model
+    if not fast_cpu_int4.available():
+        pytest.skip("this CPU has no AVX512-BF16: fast_cpu_int4's kernel does not run (test_long_prompt_model)")
+    q, pt2 = quantized("int4")
+    assert AOTIBackend(pt2).metadata["models"] == "model,prompt"
+    blocks = sum(1 for m in load_model(q).layers.modules() if isinstance(m, qops.QuantizedLinear))
+    assert int4_kernel_calls(pt2) == Counter({"prompt": blocks}), int4_kernel_calls(pt2)
+    assert len(T.load_tokenizer(env["bpe"]).encode(LONG_PROMPT)) > fast_cpu_quant.BF16_ROWS
+    for prompt in ("Once upon a time", LONG_PROMPT):
+        expect = generate_py(["--aoti_package", pt2], env["bpe"], prompt, 12)
+        r = run([runner, pt2, "-z", env["bins"]["bpe"], "-i", prompt, "-n", 12, "-t", 0])
+        assert r.returncode == 0 and r.stdout == expect and "long_prompt" not in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4-nokernel", "8da4w"])
 def test_long_prompt_model(env, runner, quantized, mode, monkeypatch):
-    """A weight-only int4 or an 8da4w package made on a CPU with bfloat16 dot products (forced in `quantized` and
-    here, so any CPU runs the test: oneDNN converts where the instructions are missing) adds "long_prompt":
+    """A weight-only int4 package made where fast_cpu_int4's kernel does not run, or an 8da4w package, made on a CPU
+    with bfloat16 dot products (forced in `quantized` and here, so any CPU runs the test: oneDNN converts where the
+    instructions are missing) adds "long_prompt":
     prompts of BF16_ROWS tokens or more, their products through oneDNN's bfloat16 GEMM on weights converted per
     product: 8da4w's from its words (words_bf16_t: it adds only the shift amounts), weight-only int4's, which has no
     words (ATen's blocked layout alone), from qdata, its scales and zeros (_qdata_bf16_t); the long prompt's last
@@ -376,8 +417,8 @@ def test_long_prompt_model(env, runner, quantized, mode, monkeypatch):
             kinds = Counter(row[3] for row in added)
             assert set(kinds) == {"uint8", "float32"} and kinds["uint8"] >= n and kinds["float32"] == 2 * n, kinds
         assert "aoti_torch_cpu_mm" in code["long_prompt"]  # (int4's one-row output projection: ATen's int4 kernel)
-        assert ("pack_mm" in code["long_prompt"]) == (mode == "int4")
-        assert "pack_mm" in code["prompt"]
+        assert ("pack_mm" in code["long_prompt"]) == (mode == "int4-nokernel")
+        assert "pack_mm" in code["prompt"] or int4_kernel_calls(pt2)["prompt"]  # (8da4w's: the kernel's, where it runs)
     m = load_model(q)
     fast_cpu.swap_in(m)  # eager with the CPU kernels (generate.py's)
     m.setup_caches(1, MAX_SEQ)
