@@ -60,7 +60,9 @@ static void tile##R(const job_t *j, long m0, long g0, long ng, long n0, int c0, 
         for (int p = 0; p < G / 2; p++) {                                                                          \
             __m512bh w0 = (__m512bh)wv[gi][p][c0], w1 = (__m512bh)wv[gi][p][c0 + 1];                               \
             for (int r = 0; r < R; r++) {                                                                          \
-                __m512bh xp = (__m512bh)_mm512_set1_epi32(*(const int32_t *)(xg + (m0 + r) * j->K + 2 * p));       \
+                int32_t pair;                                                                                      \
+                memcpy(&pair, xg + (m0 + r) * j->K + 2 * p, 4);                                                    \
+                __m512bh xp = (__m512bh)_mm512_set1_epi32(pair);                                                   \
                 acc[r][0] = _mm512_dpbf16_ps(acc[r][0], w0, xp);                                                   \
                 acc[r][1] = _mm512_dpbf16_ps(acc[r][1], w1, xp);                                                   \
             }                                                                                                      \
@@ -113,9 +115,9 @@ static void *run(void *arg) {
 // x [M][K] bfloat16, w ATen's packed int4 [N/64 blocks][K][32], sz [K/gs][N][2] bfloat16, y [M][N] float32,
 // xs [M][K/32] scratch; N % 64 == 0, gs % 32 == 0, K % gs == 0. Returns 1 for any other shape. The blocks are split
 // over `threads` OpenMP threads (torch's own pool: see fast_cpu_int4.py).
-int int4_mm(const uint16_t *x, const uint8_t *w, const uint16_t *sz, float *y, float *xs, long M, long N, long K,
-            long gs, int threads) {
-    if (N % BLOCK || gs % G || K % gs || M < 1) return 1;
+int llama_flat_int4_mm(const uint16_t *x, const uint8_t *w, const uint16_t *sz, float *y, float *xs, long M, long N,
+                       long K, long gs, int threads) {
+    if (M < 1 || N < BLOCK || K < G || gs < G || N % BLOCK || gs % G || K % gs) return 1;
     if (threads < 1) threads = 1;
 #pragma omp parallel for num_threads(threads)
     for (long m = 0; m < M; m++)  // the sums of x over each run of 32, float32

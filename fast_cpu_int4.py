@@ -1,30 +1,31 @@
-# fast_cpu_int4.py: int4 prompts at the speed of bfloat16 dot products. Builds fast_cpu_int4.c with the C compiler
-# torch.compile uses anyway (once per machine, cached), loads it with ctypes and registers it as the opaque op
-# llama_flat::int4_mm, which fast_cpu_quant (int4_cpu_mm) calls for products of ROWS_FROM rows or more on ATen's packed
-# int4 layout, the one layout it keeps (weight-only int4; 8da4w's integer activations); single rows (decode) stay on
-# ATen's kernel, faster there. The kernel runs on torch's own OpenMP threads: built with -fopenmp, the library binds
-# to the libgomp.so.1 torch has loaded (threads of its own fought torch's spinning workers for the cores).
-# Where it cannot run (no AVX512-BF16, no compiler, a layout other than the one the kernel reads: a self-test at
-# load; or LLAMA_FLAT_INT4_KERNEL=0), available() is False and ATen's kernel takes every product. Delete both files:
-# the same tokens, slower.
+# fast_cpu_int4.py: int4 prompts at the speed of bfloat16 dot products. Builds fast_cpu_int4.c with the system C
+# compiler (cc, or $CC; the toolchain torch.compile needs anyway) once per machine into ~/.cache/llama-flat, loads it
+# with ctypes and registers it as the opaque op llama_flat::int4_mm, which fast_cpu_quant (int4_cpu_mm) calls for the
+# products of prompts on ATen's packed int4 layout, the one layout it keeps (weight-only int4; 8da4w's integer
+# activations); decode keeps ATen's kernel, as fast there. The kernel runs on torch's own OpenMP threads: built with
+# -fopenmp, the library binds to the libgomp.so.1 torch has loaded (threads of its own fought torch's spinning workers
+# for the cores). Where it cannot run (no AVX512-BF16, no compiler, a layout other than the one it reads: a self-test
+# at load; or LLAMA_FLAT_INT4_KERNEL=0), available() is False and ATen's kernel takes every product (the op too: a
+# package that calls it runs anywhere). Delete both files: ATen's kernel, slower, equal up to float rounding.
 import ctypes
 import hashlib
 import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Optional
 
 import torch
 
+import torch_internals as TI
+
 SOURCE = Path(__file__).with_suffix(".c")
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512bf16", "-shared", "-fPIC", "-fopenmp", "-pipe"]
-# From this many rows the kernel runs (2 threads, int4 g32, per product against ATen's kernel: 8192x2048 at 2 rows
-# 0.25 against 0.28 ms, 8 rows 0.54 against 0.79, 128 rows 6.0 against 12.9; oneDNN's bfloat16 GEMM on a bfloat16 copy
-# 6.6; `python fast_cpu_int4.py`). One row: even (0.26 against 0.25), and compiled decode would reach the kernel
-# through a Python call per product.
+# From this many tokens per sequence the kernel runs: prompts (2 threads, int4 g32, per product against ATen's kernel:
+# 8192x2048 at 2 rows 0.25 against 0.28 ms, 8 rows 0.54 against 0.79, 128 rows 6.0 against 12.9; oneDNN's bfloat16
+# GEMM on a bfloat16 copy 6.6; `python fast_cpu_int4.py`). Decode's one token, batched or not, stays on ATen's kernel:
+# one row is even (0.26 against 0.25), and compiled decode would reach the kernel through a Python call per product.
 ROWS_FROM = 2
-_LIB: Optional[ctypes.CDLL] = None
+_LIB = None  # the kernel's C function (ctypes), once built, loaded and checked
 _TRIED = False
 
 
@@ -32,9 +33,10 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "llama-flat"
 
 
-def _build() -> Optional[ctypes.CDLL]:
-    """The kernel's shared library, compiled on first use into the cache (a temporary name, then renamed: a killed
-    build leaves no library half-written), or None with one line on stderr where the compiler fails."""
+def _build():
+    """The kernel's function, compiled on first use into the cache (a temporary name, then renamed: a killed build
+    leaves no library half-written; libraries of other versions of the source are removed), or None with one line on
+    stderr where the compiler fails."""
     source = SOURCE.read_bytes()
     cc = os.environ.get("CC", "cc")
     key = hashlib.sha256(source + " ".join([cc, *FLAGS]).encode()).hexdigest()[:16]
@@ -46,13 +48,17 @@ def _build() -> Optional[ctypes.CDLL]:
             subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(tmp)], check=True, capture_output=True, timeout=120)
             os.replace(tmp, lib)
         except (OSError, subprocess.SubprocessError) as e:
-            detail = getattr(e, "stderr", b"") or b""
-            print(f"note: int4 prompts use ATen's kernel: building {SOURCE.name} failed "
-                  f"({detail.decode(errors='replace').strip().splitlines()[-1:] or e})", file=sys.stderr)
+            said = (getattr(e, "stderr", b"") or b"").decode(errors="replace").splitlines()
+            said = [line for line in said if "error" in line] or said or [str(e)]
+            print(f"note: int4 prompts use ATen's kernel: building {SOURCE.name} failed ({said[0].strip()})",
+                  file=sys.stderr)
             return None
         finally:
             tmp.unlink(missing_ok=True)
-    fn = ctypes.CDLL(str(lib)).int4_mm
+        for old in lib.parent.glob("fast_cpu_int4-*.so"):
+            if old != lib:
+                old.unlink(missing_ok=True)
+    fn = ctypes.CDLL(str(lib)).llama_flat_int4_mm
     fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_long] * 4 + [ctypes.c_int]
     fn.restype = ctypes.c_int
     return fn
@@ -60,11 +66,15 @@ def _build() -> Optional[ctypes.CDLL]:
 
 def int4_mm(x: torch.Tensor, w: torch.Tensor, groupsize: int, sz: torch.Tensor) -> torch.Tensor:
     """aten._weight_int4pack_mm_for_cpu's product, its arguments (x [M, K] bfloat16; w and sz [K/G, N, 2], scale and
-    offset, as ATen packs them), in float32: [M, N]."""
-    if not available():  # (a package exported where it runs, loaded where it does not)
-        raise RuntimeError("llama_flat::int4_mm: fast_cpu_int4's kernel does not run on this machine")
-    x = x.contiguous()
+    offset, as ATen packs them), in float32: [M, N]. Where the kernel does not run, ATen's kernel."""
     (M, K), N = x.shape, sz.shape[1]
+    if not (x.dtype == sz.dtype == torch.bfloat16 and w.dtype == torch.uint8 and groupsize > 0 and K % groupsize == 0
+            and sz.shape == (K // groupsize, N, 2) and w.numel() * 2 == N * K):
+        raise ValueError(f"int4_mm: unexpected operands x {tuple(x.shape)} {x.dtype}, w {tuple(w.shape)} {w.dtype}, "
+                         f"group size {groupsize}, sz {tuple(sz.shape)} {sz.dtype}")
+    if not available():
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, w, groupsize, sz).float()
+    x, w, sz = x.contiguous(), w.contiguous(), sz.contiguous()
     y = torch.empty(M, N, dtype=torch.float32)
     xs = torch.empty(M, K // 32, dtype=torch.float32)
     if _LIB(x.data_ptr(), w.data_ptr(), sz.data_ptr(), y.data_ptr(), xs.data_ptr(), M, N, K, groupsize,
@@ -87,17 +97,19 @@ def _self_test() -> bool:
 
 
 def available() -> bool:
-    """Whether int4_mm runs here (decided once per process: builds, loads and checks the kernel). Call it outside
-    torch.compile's tracing."""
+    """Whether int4_mm runs the kernel here (decided once per process: builds, loads and checks it; any failure is
+    one line on stderr and ATen's kernel). Call it outside torch.compile's tracing."""
     global _LIB, _TRIED
     if not _TRIED:
         _TRIED = True
-        if (os.environ.get("LLAMA_FLAT_INT4_KERNEL", "1") != "0" and sys.platform == "linux"
-                and getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)()):
-            _LIB = _build()
-            if _LIB is not None and not _self_test():
-                print("note: int4 prompts use ATen's kernel: its packed layout is not the one fast_cpu_int4.c reads",
-                      file=sys.stderr)
+        wanted = os.environ.get("LLAMA_FLAT_INT4_KERNEL", "1") != "0" and sys.platform == "linux"
+        if wanted and TI.cpu_has("avx512_bf16"):
+            try:
+                _LIB = _build()
+                if _LIB is not None and not _self_test():
+                    raise ValueError("its result differs from float64's: ATen's layout is not the one it reads")
+            except Exception as e:  # (a missing source, a noexec cache, a library that does not load)
+                print(f"note: int4 prompts use ATen's kernel: fast_cpu_int4 does not run here ({e})", file=sys.stderr)
                 _LIB = None
     return _LIB is not None
 

@@ -1,12 +1,12 @@
 # fast_cpu_quant.py: faster CPU products for qops.py's quantized weights, swapped in by fast_cpu.swap_in (speed_up):
-# FastQuantizedLinear computes what qops.QuantizedLinear does, through ATen's packed int8 / int4 kernels and oneDNN's
-# bfloat16 GEMM for prompts, one generated reduction over word layouts of the integer weights for compiled decode, and
-# integer GEMMs for 8da8w. The layouts are its own (derived from the stored weight when it is made, not saved).
+# FastQuantizedLinear computes what qops.QuantizedLinear does, through ATen's packed int8 / int4 kernels,
+# fast_cpu_int4's kernel (int4 prompts) and oneDNN's bfloat16 GEMM for prompts, one generated reduction over word
+# layouts of the integer weights for compiled decode, and integer GEMMs for 8da8w. The layouts are its own (derived
+# from the stored weight when it is made, not saved).
 # Delete this file (with fast_cpu.py) and quantized models run qops.py's exact eager products.
 from typing import Optional
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -72,7 +72,7 @@ _NIBBLE_SCALES = torch.tensor([16.0 ** -j for j in range(7)] + [1.0]).view(8, 1,
 # ATen's packed weight-only kernels multiply in float32. 2 threads, 1536x576 int4 g32, compiled: 754 against 1461 us
 # at 128 rows, 274 against 218 at 16: below BF16_ROWS rows the packed kernels stay (a compiled prompt graph then
 # guards on the length: one recompile when prompts cross it).
-BF16_GEMM = any(getattr(torch.cpu, f, lambda: False)() for f in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
+BF16_GEMM = TI.cpu_has("avx512_bf16") or TI.cpu_has("amx_tile")
 BF16_ROWS = 32
 # Compiled weight-only int8 prompts of fewer rows than this without packed bfloat16 copies (fast_cpu.PROMPT_COPIES_MAX)
 # run the word kernels row by row (a tile's words stay in cache), not every weight converted to bfloat16: 2 threads,
@@ -341,20 +341,20 @@ class FastQuantizedLinear(QuantizedLinear):
             y = (torch.ops.aten._weight_int8pack_mm(x2.to(torch.bfloat16), qw.qdata, self.int8_unit).to(x.dtype)
                  * qw.scales.to(x.dtype))
         elif self.int4_cpu is not None:
-            y = self.int4_cpu_mm(x2.to(torch.bfloat16)).to(x.dtype)
+            y = self.int4_cpu_mm(x2.to(torch.bfloat16), x.shape[-2] if x.dim() > 2 else x2.shape[0]).to(x.dtype)
         else:
             return None
         return y.reshape(*x.shape[:-1], qw.out_features)
 
-    def int4_cpu_mm(self, x2: Tensor) -> Tensor:
-        """x2 [M, K] bfloat16 @ w.T on ATen's blocked int4 layout: from fast_cpu_int4.ROWS_FROM rows through
-        fast_cpu_int4's kernel where it runs (float32 out; in AOT Inductor's forms the prompt models only, which the
-        runner's own copy of the op serves: a package calls it through its proxy executor, ~18 us a call, which cost
-        a decode "model" 6.5 against 3.8 ms per SmolLM2 step), else ATen's kernel."""
+    def int4_cpu_mm(self, x2: Tensor, tokens) -> Tensor:
+        """x2 [M, K] bfloat16 @ w.T on ATen's blocked int4 layout, for `tokens` tokens per sequence: prompts (from
+        fast_cpu_int4.ROWS_FROM tokens) through fast_cpu_int4's kernel where it runs (float32 out; in AOT Inductor's
+        forms the prompt models only: a package calls it through its proxy executor, ~18 us a call, which cost a
+        decode "model" 6.5 against 3.8 ms per SmolLM2 step), else ATen's kernel."""
         packed, sz, kernel = self.int4_cpu
         if torch.compiler.is_exporting():
             kernel = kernel and self.export_rows in ("native", "bf16")
-        if kernel and x2.shape[0] >= fast_cpu_int4.ROWS_FROM:
+        if kernel and tokens >= fast_cpu_int4.ROWS_FROM:
             return torch.ops.llama_flat.int4_mm(x2, packed, self.qweight.groupsize, sz)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x2, packed, self.qweight.groupsize, sz)
 
@@ -434,7 +434,7 @@ class FastQuantizedLinear(QuantizedLinear):
         if w is not None:
             y = torch.mm(xi, w)
         else:
-            y = self.int4_cpu_mm(xi)
+            y = self.int4_cpu_mm(xi, x.shape[-2] if x.dim() > 2 else x2.shape[0])
         return (y.float() * scale).to(x.dtype).reshape(*x.shape[:-1], qw.out_features)
 
     def fused_linear(self, x: Tensor, offset: bool = True, sums: Optional[Tensor] = None) -> Tensor:

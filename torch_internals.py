@@ -96,3 +96,8 @@ def constant_table(wrapper_cpp) -> list[dict]:
                           offset=int(r["offset"]), nbytes=int(r["data_size"]), shape=dims(r["shape"]),
                           stride=dims(r["stride"])))
     return table
+
+
+def cpu_has(feature: str) -> bool:
+    """Whether this CPU has an instruction set torch checks for: avx512_bf16, amx_tile (torch.cpu._is_*_supported)."""
+    return bool(getattr(torch.cpu, f"_is_{feature}_supported", lambda: False)())

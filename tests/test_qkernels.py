@@ -12,6 +12,7 @@ import fast_cpu_quant as FQ
 import qexport
 import qops
 import quantize as Q
+import torch_internals as TI
 from conftest import hf_to_model, tiny_hf
 
 CPU = torch.device("cpu")
@@ -239,7 +240,7 @@ def test_8da4w_lowers_fully_to_xnnpack():
 
 
 # ----------------------------------------------------------------------------------------------------- fast_cpu_int4
-BF16_DOTS = getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)()
+BF16_DOTS = TI.cpu_has("avx512_bf16")
 needs_int4_kernel = pytest.mark.skipif(not BF16_DOTS, reason="this CPU has no AVX512-BF16: ATen's int4 kernel runs")
 
 
@@ -249,8 +250,9 @@ def test_int4_kernel_runs_where_the_cpu_has_bfloat16_dot_products():
 
 
 @needs_int4_kernel
-@pytest.mark.parametrize("M", [1, 5, 6, 8, 13])
-@pytest.mark.parametrize("N,K,G", [(64, 64, 32), (192, 512, 32), (128, 256, 64), (64, 256, 128)])
+@pytest.mark.parametrize("M", [1, 4, 5, 6, 8, 13])
+@pytest.mark.parametrize("N,K,G", [(64, 64, 32), (192, 512, 32), (64, 576, 32), (128, 256, 64), (64, 256, 128),
+                                   (64, 512, 256)])
 def test_int4_kernel_matches_float64_and_atens_kernel(M, N, K, G):
     """llama_flat::int4_mm on a weight packed by ATen: float64's product of the dequantized weight up to float32
     rounding, and ATen's own kernel (bfloat16 output) up to its rounding."""
@@ -272,7 +274,7 @@ def test_int4_kernel_matches_float64_and_atens_kernel(M, N, K, G):
 def test_int4_kernel_refuses_a_shape_it_does_not_read():
     q = torch.randint(0, 16, (96, 64), dtype=torch.int32)  # 96 channels: not whole blocks of 64
     sz = torch.ones(2, 96, 2, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="unsupported shape"):
+    with pytest.raises(ValueError, match="int4_mm: un"):  # (unexpected operands, or a shape the kernel refuses)
         fast_cpu_int4.int4_mm(torch.ones(8, 64, dtype=torch.bfloat16),
                               torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1), 32, sz)
 
@@ -304,3 +306,22 @@ def test_int4_kernel_build_is_atomic(monkeypatch, tmp_path, capsys):
         monkeypatch.delenv("CC")
         assert fast_cpu_int4._build() is not None
         assert [p.suffix for p in (tmp_path / "llama-flat").iterdir()] == [".so"]
+
+
+def test_int4_kernel_off_falls_back_to_atens(monkeypatch, capsys):
+    """A kernel whose self-test fails (a layout it does not read) is not used: one note, and llama_flat::int4_mm (which
+    a package may call) returns ATen's product; operands of the wrong kind are refused by name."""
+    q = torch.randint(0, 16, (64, 64), dtype=torch.int32)
+    w, sz = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1), torch.rand(2, 64, 2).to(torch.bfloat16)
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    monkeypatch.setattr(fast_cpu_int4, "_TRIED", False)
+    monkeypatch.setattr(fast_cpu_int4, "_LIB", fast_cpu_int4._LIB)  # (restored after the test, as _TRIED)
+    monkeypatch.setattr(fast_cpu_int4, "_build", lambda: lambda x, w, sz, y, *rest: 0)  # "runs", writes nothing
+    monkeypatch.setattr(fast_cpu_int4.TI, "cpu_has", lambda feature: True)
+    monkeypatch.setenv("LLAMA_FLAT_INT4_KERNEL", "1")
+    assert not fast_cpu_int4.available()
+    assert "int4 prompts use ATen's kernel" in capsys.readouterr().err
+    torch.testing.assert_close(torch.ops.llama_flat.int4_mm(x, w, 32, sz),
+                               torch.ops.aten._weight_int4pack_mm_for_cpu(x, w, 32, sz).float())
+    with pytest.raises(ValueError, match="unexpected operands"):
+        torch.ops.llama_flat.int4_mm(x.float(), w, 32, sz)
