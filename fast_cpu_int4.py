@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 import torch_internals as TI
+from common import atomic_path
 
 SOURCE = Path(__file__).with_suffix(".c")
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512bf16", "-shared", "-fPIC", "-fopenmp", "-pipe"]
@@ -34,27 +35,23 @@ def _cache_dir() -> Path:
 
 
 def _build():
-    """The kernel's function, compiled on first use into the cache (a temporary name, then renamed: a killed build
-    leaves no library half-written; libraries of other versions of the source are removed), or None with one line on
-    stderr where the compiler fails."""
+    """The kernel's function, compiled on first use into the cache (common.atomic_path: a killed build leaves no
+    library half-written; libraries of other versions of the source are removed), or None with one line on stderr
+    where the compiler fails."""
     source = SOURCE.read_bytes()
     cc = os.environ.get("CC", "cc")
     key = hashlib.sha256(source + " ".join([cc, *FLAGS]).encode()).hexdigest()[:16]
     lib = _cache_dir() / f"fast_cpu_int4-{key}.so"
     if not lib.exists():
-        tmp = lib.with_name(f"{lib.name}.{os.getpid()}.tmp")
         try:
-            lib.parent.mkdir(parents=True, exist_ok=True)
-            subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(tmp)], check=True, capture_output=True, timeout=120)
-            os.replace(tmp, lib)
+            with atomic_path(lib) as tmp:
+                subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(tmp)], check=True, capture_output=True, timeout=120)
         except (OSError, subprocess.SubprocessError) as e:
             said = (getattr(e, "stderr", b"") or b"").decode(errors="replace").splitlines()
             said = [line for line in said if "error" in line] or said or [str(e)]
             print(f"note: int4 prompts use ATen's kernel: building {SOURCE.name} failed ({said[0].strip()})",
                   file=sys.stderr)
             return None
-        finally:
-            tmp.unlink(missing_ok=True)
         for old in lib.parent.glob("fast_cpu_int4-*.so"):
             if old != lib:
                 old.unlink(missing_ok=True)
@@ -94,6 +91,12 @@ def _self_test() -> bool:
     ref = x.double() @ ((q - 8) * s + z).t()
     y = int4_mm(x, torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1), G, sz)
     return torch.allclose(y.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+
+
+def takes(out_features: int, groupsize: int) -> bool:
+    """Whether the kernel multiplies by such a weight here: whole blocks of 64 channels, groups of whole runs of 32
+    (the shapes fast_cpu_int4.c accepts), on a machine where it runs (available)."""
+    return out_features % 64 == 0 and groupsize % 32 == 0 and available()
 
 
 def available() -> bool:

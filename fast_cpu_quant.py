@@ -154,8 +154,7 @@ class FastQuantizedLinear(QuantizedLinear):
             z = torch.zeros_like(s) if qw.zeros is None or qw.xnnpack else qw.zeros + 8 * s
             packed = _by_rows(lambda q: torch.ops.aten._convert_weight_to_int4pack_for_cpu(  # (blocked along
                 unpack_int4(q, qw.groupsize).to(torch.int32), 1), qw.qdata)                  # rows: slices concatenate)
-            kernel = (fast_cpu_int4 is not None and N % 64 == 0 and qw.groupsize % 32 == 0
-                      and fast_cpu_int4.available())  # (the third entry: see int4_cpu_mm)
+            kernel = fast_cpu_int4 is not None and fast_cpu_int4.takes(N, qw.groupsize)  # (see int4_cpu_mm)
             self.int4_cpu = (static(packed), static(torch.stack([s.t(), z.t()], -1).to(torch.bfloat16).contiguous()),
                              kernel)
         if words:
@@ -341,20 +340,20 @@ class FastQuantizedLinear(QuantizedLinear):
             y = (torch.ops.aten._weight_int8pack_mm(x2.to(torch.bfloat16), qw.qdata, self.int8_unit).to(x.dtype)
                  * qw.scales.to(x.dtype))
         elif self.int4_cpu is not None:
-            y = self.int4_cpu_mm(x2.to(torch.bfloat16), x.shape[-2] if x.dim() > 2 else x2.shape[0]).to(x.dtype)
+            y = self.int4_cpu_mm(x2.to(torch.bfloat16), x).to(x.dtype)
         else:
             return None
         return y.reshape(*x.shape[:-1], qw.out_features)
 
-    def int4_cpu_mm(self, x2: Tensor, tokens) -> Tensor:
-        """x2 [M, K] bfloat16 @ w.T on ATen's blocked int4 layout, for `tokens` tokens per sequence: prompts (from
-        fast_cpu_int4.ROWS_FROM tokens) through fast_cpu_int4's kernel where it runs (float32 out; in AOT Inductor's
-        forms the prompt models only: a package calls it through its proxy executor, ~18 us a call, which cost a
-        decode "model" 6.5 against 3.8 ms per SmolLM2 step), else ATen's kernel."""
+    def int4_cpu_mm(self, x2: Tensor, x: Tensor) -> Tensor:
+        """x2 [M, K] bfloat16 (the rows of x [..., T, K]) @ w.T on ATen's blocked int4 layout: prompts (from
+        fast_cpu_int4.ROWS_FROM tokens T per sequence) through fast_cpu_int4's kernel where it runs (float32 out; in
+        AOT Inductor's forms the prompt models only: a package calls it through its proxy executor, ~18 us a call,
+        which cost a decode "model" 6.5 against 3.8 ms per SmolLM2 step), else ATen's kernel."""
         packed, sz, kernel = self.int4_cpu
         if torch.compiler.is_exporting():
             kernel = kernel and self.export_rows in ("native", "bf16")
-        if kernel and tokens >= fast_cpu_int4.ROWS_FROM:
+        if kernel and (x.shape[-2] if x.dim() > 2 else x2.shape[0]) >= fast_cpu_int4.ROWS_FROM:
             return torch.ops.llama_flat.int4_mm(x2, packed, self.qweight.groupsize, sz)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x2, packed, self.qweight.groupsize, sz)
 
@@ -434,7 +433,7 @@ class FastQuantizedLinear(QuantizedLinear):
         if w is not None:
             y = torch.mm(xi, w)
         else:
-            y = self.int4_cpu_mm(xi, x.shape[-2] if x.dim() > 2 else x2.shape[0])
+            y = self.int4_cpu_mm(xi, x)
         return (y.float() * scale).to(x.dtype).reshape(*x.shape[:-1], qw.out_features)
 
     def fused_linear(self, x: Tensor, offset: bool = True, sums: Optional[Tensor] = None) -> Tensor:
