@@ -1,7 +1,8 @@
 # Benchmarks: decode / prefill tok/s, TTFT, GB/s against the measured read bandwidth, peak RSS and file size of every
 # backend, precision and decoding mode; each row greedy in its own process (generate.py, a C++ runner, or llama.cpp on
-# the same weights), its artifacts built first when missing. Prints a table, writes JSON and, with --markdown PATH, the
-# benchmark page (docs/benchmarks.md); --from_json renders that page from an earlier run's JSON without running.
+# the same weights), its artifacts built first when missing. Prints the table, writes JSON and, with --markdown PATH,
+# the benchmark page (docs/benchmarks.md), with --readme README.md the README's table of the model; --from_json renders
+# them from an earlier run's JSON without running.
 import argparse
 import datetime
 import importlib.util
@@ -25,6 +26,7 @@ from common import (DEFAULT_CHECKPOINT, REPO, THREADS, ArgumentParser, at_least,
                     within, write_atomic)
 
 CK = DEFAULT_CHECKPOINT.parent
+sys.path.insert(0, str(REPO / "scripts"))  # random_checkpoint, download, bench_server
 PY = sys.executable
 PROMPTS = {
     "story": ("Write a short story about a robot who learns to paint. The robot lives in a small town by the sea and "
@@ -342,51 +344,13 @@ def _weight_bytes(ck: str, dtype: Optional[str] = None) -> int:
     return engine.weight_bytes(quantize.load_model(ck, dtype=getattr(torch, dtype) if dtype else None))
 
 
-def table(results, bw):
-    by_name = {r["name"]: r for r in results if "error" not in r}
-    lines = [f"memory bandwidth (measured, read): {bw:.1f} GB/s", "", "| row | decode tok/s | vs | ratio | "
-             "vs llama.cpp (decode / prefill) | prefill tok/s | TTFT ms | file MB | weights MB | GB/s | % of ceiling | "
-             "ceiling tok/s | peak RSS MB |", "|---" * 13 + "|"]
-    for r in results:
-        if "error" in r:  # failed or skipped
-            lines.append(f"| {r['name']} | {r['error']} ||||||||||||")
-            continue
-        base = by_name.get(r["vs"])
-        ratio = f"{r['decode_tok_s'] / base['decode_tok_s']:.2f}x" if base and base["decode_tok_s"] else "-"
-        peer = by_name.get(r.get("peer"))
-        ratio += (f" | {r['peer']}: {r['decode_tok_s'] / peer['decode_tok_s']:.2f}x / "
-                  f"{r['prefill_tok_s'] / peer['prefill_tok_s']:.2f}x" if peer and peer["decode_tok_s"] else " | -")
-        extra = f" ({r['tokens_per_step']:.2f} tok/step)" if "tokens_per_step" in r else ""
-        ceil = f"{r['gb_s']:.1f} | {r['pct_of_ceiling']:.0f}% | {r['ceiling_tok_s']:.1f}" if "gb_s" in r else "- | - | -"
-        file_mb = f"{r['file_mb']:.0f}" if r["file_mb"] is not None else "-"
-        lines.append(f"| {r['name']} | {r['decode_tok_s']:.2f}{extra} | {r['vs'] or '-'} | {ratio} | "
-                     f"{r['prefill_tok_s']:.1f} | {r['ttft_s'] * 1000:.0f} | {file_mb} | "
-                     f"{r['weight_bytes'] / 1e6:.0f} | {ceil} | {r['peak_rss_mb']:.0f} |")
-    return "\n".join(lines + ["", "decode tok/s of a cb row is aggregate: every sequence's tokens after its first / "
-                              "time after the first token (the later prompts' prefills included)."])
-
-
-def cpu_model() -> str:
-    """The CPU's model name as lscpu shows it: /proc/cpuinfo's "model name" (else the platform's processor name)."""
+def cpu_model() -> str:  # /proc/cpuinfo's "model name", as lscpu shows it (else the platform's processor name)
     info = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").is_file() else []
     return next((x.split(":", 1)[1].strip() for x in info if x.startswith("model name")), platform.processor())
 
 
-def server_table(server, results, max_new_tokens) -> str:
-    """--rows server: server.py under 1, 4 and 8 clients against the generate.py batch-1 row of the same run."""
-    base = (row := next((r for r in results if r["name"] == "compile fp32"), {})).get("decode_tok_s")
-    lines = [f"server.py {' '.join(SERVER_ARGS)}, {max_new_tokens} greedy tokens per request", "",
-             "| clients | aggregate tok/s | vs compile fp32 batch 1 | TTFT p50 ms | TTFT p95 ms | decode tok/s per "
-             "request | load avg |", "|---" * 7 + "|"]
-    for r in server:
-        lines.append(f"| {r['clients']} | {r['aggregate_tok_s']:.1f} | {format(r['aggregate_tok_s'] / base, '.2f') + 'x' if base else '-'}"
-                     f" | {1000 * r['ttft_p50_s']:.0f} | {1000 * r['ttft_p95_s']:.0f} | {r['decode_tok_s']:.1f} | {r.get('load_avg', 0):.1f} |")
-    runs = sorted(row.get("decode_runs") or [0])  # 2 spin-waiting OpenMP threads run 5-50x slower while a core is taken
-    return "\n".join(lines + [f"\nbatch-1 runs {runs[0]:.1f}-{runs[-1]:.1f} tok/s: busy cores, ratios unreliable"] * (runs[-1] > 1.5 * runs[0]))
-
-
 def markdown(res: dict) -> str:
-    """The benchmark page (docs/benchmarks.md) from a run's results: the dict bench.json holds."""
+    """The benchmark page (docs/benchmarks.md; also what a run prints) from a run's results: the dict bench.json holds."""
     m, s, rows = res.get("machine", {}), res.get("settings", {}), res["rows"]
     by_name = {r["name"]: r for r in rows if "error" not in r}
     num = lambda v, f: "-" if v is None else format(v, f)
@@ -399,20 +363,48 @@ def markdown(res: dict) -> str:
              "decode ceiling is this bandwidth / the bytes of weights one decode step reads)",
              f"- every row: {s.get('max_new_tokens', '?')} greedy tokens in its own process; the median of "
              f"{s.get('runs', '?')} run(s) per round over {s.get('rounds', 1)} interleaved round(s)", ""]
-    if res.get("note"):  # what a reader should know about this run
-        lines += [res["note"], ""]
-    lines += ["| row | decode tok/s | prefill tok/s | llama.cpp row | decode vs llama.cpp | prefill vs llama.cpp | "
-              "% of bandwidth ceiling | peak RSS MB |", "|---" * 8 + "|"]
+    lines += [res["note"], ""] if res.get("note") else []  # what a reader should know about this run
+    lines += ["| row | decode tok/s | prefill tok/s | TTFT ms | decode vs row | llama.cpp row | decode vs llama.cpp | "
+              "prefill vs llama.cpp | % of bandwidth ceiling | peak RSS MB |", "|---" * 10 + "|"]
     for r in rows:
-        peer, pct = by_name.get(r.get("peer"), {}), r.get("pct_of_ceiling")
-        lines.append(f"| {r['name']} | {r['error']} | | | | | | |" if "error" in r else
-                     f"| {r['name']} | {num(r.get('decode_tok_s'), '.2f')} | {num(r.get('prefill_tok_s'), '.1f')} | "
+        peer, vs, pct = by_name.get(r.get("peer"), {}), by_name.get(r.get("vs")), r.get("pct_of_ceiling")
+        step = f" ({r['tokens_per_step']:.2f} tok/step)" if "tokens_per_step" in r else ""
+        ttft = None if r.get("ttft_s") is None else 1000 * r["ttft_s"]
+        against = f"{ratio(r.get('decode_tok_s'), vs['decode_tok_s'])} {r['vs']}" if vs else "-"
+        lines.append(f"| {r['name']} | {r['error']} | | | | | | | | |" if "error" in r else
+                     f"| {r['name']} | {num(r.get('decode_tok_s'), '.2f')}{step} | {num(r.get('prefill_tok_s'), '.1f')} "
+                     f"| {num(ttft, '.0f')} | {against} | "
                      f"{r['peer'] if peer else '-'} | {ratio(r.get('decode_tok_s'), peer.get('decode_tok_s'))} | "
                      f"{ratio(r.get('prefill_tok_s'), peer.get('prefill_tok_s'))} | "
                      f"{'-' if pct is None else f'{pct:.0f}%'} | {num(r.get('peak_rss_mb'), '.0f')} |")
+    if any(" cb" in r["name"] for r in rows):
+        lines += ["", "decode tok/s of a cb row is aggregate: every sequence's tokens after its first / time after the "
+                  "first token (the later prompts' prefills included)."]
     if res.get("server"):
-        lines += ["", server_table(res["server"], rows, s.get("max_new_tokens", "?"))]
+        from bench_server import server_table
+        lines += ["", server_table(res["server"], rows, s.get("max_new_tokens", "?"), SERVER_ARGS)]
     return "\n".join(lines) + "\n"
+
+
+def write_readme(path: str, res: dict, page: Optional[str]) -> None:
+    """Replace the README's block <!-- bench.py MODEL --> ... <!-- /bench.py MODEL --> of this run's model: how it ran,
+    then every row but llama.cpp's own, with its ratios to the llama.cpp row of its precision and both peaks."""
+    m, rows, model, text = res.get("machine", {}), res["rows"], res["settings"].get("model"), Path(path).read_text()
+    start, end, by_name = f"<!-- bench.py {model} -->", f"<!-- /bench.py {model} -->", {r["name"]: r for r in rows}
+    if start not in text or end not in text:
+        raise ValueError(f"{path} has no '{start}' ... '{end}' block for the table; add one where it goes")
+    lines = [start, f"`{res.get('command')}` ({res.get('date')}; {m.get('cpu_model')}, {m.get('threads')} threads, "
+             f"{m.get('bandwidth_gb_s', 0):.1f} GB/s read bandwidth{f'; every row: {page}' if page else ''})", "",
+             "| row | decode / prefill tok/s | vs llama.cpp (decode / prefill) | peak RSS MB (llama.cpp's) |",
+             "|---|---|---|---|"]
+    for r in (r for r in rows if not r["name"].startswith("llama.cpp") and "error" not in r):
+        peer = by_name.get(r.get("peer"), {"error": 1})
+        vs = ("-" if "error" in peer else f"{r['decode_tok_s'] / peer['decode_tok_s']:.2f}x / "
+              f"{r['prefill_tok_s'] / peer['prefill_tok_s']:.2f}x {r['peer'].removeprefix('llama.cpp ')}")
+        peak = f"{r['peak_rss_mb']:.0f}" + ("" if "error" in peer else f" ({peer['peak_rss_mb']:.0f})")
+        lines.append(f"| {r['name']} | {r['decode_tok_s']:.1f} / {r['prefill_tok_s']:.0f} | {vs} | {peak} |")
+    head, rest = text.split(start, 1)
+    write_atomic(path, head + "\n".join([*lines, end]) + rest.split(end, 1)[1])
 
 
 def main():
@@ -432,7 +424,8 @@ def main():
     p.add_argument("--prompt_tokens", type=int, help="prefill at N tokens: the first N of the long prompt, every row",
                    rule=within(1, 480))
     p.add_argument("--markdown", default=None, help="also write the benchmark page (e.g. docs/benchmarks.md)")
-    p.add_argument("--from_json", default=None, help="with --markdown: render this bench.json, run nothing")
+    p.add_argument("--readme", default=None, help="also write the README's table of this model (e.g. README.md)")
+    p.add_argument("--from_json", default=None, help="with --markdown / --readme: render this bench.json, run nothing")
     p.add_argument("--_child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("gen_args", nargs="*", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -440,13 +433,16 @@ def main():
         return child(args)
     if args.markdown and Path(args.markdown).is_dir():  # (common.OUTPUT_FILES covers output, json)
         raise ValueError(f"--markdown {args.markdown} is a folder; name the file to write")
+    if args.readme and not Path(args.readme).is_file():
+        raise ValueError(f"--readme {args.readme} is not a file (the README holding the tables)")
     if args.from_json:  # render an earlier run's results; run nothing
-        if not (args.markdown and Path(args.from_json).is_file()):
-            raise ValueError(f"--from_json needs --markdown PATH and an existing results file, got {args.from_json}")
+        if not ((args.markdown or args.readme) and Path(args.from_json).is_file()):
+            raise ValueError(f"--from_json needs --markdown PATH or --readme PATH and an existing results file, "
+                             f"got {args.from_json}")
         res = json.loads(Path(args.from_json).read_text())
         if not isinstance(res, dict) or not isinstance(res.get("rows"), list):
             raise ValueError(f"{args.from_json} is not a bench.py results file (no list of rows)")
-        return write_atomic(args.markdown, markdown(res))
+        return write_pages(args, res)
     started = datetime.datetime.now().astimezone()
     if args.threads:  # rows inherit it through the environment
         os.environ["OMP_NUM_THREADS"] = str(args.threads)
@@ -457,7 +453,6 @@ def main():
     unknown = [n for n in names if n not in ROWS]
     if unknown:
         raise ValueError(f"unknown rows {unknown}; known: {', '.join(ROWS)} (groups: {', '.join(GROUPS)})")
-    sys.path.insert(0, str(REPO / "scripts"))
     if bool(args.model) != args.random_weights:
         raise ValueError("--model NAME and --random_weights go together (a real checkpoint: --checkpoint_dir)")
     if args.model:  # (speed and memory do not depend on the weights' values)
@@ -478,22 +473,27 @@ def main():
         print(f"round {i + 1} of {args.rounds}", file=sys.stderr)
         rounds.append([run_row(n, args, bw, int(k)) for n in names for k in args.nproc.split(",")])
     results = [merge_rounds(rs) for rs in zip(*rounds)]
-    print(table(results, bw))
     server = None
     if "server" in args.rows.split(","):
         from bench_server import bench_server
         server = bench_server([*SERVER_ARGS, "--checkpoint_path", str(Path(args.checkpoint_dir) / "model.pth"),
                                "--threads", str(torch.get_num_threads())], max_tokens=args.max_new_tokens)
-        print("\n" + server_table(server, results, args.max_new_tokens))
     date = f"{started:%Y-%m-%d %H:%M} - {datetime.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}"
     out = dict(command=shlex.join(["python", "bench.py", *sys.argv[1:]]), date=date,
                machine=dict(cpu_model=cpu_model(), cpu_count=os.cpu_count(), threads=torch.get_num_threads(),
                             bandwidth_gb_s=bw, torch=torch.__version__, device=args.device),
-               settings=dict(runs=args.runs, rounds=args.rounds, max_new_tokens=args.max_new_tokens, prompts=PROMPTS),
-               rows=results, server=server)
+               settings=dict(runs=args.runs, rounds=args.rounds, max_new_tokens=args.max_new_tokens, prompts=PROMPTS,
+                             model=Path(args.checkpoint_dir).name), rows=results, server=server)
     write_atomic(args.json, json.dumps(out, indent=1))
+    print(markdown(out))
+    write_pages(args, out)
+
+
+def write_pages(args, res: dict) -> None:
     if args.markdown:
-        write_atomic(args.markdown, markdown(out))
+        write_atomic(args.markdown, markdown(res))
+    if args.readme:
+        write_readme(args.readme, res, args.markdown)
 
 
 if __name__ == "__main__":

@@ -61,31 +61,49 @@ def test_build_makes_missing_artifacts_in_dependency_order(tmp_path, monkeypatch
 
 
 def test_markdown_page_from_results(tmp_path):
-    """--markdown / --from_json: the benchmark page rendered from a results dict says how and where it ran (command,
-    date, machine, threads, bandwidth) and gives each row its ratio to the llama.cpp row of its precision."""
+    """--markdown / --readme / --from_json: the benchmark page rendered from a results dict says how and where it ran
+    (command, date, machine, threads, bandwidth) and gives each row its ratio to the llama.cpp row of its precision;
+    the README's block of the run's model gets the same ratios and both peaks, the rest of the README untouched."""
     import bench
     res = dict(command="python bench.py --rows peer --threads 2 --markdown docs/benchmarks.md", date="2026-11-24 18:45",
                machine=dict(cpu_model="Test CPU 9000", cpu_count=2, threads=2, bandwidth_gb_s=28.8, torch="2.x"),
-               settings=dict(runs=1, rounds=5, max_new_tokens=128),
-               rows=[dict(name="llama.cpp F32", decode_tok_s=40.0, prefill_tok_s=300.0, peak_rss_mb=795.0),
-                     dict(name="compile fp32", peer="llama.cpp F32", decode_tok_s=50.0, prefill_tok_s=240.0,
-                          pct_of_ceiling=94.0, peak_rss_mb=2896.0),
+               settings=dict(runs=1, rounds=5, max_new_tokens=128, model="Tiny-1B"),
+               rows=[dict(name="llama.cpp F32", decode_tok_s=40.0, prefill_tok_s=300.0, peak_rss_mb=795.0, ttft_s=0.05),
+                     dict(name="eager fp32", decode_tok_s=20.0, prefill_tok_s=100.0, peak_rss_mb=900.0, ttft_s=0.2),
+                     dict(name="compile fp32", peer="llama.cpp F32", vs="eager fp32", decode_tok_s=50.0,
+                          prefill_tok_s=240.0, pct_of_ceiling=94.0, peak_rss_mb=2896.0, ttft_s=0.0625),
                      dict(name="runner-et fp32", error="failed: no runner")])
     page = bench.markdown(res)
     lines = page.splitlines()
     assert lines[0] == "# Benchmarks" and res["command"] in lines and "- date: 2026-11-24 18:45" in lines
     assert any("Test CPU 9000, 2 cores, 2 threads" in x for x in lines) and "28.8 GB/s" in page
     header = next(i for i, x in enumerate(lines) if x.startswith("| row |"))
-    assert lines[header] == ("| row | decode tok/s | prefill tok/s | llama.cpp row | decode vs llama.cpp | "
-                             "prefill vs llama.cpp | % of bandwidth ceiling | peak RSS MB |")
-    assert lines[header + 2] == "| llama.cpp F32 | 40.00 | 300.0 | - | - | - | - | 795 |"
-    assert lines[header + 3] == "| compile fp32 | 50.00 | 240.0 | llama.cpp F32 | 1.25x | 0.80x | 94% | 2896 |"
-    assert lines[header + 4].startswith("| runner-et fp32 | failed: no runner |")
-    # the same page from a results file, without running anything
+    assert lines[header] == ("| row | decode tok/s | prefill tok/s | TTFT ms | decode vs row | llama.cpp row | "
+                             "decode vs llama.cpp | prefill vs llama.cpp | % of bandwidth ceiling | peak RSS MB |")
+    assert lines[header + 2] == "| llama.cpp F32 | 40.00 | 300.0 | 50 | - | - | - | - | - | 795 |"
+    assert lines[header + 4] == ("| compile fp32 | 50.00 | 240.0 | 62 | 2.50x eager fp32 | llama.cpp F32 | 1.25x | 0.80x "
+                                 "| 94% | 2896 |")
+    assert lines[header + 5].startswith("| runner-et fp32 | failed: no runner |")
+    # the same page and the README's table from a results file, without running anything
     (tmp_path / "bench.json").write_text(json.dumps(res))
-    out = tmp_path / "docs" / "benchmarks.md"
-    r = run_cli("bench.py", "--markdown", out, "--from_json", tmp_path / "bench.json")
+    out, readme = tmp_path / "docs" / "benchmarks.md", tmp_path / "README.md"
+    readme.write_text("# Title\n\n<!-- bench.py Other -->\nkept\n<!-- /bench.py Other -->\n\n"
+                      "<!-- bench.py Tiny-1B -->\nold table\n<!-- /bench.py Tiny-1B -->\n\n## Next\n")
+    r = run_cli("bench.py", "--markdown", out, "--readme", readme, "--from_json", tmp_path / "bench.json")
     assert r.returncode == 0, r.stderr
     assert out.read_text() == page
+    text = readme.read_text()
+    block = text.split("<!-- bench.py Tiny-1B -->\n")[1].split("\n<!-- /bench.py Tiny-1B -->")[0].splitlines()
+    assert text.startswith("# Title\n\n<!-- bench.py Other -->\nkept\n") and text.endswith("-->\n\n## Next\n")
+    assert res["command"] in block[0] and "2 threads" in block[0] and str(out) in block[0] and "old table" not in text
+    assert block[2:] == ["| row | decode / prefill tok/s | vs llama.cpp (decode / prefill) | peak RSS MB (llama.cpp's) |",
+                         "|---|---|---|---|", "| eager fp32 | 20.0 / 100 | - | 900 |",
+                         "| compile fp32 | 50.0 / 240 | 1.25x / 0.80x F32 | 2896 (795) |"]
     r = run_cli("bench.py", "--from_json", tmp_path / "bench.json")
     assert r.returncode != 0 and r.stderr.startswith("error: --from_json needs --markdown PATH"), r.stderr
+    readme.write_text("# no block\n")
+    r = run_cli("bench.py", "--readme", readme, "--from_json", tmp_path / "bench.json")
+    assert r.returncode != 0 and r.stderr.strip().splitlines() == [
+        f"error: {readme} has no '<!-- bench.py Tiny-1B -->' ... '<!-- /bench.py Tiny-1B -->' block for the table; "
+        "add one where it goes"], r.stderr
+    assert readme.read_text() == "# no block\n"
