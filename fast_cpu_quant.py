@@ -78,6 +78,10 @@ BF16_ROWS = 32
 # run the word kernels row by row (a tile's words stay in cache), not every weight converted to bfloat16: 2 threads,
 # Llama-3.2-1B shape, 15 tokens 143 against 785 ms; the two meet near 110 rows (128: 1,130 against 1,050 ms).
 INT8_WORD_ROWS = 64
+# Compiled prompts convert word layouts to bfloat16 piece by piece, each piece's GEMM right after it (one 4 MB piece
+# lives at a time, read back from the caches, not a 50 MB 3B gate projection): int8, 128 tokens, 2 threads,
+# scripts/profile_step.py: 1B shape 614-642 -> 508-531 ms, 3B 1,807 -> 1,735 ms and peak RSS 3,959 -> 3,889 MB.
+WORD_PIECE_BYTES = 4 << 20
 _SHIFTS = {8: torch.tensor([0, 8, 16, 24], dtype=torch.int32).view(4, 1, 1, 1),
            4: torch.arange(0, 32, 4, dtype=torch.int32).view(8, 1, 1, 1, 1, 1),
            2: torch.tensor([4, 0], dtype=torch.uint8).view(1, 1, 2, 1)}  # qdata's high, then low nibbles
@@ -85,8 +89,7 @@ _BYTE_OFFSETS = torch.tensor([0, 0, 0, 128], dtype=torch.int32).view(4, 1, 1, 1)
 LAYOUTS = ("int8_words", "int4_words", "int4_cpu", "int8_unit", "int8_sums", "qdata_int8", "int8_bf16_t")
 
 
-def _by_rows(fn, t: Tensor, rows: int = 4096) -> Tensor:
-    """fn over t's rows, `rows` at a time, concatenated: fn's temporaries stay small (a 1B output's int32: 400 MB)."""
+def _by_rows(fn, t: Tensor, rows: int = 4096) -> Tensor:  # fn over slices of rows: small temporaries (1B output)
     return torch.cat([fn(t[i:i + rows]) for i in range(0, t.shape[0], rows)])
 
 
@@ -128,15 +131,13 @@ class FastQuantizedLinear(QuantizedLinear):
         else:
             self._make_layouts(words)
 
-    def add_words(self):
-        """The word layouts (compiled decode's), where the module was made without them."""
+    def add_words(self):  # the word layouts (compiled decode's), where the module was made without them
         if self.int8_words is None and self.int4_words is None:
             self._make_words()
 
     def _make_layouts(self, words: bool = True):
-        """The layouts the kernels read, from qdata, scales and zeros (plain attributes: not saved, not moved). words:
-        also the word layouts, which only compiled code reads (an eager model would hold them beside qdata for
-        nothing: 1 GB for a 1B int8 model)."""
+        """The kernels' layouts from qdata, scales and zeros (plain attributes: not saved, not moved); words: also the
+        word layouts, which only compiled code reads (an eager 1B int8 model would hold 1 GB more for nothing)."""
         qw, static = self.qweight, TI.mark_static
         N = qw.out_features
         for name in LAYOUTS:
@@ -162,9 +163,8 @@ class FastQuantizedLinear(QuantizedLinear):
 
     def _make_words(self):
         """The word layouts of the compiled decode kernels (fused_linear), in tiles of 16 output channels. Not for
-        weight-only int4 with ATen's blocked layout, which it multiplies by at every length, eager, compiled and in a
-        package (int4_cpu: one layout, not two; in compiled decode measured equal to the word kernel, 24.5 against
-        23.2 ms per step at Llama-3.2-1B's shape, 5.0 against 5.0 at SmolLM2-135M's, 2 threads)."""
+        weight-only int4 with ATen's blocked layout, read at every length (one layout, not two; in compiled decode
+        equal to the word kernel: 24.5 against 23.2 ms per 1B step, 5.0 against 5.0 for SmolLM2, 2 threads)."""
         qw, static = self.qweight, TI.mark_static
         N, K, G = qw.out_features, qw.in_features, qw.groupsize
         if not (qw.qdata.is_cpu and N % 16 == 0) or (self.int4_cpu is not None and qw.weight_only):
@@ -191,8 +191,8 @@ class FastQuantizedLinear(QuantizedLinear):
 
     # ------------------------------------------------------------------------------------------------- prompt copies
     def prompt_copy_bytes(self) -> int:
-        """The bytes of pack_prompt's copy: weight-only int8 only (8da8w's prompts multiply int8 by int8; int4's
-        weights are not exact in bfloat16: a rounded copy parted SmolLM2's greedy tokens from eager on 1 of 6 prompts)."""
+        """The bytes of pack_prompt's copy: weight-only int8 only (8da8w's prompts multiply int8 by int8; int4's are
+        not exact in bfloat16: a rounded copy parted SmolLM2's greedy tokens from eager on 1 of 6 prompts)."""
         qw = self.qweight
         return 2 * qw.qdata.numel() if self.act is None and qw.bits == 8 and BF16_GEMM and qw.qdata.is_cpu else 0
 
@@ -207,26 +207,24 @@ class FastQuantizedLinear(QuantizedLinear):
         self.prompt_packed = packed_copy(qdata) is not None
 
     def add_export_copy(self) -> bool:
-        """int8 with bfloat16 dot products: q.T as bfloat16 [K, N] (exact), a constant of a package's "prompt" model,
-        which multiplies by it with oneDNN's bfloat16 GEMM at every length (111 us for 15 rows of 1536x576 against the
-        int8 kernel's 194). A cast of qdata inside the graph would be folded by Inductor's freezing into a constant
-        that the shared package format cannot store."""
+        """int8 with bfloat16 dot products: q.T as bfloat16 [K, N] (exact), a constant of a package's "prompt" model
+        for oneDNN's bfloat16 GEMM at every length (15 rows of 1536x576: 111 us, the int8 kernel 194). A cast inside
+        the graph would be folded by freezing into a constant that the shared package format cannot store."""
         if self.prompt_copy_bytes():
             self.int8_bf16_t = TI.mark_static(self.qweight.qdata.t().to(torch.bfloat16).contiguous())
         return self.int8_bf16_t is not None
 
     def reads_words_only(self) -> bool:
         """The products read this module's own layouts alone, never qdata (nor int4's scales and zeros): compiled
-        weight-only int8 with bfloat16 GEMMs (the word layouts; prompts: words_bf16_t or the packed copy), weight-only
-        int4 with ATen's blocked layout (eager and compiled); fast_cpu.swap_in and pack_prompt then give their pages
-        back."""
+        weight-only int8 with bfloat16 GEMMs (words; prompts: words_bf16_t or the packed copy), weight-only int4 with
+        ATen's blocked layout; fast_cpu.swap_in and pack_prompt then give their pages back."""
         qw = self.qweight
         if qw.bits == 8:
             return self.int8_words is not None and self.act is None and BF16_GEMM
         return self.int4_cpu is not None and qw.weight_only
 
     # ------------------------------------------------------------------------------------------------- dispatch
-    def _exporting(self) -> bool:
+    def _exporting(self) -> bool:  # an AOT Inductor form under torch.export
         return self.export_rows is not None and torch.compiler.is_exporting()
 
     def _native(self, x: Tensor) -> bool:
@@ -241,17 +239,13 @@ class FastQuantizedLinear(QuantizedLinear):
         return self.int4_cpu is not None and self.int4_words is None and self.qweight.weight_only
 
     @staticmethod
-    def _compiled_row(x: Tensor) -> bool:
-        """One row of activations under torch.compile (not export): the decode step (and a compiled prompt's output
-        projection, for its last token)."""
+    def _compiled_row(x: Tensor) -> bool:  # one row under torch.compile (not export): decode, a prompt's last token
         return torch.compiler.is_compiling() and not torch.compiler.is_exporting() and x.numel() == x.shape[-1]
 
-    def _words(self, x: Tensor) -> bool:
-        """The word kernels (fused_linear): compiled decode, and an AOT Inductor form where no other kernel applies."""
+    def _words(self, x: Tensor) -> bool:  # the word kernels (fused_linear): compiled decode, AOTI forms left over
         return self._compiled_row(x) or self._word_rows(x) or self._exporting()
 
-    def _word_rows(self, x: Tensor) -> bool:
-        """A compiled weight-only int8 prompt of fewer than INT8_WORD_ROWS rows without a packed copy (see there)."""
+    def _word_rows(self, x: Tensor) -> bool:  # compiled weight-only int8, < INT8_WORD_ROWS rows, no packed copy
         return (self.int8_words is not None and self.act is None and not self.prompt_packed and x.numel() > x.shape[-1]
                 and torch.compiler.is_compiling() and not torch.compiler.is_exporting()
                 and x.numel() < INT8_WORD_ROWS * x.shape[-1])
@@ -332,7 +326,7 @@ class FastQuantizedLinear(QuantizedLinear):
             y = torch.ops.llama_flat.linear_packed(x2.to(torch.bfloat16), qw.qdata)
             y = (y.float() * qw.scales.float()).to(x.dtype)
         elif rows and (w := self._bf16_weight_t(x2)) is not None:
-            y = torch.mm(x2.to(torch.bfloat16), w)
+            y = self._mm_bf16(x2.to(torch.bfloat16), w)
             y = (y.float() * qw.scales.float() if qw.bits == 8 else y).to(x.dtype)
         elif qw.bits == 8 and bf16:
             y = torch.ops.aten._weight_int8pack_mm(x2, qw.qdata, qw.scales)
@@ -348,8 +342,8 @@ class FastQuantizedLinear(QuantizedLinear):
     def int4_cpu_mm(self, x2: Tensor, x: Tensor) -> Tensor:
         """x2 [M, K] bfloat16 (the rows of x [..., T, K]) @ w.T on ATen's blocked int4 layout: prompts (from
         fast_cpu_int4.ROWS_FROM tokens T per sequence) through fast_cpu_int4's kernel where it runs (float32 out; in
-        AOT Inductor's forms the prompt models only: a package calls it through its proxy executor, ~18 us a call,
-        which cost a decode "model" 6.5 against 3.8 ms per SmolLM2 step), else ATen's kernel."""
+        packages the prompt models only: its proxy executor call, ~18 us, cost decode 6.5 against 3.8 ms per SmolLM2
+        step), else ATen's kernel."""
         packed, sz, kernel = self.int4_cpu
         if torch.compiler.is_exporting():
             kernel = kernel and self.export_rows in ("native", "bf16")
@@ -357,10 +351,10 @@ class FastQuantizedLinear(QuantizedLinear):
             return torch.ops.llama_flat.int4_mm(x2, packed, self.qweight.groupsize, sz)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x2, packed, self.qweight.groupsize, sz)
 
-    def _bf16_weight_t(self, x2: Tensor) -> Optional[Tensor]:
-        """w.T as bfloat16 [K, N] for oneDNN's bfloat16 GEMM of x2 [M, K], or None where the packed kernels run:
-        compiled, words_bf16_t; eager int8, one cast of qdata (2.4x the packed kernel at 128 rows of 1536x576, 1.3x at
-        32); not eager int4 (as ATen ops its conversion is several passes, slower than the product)."""
+    def _bf16_weight_t(self, x2: Tensor):
+        """w.T as bfloat16 [K, N] for oneDNN's GEMM of x2 [M, K] (_mm_bf16), or None where the packed kernels run:
+        compiled, the function words_bf16_t (pieces; exported: the whole); eager int8, one cast of qdata (2.4x the
+        packed kernel at 128 rows of 1536x576, 1.3x at 32); not eager int4 (its conversion is slower than the product)."""
         if not BF16_GEMM:
             return None
         if torch.compiler.is_exporting():  # a package's prompt models
@@ -370,28 +364,36 @@ class FastQuantizedLinear(QuantizedLinear):
             if self.export_rows != "bf16" or not many:
                 return None
             return self.words_bf16_t() if not self._int4_blocked_only() else self._qdata_bf16_t()
+        words = self.words_bf16_t if (self.int4_words, self.int8_words)[self.qweight.bits == 8] is not None else None
         if torch.compiler.is_compiling() and self.qweight.bits == 8 and not self.prompt_packed:
-            return self.words_bf16_t()  # (any length: a compiled run reads the words, not qdata: release_pages)
-        if x2.shape[0] < BF16_ROWS:
-            return None
-        if torch.compiler.is_compiling():
-            return self.words_bf16_t()
+            return words  # (any length: a compiled run reads the words, not qdata: release_pages)
+        if x2.shape[0] < BF16_ROWS or torch.compiler.is_compiling():
+            return words if x2.shape[0] >= BF16_ROWS else None
         return self.qweight.qdata.t().to(torch.bfloat16) if self.qweight.bits == 8 else None
 
-    def words_bf16_t(self) -> Optional[Tensor]:
-        """w.T as bfloat16 [K, N] from the word layouts (None without them): int8 its integer values (exact; the scales
+    def _mm_bf16(self, x2: Tensor, w) -> Tensor:  # w [K, N], or words_bf16_t itself: by pieces (WORD_PIECE_BYTES)
+        if not callable(w):
+            return torch.mm(x2, w)
+        N, K = self.qweight.out_features, self.qweight.in_features
+        step = max(16, WORD_PIECE_BYTES // (2 * K) // 16 * 16)
+        return torch.cat([torch.mm(x2, w(lo, min(lo + step, N))) for lo in range(0, N, step)], -1)
+
+    def words_bf16_t(self, lo: int = 0, hi: Optional[int] = None) -> Optional[Tensor]:
+        """w.T as bfloat16 [K, hi - lo] for output channels lo..hi - 1 (multiples of 16; default all) from the word
+        layouts (None without them): int8 its integer values (exact; the scales
         come after the product), weight-only int4 q * s + z in float32, rounded once. One pointwise kernel when
         compiled; the shifts take a tensor of amounts, so that freezing does not fold their outputs into constants."""
         qw = self.qweight
-        N, K = qw.out_features, qw.in_features
+        hi = qw.out_features if hi is None else hi
+        N, K, t0, t1 = hi - lo, qw.in_features, lo // 16, hi // 16
         if qw.bits == 8 and self.int8_words is not None:  # byte j of word [t, 0, i, c]: q[16t + c, j K/4 + i]
-            w = self.int8_words.squeeze(1)                                           # [N/16, K/4, 16]
+            w = self.int8_words.squeeze(1)[t0:t1]                                    # [N/16, K/4, 16]
             q = (((w >> _SHIFTS[8].to(w.device)) + _BYTE_OFFSETS.to(w.device)) & 255) - 128   # [4, N/16, K/4, 16]
             # via float32: Inductor's int32 -> bfloat16 conversion is not vectorized (2.5x as long)
             return q.float().to(torch.bfloat16).permute(0, 2, 1, 3).reshape(K, N)
         if qw.bits == 4 and self.int4_words is not None:
             w, st, zt = self.int4_words
-            return _int4_words_bf16_t(w, st, zt if qw.weight_only else None)
+            return _int4_words_bf16_t(w[t0:t1], st[t0:t1], zt[t0:t1] if qw.weight_only else None)
         return None
 
     def _qdata_bf16_t(self) -> Tensor:
@@ -419,8 +421,7 @@ class FastQuantizedLinear(QuantizedLinear):
         """8da4w's x @ ((q - 8) s).T for more than one row under torch.compile and in a package's prompt models, or
         None where it does not apply: x's per-token int8 values q - zp (exact in bfloat16) through the packed int4
         kernels (int4_cpu_mm: fewer than BF16_ROWS rows; scales on the bfloat16 grid) or oneDNN's bfloat16 GEMM on
-        words_bf16_t's (q - 8) s, then times x's scales. (The float32 product it replaces dequantized every weight per
-        call.)"""
+        words_bf16_t's (q - 8) s, then times x's scales (not a float32 product dequantizing every weight per call)."""
         qw = self.qweight
         if qw.bits != 4 or qw.weight_only:
             return None
@@ -431,7 +432,7 @@ class FastQuantizedLinear(QuantizedLinear):
         q, zp, scale = quant_per_token_int8(x2.float())
         xi = (q - zp).to(torch.bfloat16)
         if w is not None:
-            y = torch.mm(xi, w)
+            y = self._mm_bf16(xi, w)
         else:
             y = self.int4_cpu_mm(xi, x)
         return (y.float() * scale).to(x.dtype).reshape(*x.shape[:-1], qw.out_features)

@@ -107,3 +107,23 @@ def test_markdown_page_from_results(tmp_path):
         f"error: {readme} has no '<!-- bench.py Tiny-1B -->' ... '<!-- /bench.py Tiny-1B -->' block for the table; "
         "add one where it goes"], r.stderr
     assert readme.read_text() == "# no block\n"
+
+def test_profile_step_times_prompts_and_decode(tmp_path):
+    """scripts/profile_step.py: a tiny model's prompts and decode steps timed in one process, with RSS per phase;
+    bad flags are one error line before anything loads."""
+    d = make_bpe_tokenizer(tmp_path / "tiny")
+    hf = tiny_hf("llama", seed=5, vocab_size=load_tokenizer(d).vocab_size, max_position_embeddings=512)
+    save_checkpoint(checkpoint_state(hf_to_model(hf)), d / "model.pth")
+    r = run_cli("scripts/profile_step.py", "--checkpoint_path", d / "model.pth", "--eager", "--threads", "1",
+                "--prompt_tokens", "4,9", "--steps", "3", "--max_seq_length", "32")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith("loaded: RSS ") and lines[1].startswith("prompt 4 tokens: ")
+    assert lines[2].startswith("prompt 9 tokens: ") and lines[3].startswith("prompts: RSS ")
+    assert lines[4].startswith("decode: ") and "median of 4 x 3 steps after position 9" in lines[4], lines
+    for args, msg in [(["--prompt_tokens", "1"], "--prompt_tokens must be comma-separated lengths >= 2, got '1'"),
+                      (["--max_seq_length", "16"], "--max_seq_length 16 is too short for a 128-token prompt and 81 "
+                                                   "decode steps"),
+                      (["--eager", "--kernels"], "--kernels profiles the compiled decode step; drop --eager")]:
+        r = run_cli("scripts/profile_step.py", "--checkpoint_path", d / "model.pth", *args)
+        assert r.returncode != 0 and r.stderr.strip().splitlines() == [f"error: {msg}"], r.stderr

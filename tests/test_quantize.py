@@ -206,17 +206,18 @@ def test_eager_int8_long_product_bfloat16_gemm(monkeypatch):
 def test_compiled_long_prefill_bfloat16_gemm(peaked, monkeypatch, mode):
     """--compile's prompts of BF16_ROWS tokens or more (int8: INT8_WORD_ROWS), on a CPU with bfloat16 dot products,
     where the weights have no prompt copies (fast_cpu.pack_prompt_weights): the weights go to bfloat16 in a generated
-    kernel (words_bf16_t)
-    for oneDNN's bfloat16 GEMM. Forced on here, so that any CPU runs it
-    (oneDNN converts where the instructions are missing). Eager int8 casts qdata for the same GEMM: the prompt's last
-    logits agree within float rounding and the greedy tokens match. Weight-only int4 holds ATen's blocked layout alone
-    (no word layouts) and runs its packed kernel at every length, compiled as eager: the same logits."""
+    kernel (words_bf16_t) for oneDNN's bfloat16 GEMM, piece by piece (16 output channels each here: WORD_PIECE_BYTES).
+    Forced on here, so that any CPU runs it (oneDNN converts where the instructions are missing). Eager int8 casts
+    qdata for the same GEMM: the prompt's last logits agree within float rounding and the greedy tokens match.
+    Weight-only int4 holds ATen's blocked layout alone (no word layouts) and runs its packed kernel at every length,
+    compiled as eager: the same logits."""
     monkeypatch.setattr(FQ, "BF16_GEMM", True)
+    monkeypatch.setattr(FQ, "WORD_PIECE_BYTES", 1)  # the smallest pieces: 16 channels
     monkeypatch.setattr(fast_cpu, "available_memory", lambda: 0)  # no prompt copies (no memory for them)
     traced = []
     words = FQ.FastQuantizedLinear.words_bf16_t
-    monkeypatch.setattr(FQ.FastQuantizedLinear, "words_bf16_t",
-                        lambda self: (w := words(self)) is not None and traced.append(1) or w)  # (None: no words)
+    monkeypatch.setattr(FQ.FastQuantizedLinear, "words_bf16_t",  # (None: no words)
+                        lambda self, *a: (w := words(self, *a)) is not None and traced.append(a) or w)
     m = copy.deepcopy(peaked)
     Q.quantize_model(m, mode, 32, embedding="int8", log=False)
     prompt = (PROMPT * 16)[:max(FQ.BF16_ROWS, FQ.INT8_WORD_ROWS) + 4]  # (int8 below INT8_WORD_ROWS: word kernels)
@@ -226,6 +227,7 @@ def test_compiled_long_prefill_bfloat16_gemm(peaked, monkeypatch, mode):
     be = generate.TorchBackend(m, 1, 96, compile=True)
     last = engine.prefill(be, [prompt], CPU)[0]
     assert bool(traced) == (mode == "int8")  # compiled int8 prefill took the bfloat16 GEMM
+    assert mode != "int8" or all(hi - lo == 16 for lo, hi in traced) and {lo for lo, _ in traced} > {0, 16}  # pieces
     torch.testing.assert_close(last, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())  # (int8: 2e-6 of 12.3)
     out, _ = generate.generate(be, [prompt], 8, CPU)
     assert out == eager
