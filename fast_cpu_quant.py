@@ -145,7 +145,7 @@ class FastQuantizedLinear(QuantizedLinear):
         if qw.bits == 8:  # unit bfloat16 scales for float32 activations (native_linear); per-channel sums of q
             self.int8_unit = static(torch.ones(N, dtype=torch.bfloat16, device=qw.qdata.device))
             self.int8_sums = static(_by_rows(lambda q: q.sum(1, dtype=torch.int32), qw.qdata))
-        elif qw.symmetric or qw.xnnpack:  # q - 8 as int8 [N, K]: eager (q - 8) s in one pass (chunked_linear)
+        elif (qw.symmetric or qw.xnnpack) and not words:  # q - 8 as int8 [N, K]: eager (q - 8) s in one pass
             self.qdata_int8 = unpack_int4(qw.qdata, qw.groupsize).to(torch.int8) - 8
         if (qw.bits == 4 and qw.qdata.is_cpu and N % 16 == 0
                 and hasattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu")
@@ -217,11 +217,11 @@ class FastQuantizedLinear(QuantizedLinear):
     def reads_words_only(self) -> bool:
         """The products read this module's own layouts alone, never qdata (nor int4's scales and zeros): compiled
         weight-only int8 with bfloat16 GEMMs (words; prompts: words_bf16_t or the packed copy), weight-only int4 with
-        ATen's blocked layout; fast_cpu.swap_in and pack_prompt then give their pages back."""
+        ATen's blocked layout, compiled 8da4w (words, blocked layout); swap_in / pack_prompt give their pages back."""
         qw = self.qweight
         if qw.bits == 8:
             return self.int8_words is not None and self.act is None and BF16_GEMM
-        return self.int4_cpu is not None and qw.weight_only
+        return self.int4_cpu is not None and (qw.weight_only or self.int4_words is not None)
 
     # ------------------------------------------------------------------------------------------------- dispatch
     def _exporting(self) -> bool:  # an AOT Inductor form under torch.export
@@ -419,14 +419,15 @@ class FastQuantizedLinear(QuantizedLinear):
 
     def int4_act_linear(self, x: Tensor) -> Optional[Tensor]:
         """8da4w's x @ ((q - 8) s).T for more than one row under torch.compile and in a package's prompt models, or
-        None where it does not apply: x's per-token int8 values q - zp (exact in bfloat16) through the packed int4
-        kernels (int4_cpu_mm: fewer than BF16_ROWS rows; scales on the bfloat16 grid) or oneDNN's bfloat16 GEMM on
-        words_bf16_t's (q - 8) s, then times x's scales (not a float32 product dequantizing every weight per call)."""
+        None where it does not apply: x's per-token int8 values q - zp (exact in bfloat16) through fast_cpu_int4's
+        kernel where it runs (any length; exact products), else the packed int4 kernels (int4_cpu_mm: fewer than
+        BF16_ROWS rows; scales on the bfloat16 grid) or oneDNN's bfloat16 GEMM on words_bf16_t's (q - 8) s rounded,
+        then times x's scales (not a float32 product dequantizing every weight per call)."""
         qw = self.qweight
         if qw.bits != 4 or qw.weight_only:
             return None
         x2 = x.reshape(-1, qw.in_features)
-        w = self._bf16_weight_t(x2)
+        w = None if self.int4_cpu is not None and self.int4_cpu[2] else self._bf16_weight_t(x2)
         if w is None and self.int4_cpu is None:
             return None
         q, zp, scale = quant_per_token_int8(x2.float())

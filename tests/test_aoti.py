@@ -244,8 +244,8 @@ def quantized(env):
     """quantized(mode) -> (checkpoint, package), made once per mode for the tests below: `quantize.py --mode M
     --groupsize 32` on env's checkpoint, then `aoti_export.export(..., fast_prefill=True)` with fast_cpu_quant.BF16_GEMM
     forced on (a weight-only one adds "long_prompt", see test_long_prompt_model; any CPU makes the same package but
-    for fast_cpu_int4's kernel, which int4 and 8da4w "prompt" models call where it runs), and for "int4-nokernel"
-    with the kernel off (as on a CPU where it does not run)."""
+    for fast_cpu_int4's kernel, which int4 and 8da4w "prompt" models call where it runs), and for "M-nokernel" with
+    the kernel off (as on a CPU where it does not run)."""
     import aoti_export
     import fast_cpu_int4
     import fast_cpu_quant
@@ -351,8 +351,9 @@ def int4_kernel_calls(pt2) -> Counter:
                         for n in z.namelist() if n.endswith(".wrapper.json")})
 
 
-def test_int4_prompt_model_calls_the_kernel(env, runner, quantized):
-    """Where fast_cpu_int4's kernel runs, a weight-only int4 package's "prompt" model multiplies its many rows with it
+@pytest.mark.parametrize("mode", ["int4", "8da4w"])
+def test_int4_prompt_model_calls_the_kernel(env, runner, quantized, mode):
+    """Where fast_cpu_int4's kernel runs, an int4 or 8da4w package's "prompt" model multiplies its many rows with it
     (llama_flat::int4_mm, one call per linear of the blocks), its decode "model" keeps ATen's kernel inside the graph
     (a call through the proxy executor costs more than a one-row product), and it has no "long_prompt". runner-aoti
     serves the op from its own copy of the kernel: it prints the text generate.py prints with the package (itself
@@ -365,7 +366,7 @@ def test_int4_prompt_model_calls_the_kernel(env, runner, quantized):
     from quantize import load_model
     if not fast_cpu_int4.available():
         pytest.skip("this CPU has no AVX512-BF16: fast_cpu_int4's kernel does not run (test_long_prompt_model)")
-    q, pt2 = quantized("int4")
+    q, pt2 = quantized(mode)
     assert AOTIBackend(pt2).metadata["models"] == "model,prompt"
     blocks = sum(1 for m in load_model(q).layers.modules() if isinstance(m, qops.QuantizedLinear))
     assert int4_kernel_calls(pt2) == Counter({"prompt": blocks}), int4_kernel_calls(pt2)
@@ -376,9 +377,9 @@ def test_int4_prompt_model_calls_the_kernel(env, runner, quantized):
         assert r.returncode == 0 and r.stdout == expect and "long_prompt" not in r.stderr, r.stderr
 
 
-@pytest.mark.parametrize("mode", ["int8", "int4-nokernel", "8da4w"])
+@pytest.mark.parametrize("mode", ["int8", "int4-nokernel", "8da4w-nokernel"])
 def test_long_prompt_model(env, runner, quantized, mode, monkeypatch):
-    """A weight-only int4 package made where fast_cpu_int4's kernel does not run, or an 8da4w package, made on a CPU
+    """An int4 or 8da4w package made where fast_cpu_int4's kernel does not run (see `quantized`), on a CPU
     with bfloat16 dot products (forced in `quantized` and here, so any CPU runs the test: oneDNN converts where the
     instructions are missing) adds "long_prompt":
     prompts of BF16_ROWS tokens or more, their products through oneDNN's bfloat16 GEMM on weights converted per
@@ -394,7 +395,6 @@ def test_long_prompt_model(env, runner, quantized, mode, monkeypatch):
     it 0.0024 against 0.0023)."""
     import aoti_export
     import fast_cpu
-    import fast_cpu_int4
     import fast_cpu_quant
     import qops
     from quantize import load_model
@@ -412,7 +412,7 @@ def test_long_prompt_model(env, runner, quantized, mode, monkeypatch):
         for row in index:
             records.setdefault(row[0], {})[row[2]] = row
         added = [row for rec, row in records["long_prompt"].items() if rec not in records["model"]]
-        if mode == "8da4w":  # the shift amounts only
+        if mode == "8da4w-nokernel":  # the shift amounts only
             assert all(row[3] == "int32" and int(row[5].split(",")[0]) in (4, 8) for row in added), added
         else:  # each int4 linear's qdata, scales and zeros (and one shift-amount tensor)
             n = sum(1 for m in load_model(q).layers.modules() if isinstance(m, qops.QuantizedLinear))
@@ -420,9 +420,7 @@ def test_long_prompt_model(env, runner, quantized, mode, monkeypatch):
             assert set(kinds) == {"uint8", "float32"} and kinds["uint8"] >= n and kinds["float32"] == 2 * n, kinds
         assert "aoti_torch_cpu_mm" in code["long_prompt"]  # (int4's one-row output projection: ATen's int4 kernel)
         assert ("pack_mm" in code["long_prompt"]) == (mode == "int4-nokernel")
-        calls = int4_kernel_calls(pt2)["prompt"]  # 8da4w's many rows: fast_cpu_int4's kernel where it runs
-        assert (calls > 0) == (mode == "8da4w" and fast_cpu_int4.available()), calls
-        assert calls or "pack_mm" in code["prompt"]
+        assert int4_kernel_calls(pt2)["prompt"] == 0 and "pack_mm" in code["prompt"]  # ATen's below BF16_ROWS
     m = load_model(q)
     fast_cpu.swap_in(m)  # eager with the CPU kernels (generate.py's)
     m.setup_caches(1, MAX_SEQ)

@@ -236,8 +236,9 @@ def test_compiled_long_prefill_bfloat16_gemm(peaked, monkeypatch, mode):
 @pytest.mark.parametrize("rows", ["short", "long"])
 def test_compiled_8da4w_prefill(peaked, monkeypatch, rows):
     """8da4w under --compile: a prompt's products take the activations' integer values q - zp (exact in bfloat16)
-    through ATen's packed int4 kernel (fewer than BF16_ROWS tokens) or oneDNN's bfloat16 GEMM on words_bf16_t's
-    (q - 8) s (from BF16_ROWS tokens; forced on here, so any CPU runs it), times the activations' scales after.
+    through fast_cpu_int4's kernel where it takes the shape (any length; not this 96-channel linear), else ATen's
+    packed int4 kernel (fewer than BF16_ROWS tokens) or oneDNN's bfloat16 GEMM on words_bf16_t's (q - 8) s (from
+    BF16_ROWS tokens; forced on here, so any CPU runs it), times the activations' scales after.
     Eager keeps the float32 product of the fake-quantized activations. One product agrees with that float32 product
     (computed in float64) to bfloat16 rounding; the prompt's last logits agree with eager's likewise (before the
     argmax), and the greedy tokens match."""
@@ -317,6 +318,22 @@ def test_compiled_int8_prompts_use_bfloat16_copies(peaked, monkeypatch, capsys):
     generate.TorchBackend(m2, 1, 64, compile=True)
     assert "would take more than 0 MB (PROMPT_COPIES_MAX, or half of the free memory)" in capsys.readouterr().err
     assert not any(mod.prompt_packed for mod in m2.layers.modules() if isinstance(mod, qops.QuantizedLinear))
+
+
+def test_compiled_8da4w_keeps_only_the_layouts_it_reads(peaked):
+    """8da4w: an eager model keeps the unpacked int8 copy its float32 products read (qdata_int8) and reads qdata; a
+    compiled one reads only its word layouts (decode) and ATen's blocked layout (prompts): no int8 copy, and qdata's
+    pages may be given back (reads_words_only; 1B shape: 4.0 -> 2.3 GB peak RSS)."""
+    m = copy.deepcopy(peaked)
+    Q.quantize_model(m, "8da4w", 32, log=False)
+    eager = generate.TorchBackend(copy.deepcopy(m), 1, 64)
+    fast = [f for f in eager.model.modules() if isinstance(f, FQ.FastQuantizedLinear) and f.qweight.bits == 4]
+    assert fast and all(f.qdata_int8 is not None and not f.reads_words_only() for f in fast)
+    generate.TorchBackend(m, 1, 64, compile=True)
+    fast = [f for f in m.modules() if isinstance(f, FQ.FastQuantizedLinear) and f.qweight.bits == 4]
+    assert fast and all(f.qdata_int8 is None and f.int4_words is not None for f in fast)
+    assert any(f.int4_cpu is not None for f in fast)
+    assert all(f.reads_words_only() == (f.int4_cpu is not None) for f in fast)
 
 
 def test_word_layouts_only_when_compiled_and_prompts_without_copies(peaked, tmp_path, monkeypatch):
