@@ -387,14 +387,14 @@ def markdown(res: dict) -> str:
 
 
 def write_readme(path: str, res: dict, page: Optional[str]) -> None:
-    """Replace the README's block <!-- bench.py MODEL --> ... <!-- /bench.py MODEL --> of this run's model: how it ran,
-    then every row but llama.cpp's own, with its ratios to the llama.cpp row of its precision and both peaks."""
+    """README's <!-- bench.py MODEL --> block: the run, each row's ratios to its llama.cpp row and both peaks."""
     m, rows, model, text = res.get("machine", {}), res["rows"], res["settings"].get("model"), Path(path).read_text()
     start, end, by_name = f"<!-- bench.py {model} -->", f"<!-- /bench.py {model} -->", {r["name"]: r for r in rows}
     if start not in text or end not in text:
         raise ValueError(f"{path} has no '{start}' ... '{end}' block for the table; add one where it goes")
+    every = f"; every row: [{page}]({page})" if page else ""
     lines = [start, f"`{res.get('command')}` ({res.get('date')}; {m.get('cpu_model')}, {m.get('threads')} threads, "
-             f"{m.get('bandwidth_gb_s', 0):.1f} GB/s read bandwidth{f'; every row: {page}' if page else ''})", "",
+             f"{m.get('bandwidth_gb_s', 0):.1f} GB/s read bandwidth{every})", "",
              "| row | decode / prefill tok/s | vs llama.cpp (decode / prefill) | peak RSS MB (llama.cpp's) |",
              "|---|---|---|---|"]
     for r in (r for r in rows if not r["name"].startswith("llama.cpp") and "error" not in r):
