@@ -354,7 +354,7 @@ class FastQuantizedLinear(QuantizedLinear):
     def _bf16_weight_t(self, x2: Tensor):
         """w.T as bfloat16 [K, N] for oneDNN's GEMM of x2 [M, K] (_mm_bf16), or None where the packed kernels run:
         compiled, the function words_bf16_t (pieces; exported: the whole); eager int8, one cast of qdata (2.4x the
-        packed kernel at 128 rows of 1536x576, 1.3x at 32); not eager int4 (its conversion is slower than the product)."""
+        packed kernel at 128 rows of 1536x576, 1.3x at 32); not eager int4 (its conversion outlasts the product)."""
         if not BF16_GEMM:
             return None
         if torch.compiler.is_exporting():  # a package's prompt models
@@ -364,12 +364,11 @@ class FastQuantizedLinear(QuantizedLinear):
             if self.export_rows != "bf16" or not many:
                 return None
             return self.words_bf16_t() if not self._int4_blocked_only() else self._qdata_bf16_t()
-        words = self.words_bf16_t if (self.int4_words, self.int8_words)[self.qweight.bits == 8] is not None else None
-        if torch.compiler.is_compiling() and self.qweight.bits == 8 and not self.prompt_packed:
-            return words  # (any length: a compiled run reads the words, not qdata: release_pages)
-        if x2.shape[0] < BF16_ROWS or torch.compiler.is_compiling():
-            return words if x2.shape[0] >= BF16_ROWS else None
-        return self.qweight.qdata.t().to(torch.bfloat16) if self.qweight.bits == 8 else None
+        int8, many = self.qweight.bits == 8, x2.shape[0] >= BF16_ROWS
+        if torch.compiler.is_compiling():  # int8 without a packed copy at any length (it reads words: release_pages)
+            layout = self.int8_words if int8 else self.int4_words
+            return self.words_bf16_t if layout is not None and (many or int8 and not self.prompt_packed) else None
+        return self.qweight.qdata.t().to(torch.bfloat16) if int8 and many else None
 
     def _mm_bf16(self, x2: Tensor, w) -> Tensor:  # w [K, N], or words_bf16_t itself: by pieces (WORD_PIECE_BYTES)
         if not callable(w):
@@ -380,9 +379,9 @@ class FastQuantizedLinear(QuantizedLinear):
 
     def words_bf16_t(self, lo: int = 0, hi: Optional[int] = None) -> Optional[Tensor]:
         """w.T as bfloat16 [K, hi - lo] for output channels lo..hi - 1 (multiples of 16; default all) from the word
-        layouts (None without them): int8 its integer values (exact; the scales
-        come after the product), weight-only int4 q * s + z in float32, rounded once. One pointwise kernel when
-        compiled; the shifts take a tensor of amounts, so that freezing does not fold their outputs into constants."""
+        layouts (None without them): int8 its integer values (exact; the scales come after the product), int4
+        q s + z in float32 rounded once. One pointwise kernel when compiled; the shifts take a tensor of amounts, so
+        that freezing does not fold their outputs into constants."""
         qw = self.qweight
         hi = qw.out_features if hi is None else hi
         N, K, t0, t1 = hi - lo, qw.in_features, lo // 16, hi // 16

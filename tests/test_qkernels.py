@@ -274,7 +274,7 @@ def test_int4_kernel_matches_float64_and_atens_kernel(M, N, K, G):
 def test_int4_kernel_refuses_a_shape_it_does_not_read():
     q = torch.randint(0, 16, (96, 64), dtype=torch.int32)  # 96 channels: not whole blocks of 64
     sz = torch.ones(2, 96, 2, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="int4_mm: un"):  # (unexpected operands, or a shape the kernel refuses)
+    with pytest.raises(ValueError, match="int4_mm: unsupported shape 8x64 @ 96x64, group size 32"):
         fast_cpu_int4.int4_mm(torch.ones(8, 64, dtype=torch.bfloat16),
                               torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1), 32, sz)
 
