@@ -1,8 +1,8 @@
 # Benchmarks: decode / prefill tok/s, TTFT, GB/s against the measured read bandwidth, peak RSS and file size of every
 # backend, precision and decoding mode; each row greedy in its own process (generate.py, a C++ runner, or llama.cpp on
 # the same weights), its artifacts built first when missing. Prints the table, writes JSON and, with --markdown PATH,
-# the benchmark page (docs/benchmarks.md), with --readme README.md the README's table of the model; --from_json renders
-# them from an earlier run's JSON without running.
+# the benchmark page (docs/benchmarks.md). --from_json renders earlier runs without running: a page, or with --readme
+# README.md the README's one table, a column per run (python bench.py --readme README.md --from_json a.json,b.json).
 import argparse
 import datetime
 import importlib.util
@@ -26,7 +26,8 @@ from common import (DEFAULT_CHECKPOINT, REPO, THREADS, ArgumentParser, at_least,
                     within, write_atomic)
 
 CK = DEFAULT_CHECKPOINT.parent
-sys.path.insert(0, str(REPO / "scripts"))  # random_checkpoint, download, bench_server
+sys.path.insert(0, str(REPO / "scripts"))  # random_checkpoint, download, bench_server, bench_report
+from bench_report import markdown, write_readme  # noqa: E402
 PY = sys.executable
 PROMPTS = {
     "story": ("Write a short story about a robot who learns to paint. The robot lives in a small town by the sea and "
@@ -349,64 +350,6 @@ def cpu_model() -> str:  # /proc/cpuinfo's "model name", as lscpu shows it (else
     return next((x.split(":", 1)[1].strip() for x in info if x.startswith("model name")), platform.processor())
 
 
-def markdown(res: dict) -> str:
-    """The benchmark page (docs/benchmarks.md; also what a run prints) from a run's results: the dict bench.json holds."""
-    m, s, rows = res.get("machine", {}), res.get("settings", {}), res["rows"]
-    by_name = {r["name"]: r for r in rows if "error" not in r}
-    num = lambda v, f: "-" if v is None else format(v, f)
-    ratio = lambda a, b: f"{a / b:.2f}x" if a is not None and b else "-"
-    lines = ["# Benchmarks", "", "Written by `bench.py --markdown` from the results of one run of:", "",
-             "```", res.get("command", "(not recorded)"), "```", "", f"- date: {res.get('date', 'not recorded')}",
-             f"- machine: {m.get('cpu_model', 'not recorded')}, {m.get('cpu_count', '?')} cores, "
-             f"{m.get('threads', '?')} threads; torch {m.get('torch', '?')}, device {m.get('device', 'cpu')}",
-             f"- memory read bandwidth measured by bench.py: {num(m.get('bandwidth_gb_s'), '.1f')} GB/s (a row's "
-             "decode ceiling is this bandwidth / the bytes of weights one decode step reads)",
-             f"- every row: {s.get('max_new_tokens', '?')} greedy tokens in its own process; the median of "
-             f"{s.get('runs', '?')} run(s) per round over {s.get('rounds', 1)} interleaved round(s)", ""]
-    lines += [res["note"], ""] if res.get("note") else []  # what a reader should know about this run
-    lines += ["| row | decode tok/s | prefill tok/s | TTFT ms | decode vs row | llama.cpp row | decode vs llama.cpp | "
-              "prefill vs llama.cpp | % of bandwidth ceiling | peak RSS MB |", "|---" * 10 + "|"]
-    for r in rows:
-        peer, vs, pct = by_name.get(r.get("peer"), {}), by_name.get(r.get("vs")), r.get("pct_of_ceiling")
-        step = f" ({r['tokens_per_step']:.2f} tok/step)" if "tokens_per_step" in r else ""
-        ttft = None if r.get("ttft_s") is None else 1000 * r["ttft_s"]
-        against = f"{ratio(r.get('decode_tok_s'), vs['decode_tok_s'])} {r['vs']}" if vs else "-"
-        lines.append(f"| {r['name']} | {r['error']} | | | | | | | | |" if "error" in r else
-                     f"| {r['name']} | {num(r.get('decode_tok_s'), '.2f')}{step} | {num(r.get('prefill_tok_s'), '.1f')} "
-                     f"| {num(ttft, '.0f')} | {against} | "
-                     f"{r['peer'] if peer else '-'} | {ratio(r.get('decode_tok_s'), peer.get('decode_tok_s'))} | "
-                     f"{ratio(r.get('prefill_tok_s'), peer.get('prefill_tok_s'))} | "
-                     f"{'-' if pct is None else f'{pct:.0f}%'} | {num(r.get('peak_rss_mb'), '.0f')} |")
-    if any(" cb" in r["name"] for r in rows):
-        lines += ["", "decode tok/s of a cb row is aggregate: every sequence's tokens after its first / time after the "
-                  "first token (the later prompts' prefills included)."]
-    if res.get("server"):
-        from bench_server import server_table
-        lines += ["", server_table(res["server"], rows, s.get("max_new_tokens", "?"), SERVER_ARGS)]
-    return "\n".join(lines) + "\n"
-
-
-def write_readme(path: str, res: dict, page: Optional[str]) -> None:
-    """README's <!-- bench.py MODEL --> block: the run, each row's ratios to its llama.cpp row and both peaks."""
-    m, rows, model, text = res.get("machine", {}), res["rows"], res["settings"].get("model"), Path(path).read_text()
-    start, end, by_name = f"<!-- bench.py {model} -->", f"<!-- /bench.py {model} -->", {r["name"]: r for r in rows}
-    if start not in text or end not in text:
-        raise ValueError(f"{path} has no '{start}' ... '{end}' block for the table; add one where it goes")
-    every = f"; every row: [{page}]({page})" if page else ""
-    lines = [start, f"`{res.get('command')}` ({res.get('date')}; {m.get('cpu_model')}, {m.get('threads')} threads, "
-             f"{m.get('bandwidth_gb_s', 0):.1f} GB/s read bandwidth{every})", "",
-             "| row | decode / prefill tok/s | vs llama.cpp (decode / prefill) | peak RSS MB (llama.cpp's) |",
-             "|---|---|---|---|"]
-    for r in (r for r in rows if not r["name"].startswith("llama.cpp") and "error" not in r):
-        peer = by_name.get(r.get("peer"), {"error": 1})
-        vs = ("-" if "error" in peer else f"{r['decode_tok_s'] / peer['decode_tok_s']:.2f}x / "
-              f"{r['prefill_tok_s'] / peer['prefill_tok_s']:.2f}x {r['peer'].removeprefix('llama.cpp ')}")
-        peak = f"{r['peak_rss_mb']:.0f}" + ("" if "error" in peer else f" ({peer['peak_rss_mb']:.0f})")
-        lines.append(f"| {r['name']} | {r['decode_tok_s']:.1f} / {r['prefill_tok_s']:.0f} | {vs} | {peak} |")
-    head, rest = text.split(start, 1)
-    write_atomic(path, head + "\n".join([*lines, end]) + rest.split(end, 1)[1])
-
-
 def main():
     p = ArgumentParser(description="Benchmark generate.py's backends and modes and the C++ runners.")
     p.add_argument("--rows", default=",".join(DEFAULT_ROWS),
@@ -424,8 +367,9 @@ def main():
     p.add_argument("--prompt_tokens", type=int, help="prefill at N tokens: the first N of the long prompt, every row",
                    rule=within(1, 480))
     p.add_argument("--markdown", default=None, help="also write the benchmark page (e.g. docs/benchmarks.md)")
-    p.add_argument("--readme", default=None, help="also write the README's table of this model (e.g. README.md)")
-    p.add_argument("--from_json", default=None, help="with --markdown / --readme: render this bench.json, run nothing")
+    p.add_argument("--readme", default=None, help="with --from_json: write the README's table from those runs")
+    p.add_argument("--from_json", default=None, help="render bench.json files (--readme: several, comma-separated; "
+                   "--markdown: one), run nothing")
     p.add_argument("--_child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("gen_args", nargs="*", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -433,16 +377,21 @@ def main():
         return child(args)
     if args.markdown and Path(args.markdown).is_dir():  # (common.OUTPUT_FILES covers output, json)
         raise ValueError(f"--markdown {args.markdown} is a folder; name the file to write")
-    if args.readme and not Path(args.readme).is_file():
-        raise ValueError(f"--readme {args.readme} is not a file (the README holding the tables)")
-    if args.from_json:  # render an earlier run's results; run nothing
-        if not ((args.markdown or args.readme) and Path(args.from_json).is_file()):
-            raise ValueError(f"--from_json needs --markdown PATH or --readme PATH and an existing results file, "
-                             f"got {args.from_json}")
-        res = json.loads(Path(args.from_json).read_text())
-        if not isinstance(res, dict) or not isinstance(res.get("rows"), list):
-            raise ValueError(f"{args.from_json} is not a bench.py results file (no list of rows)")
-        return write_pages(args, res)
+    if args.readme and not (Path(args.readme).is_file() and args.from_json):
+        raise ValueError(f"--readme {args.readme} needs an existing README and --from_json RUN.json[,RUN.json...]")
+    if args.from_json:  # render earlier runs' results; run nothing
+        files = args.from_json.split(",")
+        if not (args.markdown or args.readme) or (args.markdown and len(files) > 1):
+            raise ValueError(f"--from_json needs --markdown PATH (one file) or --readme PATH, got {args.from_json}")
+        runs = []
+        for f in files:
+            res = json.loads(Path(f).read_text()) if Path(f).is_file() else None
+            if not isinstance(res, dict) or not isinstance(res.get("rows"), list):
+                raise ValueError(f"{f} is not a bench.py results file (no list of rows)")
+            runs.append(res)
+        if args.markdown:
+            write_atomic(args.markdown, markdown(runs[0]))
+        return write_readme(args.readme, runs) if args.readme else None
     started = datetime.datetime.now().astimezone()
     if args.threads:  # rows inherit it through the environment
         os.environ["OMP_NUM_THREADS"] = str(args.threads)
@@ -483,17 +432,12 @@ def main():
                machine=dict(cpu_model=cpu_model(), cpu_count=os.cpu_count(), threads=torch.get_num_threads(),
                             bandwidth_gb_s=bw, torch=torch.__version__, device=args.device),
                settings=dict(runs=args.runs, rounds=args.rounds, max_new_tokens=args.max_new_tokens, prompts=PROMPTS,
-                             model=Path(args.checkpoint_dir).name), rows=results, server=server)
+                             model=Path(args.checkpoint_dir).name), rows=results, server=server,
+               server_args=SERVER_ARGS if server else None)
     write_atomic(args.json, json.dumps(out, indent=1))
     print(markdown(out))
-    write_pages(args, out)
-
-
-def write_pages(args, res: dict) -> None:
     if args.markdown:
-        write_atomic(args.markdown, markdown(res))
-    if args.readme:
-        write_readme(args.readme, res, args.markdown)
+        write_atomic(args.markdown, markdown(out))
 
 
 if __name__ == "__main__":

@@ -181,19 +181,6 @@ def generate_args(server_args: list) -> list:
     return out
 
 
-def server_table(server, results, max_new_tokens, server_args) -> str:
-    """bench.py --rows server: server.py under 1, 4 and 8 clients against the generate.py batch-1 row of the run."""
-    base = (row := next((r for r in results if r["name"] == "compile fp32"), {})).get("decode_tok_s")
-    lines = [f"server.py {' '.join(server_args)}, {max_new_tokens} greedy tokens per request", "",
-             "| clients | aggregate tok/s | vs compile fp32 batch 1 | TTFT p50 ms | TTFT p95 ms | decode tok/s per "
-             "request | load avg |", "|---" * 7 + "|"]
-    for r in server:
-        lines.append(f"| {r['clients']} | {r['aggregate_tok_s']:.1f} | {format(r['aggregate_tok_s'] / base, '.2f') + 'x' if base else '-'}"
-                     f" | {1000 * r['ttft_p50_s']:.0f} | {1000 * r['ttft_p95_s']:.0f} | {r['decode_tok_s']:.1f} | {r.get('load_avg', 0):.1f} |")
-    runs = sorted(row.get("decode_runs") or [0])  # 2 spin-waiting OpenMP threads run 5-50x slower while a core is taken
-    return "\n".join(lines + [f"\nbatch-1 runs {runs[0]:.1f}-{runs[-1]:.1f} tok/s: busy cores, ratios unreliable"] * (runs[-1] > 1.5 * runs[0]))
-
-
 def main():
     p = argparse.ArgumentParser(description="Benchmark server.py with N concurrent clients; other flags go to server.py.")
     p.add_argument("--clients", default="1,4,8", help="comma-separated client counts")

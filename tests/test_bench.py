@@ -63,7 +63,7 @@ def test_build_makes_missing_artifacts_in_dependency_order(tmp_path, monkeypatch
 def test_markdown_page_from_results(tmp_path):
     """--markdown / --readme / --from_json: the benchmark page rendered from a results dict says how and where it ran
     (command, date, machine, threads, bandwidth) and gives each row its ratio to the llama.cpp row of its precision;
-    the README's block of the run's model gets the same ratios and both peaks, the rest of the README untouched."""
+    the README's one table takes a column per run (the same ratios and both peaks), the rest of the README untouched."""
     import bench
     res = dict(command="python bench.py --rows peer --threads 2 --markdown docs/benchmarks.md", date="2026-11-24 18:45",
                machine=dict(cpu_model="Test CPU 9000", cpu_count=2, threads=2, bandwidth_gb_s=28.8, torch="2.x"),
@@ -84,27 +84,35 @@ def test_markdown_page_from_results(tmp_path):
     assert lines[header + 4] == ("| compile fp32 | 50.00 | 240.0 | 62 | 2.50x eager fp32 | llama.cpp F32 | 1.25x | 0.80x "
                                  "| 94% | 2896 |")
     assert lines[header + 5].startswith("| runner-et fp32 | failed: no runner |")
-    # the same page and the README's table from a results file, without running anything
+    # the same page and the README's one table from results files, without running anything: a column per run
     (tmp_path / "bench.json").write_text(json.dumps(res))
+    other = dict(res, command="python bench.py --model Big --random_weights --json b.json", settings=dict(model="Big-1B"),
+                 rows=[dict(name="compile fp32", decode_tok_s=5.0, prefill_tok_s=30.0, peak_rss_mb=4000.0)])
+    (tmp_path / "big.json").write_text(json.dumps(other))
     out, readme = tmp_path / "docs" / "benchmarks.md", tmp_path / "README.md"
-    readme.write_text("# Title\n\n<!-- bench.py Other -->\nkept\n<!-- /bench.py Other -->\n\n"
-                      "<!-- bench.py Tiny-1B -->\nold table\n<!-- /bench.py Tiny-1B -->\n\n## Next\n")
-    r = run_cli("bench.py", "--markdown", out, "--readme", readme, "--from_json", tmp_path / "bench.json")
+    readme.write_text("# Title\n\n<!-- bench.py -->\nold table\n<!-- /bench.py -->\n\n## Next\n")
+    r = run_cli("bench.py", "--markdown", out, "--from_json", tmp_path / "bench.json")
     assert r.returncode == 0, r.stderr
     assert out.read_text() == page
+    r = run_cli("bench.py", "--readme", readme, "--from_json", f"{tmp_path / 'bench.json'},{tmp_path / 'big.json'}")
+    assert r.returncode == 0, r.stderr
     text = readme.read_text()
-    block = text.split("<!-- bench.py Tiny-1B -->\n")[1].split("\n<!-- /bench.py Tiny-1B -->")[0].splitlines()
-    assert text.startswith("# Title\n\n<!-- bench.py Other -->\nkept\n") and text.endswith("-->\n\n## Next\n")
-    assert res["command"] in block[0] and "2 threads" in block[0] and str(out) in block[0] and "old table" not in text
-    assert block[2:] == ["| row | decode / prefill tok/s | vs llama.cpp (decode / prefill) | peak RSS MB (llama.cpp's) |",
-                         "|---|---|---|---|", "| eager fp32 | 20.0 / 100 | - | 900 |",
-                         "| compile fp32 | 50.0 / 240 | 1.25x / 0.80x F32 | 2896 (795) |"]
+    block = text.split("<!-- bench.py -->\n")[1].split("\n<!-- /bench.py -->")[0].splitlines()
+    assert text.startswith("# Title\n\n") and text.endswith("-->\n\n## Next\n") and "old table" not in text
+    assert block[0] == ("- Tiny-1B: `python bench.py --rows peer --threads 2` (2026-11-24 18:45; Test CPU 9000, 2 threads, "
+                        "28.8 GB/s read bandwidth; every row: [docs/benchmarks.md](docs/benchmarks.md))")
+    assert block[1].startswith("- Big-1B: `python bench.py --model Big --random_weights` (")  # (no output flags)
+    assert block[5:] == ["| row | Tiny-1B | Big-1B |", "|---|---|---|", "| eager fp32 | 20.0 / 100; -; 900 | - |",
+                         "| compile fp32 | 50.0 / 240; 1.25x / 0.80x F32; 2896 (795) | 5.0 / 30; -; 4000 |"]
     r = run_cli("bench.py", "--from_json", tmp_path / "bench.json")
     assert r.returncode != 0 and r.stderr.startswith("error: --from_json needs --markdown PATH"), r.stderr
+    r = run_cli("bench.py", "--readme", readme)
+    assert r.returncode != 0 and r.stderr.strip().splitlines() == [
+        f"error: --readme {readme} needs an existing README and --from_json RUN.json[,RUN.json...]"], r.stderr
     readme.write_text("# no block\n")
     r = run_cli("bench.py", "--readme", readme, "--from_json", tmp_path / "bench.json")
     assert r.returncode != 0 and r.stderr.strip().splitlines() == [
-        f"error: {readme} has no '<!-- bench.py Tiny-1B -->' ... '<!-- /bench.py Tiny-1B -->' block for the table; "
+        f"error: {readme} has no '<!-- bench.py -->' ... '<!-- /bench.py -->' block for the table; "
         "add one where it goes"], r.stderr
     assert readme.read_text() == "# no block\n"
 
