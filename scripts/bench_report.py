@@ -10,14 +10,22 @@ from pathlib import Path
 from common import write_atomic
 
 
+def measured(res: dict) -> str:
+    """The command of a run without the flags that only name output files (--json, --markdown, --readme)."""
+    if "command" not in res:
+        return "(not recorded)"
+    cmd, outputs = shlex.split(res["command"]), ("--json", "--markdown", "--readme", "--from_json")
+    return shlex.join(a for i, a in enumerate(cmd) if a not in outputs and (i == 0 or cmd[i - 1] not in outputs))
+
+
 def markdown(res: dict) -> str:
     """The benchmark page (docs/benchmarks.md; also what a run prints) from a run's results: the dict bench.json holds."""
     m, s, rows = res.get("machine", {}), res.get("settings", {}), res["rows"]
     by_name = {r["name"]: r for r in rows if "error" not in r}
     num = lambda v, f: "-" if v is None else format(v, f)
     ratio = lambda a, b: f"{a / b:.2f}x" if a is not None and b else "-"
-    lines = ["# Benchmarks", "", "Written by `bench.py --markdown` from the results of one run of:", "",
-             "```", res.get("command", "(not recorded)"), "```", "", f"- date: {res.get('date', 'not recorded')}",
+    lines = ["# Benchmarks", "", "Written by `bench.py --markdown` from the results of one run of (output flags left out):", "",
+             "```", measured(res), "```", "", f"- date: {res.get('date', 'not recorded')}",
              f"- machine: {m.get('cpu_model', 'not recorded')}, {m.get('cpu_count', '?')} cores, "
              f"{m.get('threads', '?')} threads; torch {m.get('torch', '?')}, device {m.get('device', 'cpu')}",
              f"- memory read bandwidth measured by bench.py: {num(m.get('bandwidth_gb_s'), '.1f')} GB/s (a row's "
@@ -52,12 +60,11 @@ def write_readme(path: str, runs: list) -> None:
     text, start, end = Path(path).read_text(), "<!-- bench.py -->", "<!-- /bench.py -->"
     if start not in text or end not in text:
         raise ValueError(f"{path} has no '{start}' ... '{end}' block for the table; add one where it goes")
-    lines, names, outputs = [start], [], ("--json", "--markdown", "--readme", "--from_json")
+    lines, names = [start], []
     for res in runs:
         m, cmd = res.get("machine", {}), shlex.split(res.get("command", ""))
         page = cmd[cmd.index("--markdown") + 1] if "--markdown" in cmd[:-1] else None
-        cmd = [a for i, a in enumerate(cmd) if a not in outputs and (i == 0 or cmd[i - 1] not in outputs)]
-        lines.append(f"- {res['settings'].get('model')}: `{shlex.join(cmd)}` ({res.get('date')}; {m.get('cpu_model')}, "
+        lines.append(f"- {res['settings'].get('model')}: `{measured(res)}` ({res.get('date')}; {m.get('cpu_model')}, "
                      f"{m.get('threads')} threads, {m.get('bandwidth_gb_s', 0):.1f} GB/s read bandwidth"
                      + (f"; every row: [{page}]({page}))" if page else ")"))
         names += [r["name"] for r in res["rows"]

@@ -75,7 +75,8 @@ def test_markdown_page_from_results(tmp_path):
                      dict(name="runner-et fp32", error="failed: no runner")])
     page = bench.markdown(res)
     lines = page.splitlines()
-    assert lines[0] == "# Benchmarks" and res["command"] in lines and "- date: 2026-11-24 18:45" in lines
+    assert lines[0] == "# Benchmarks" and "- date: 2026-11-24 18:45" in lines
+    assert "python bench.py --rows peer --threads 2" in lines  # the run's command without its output flags
     assert any("Test CPU 9000, 2 cores, 2 threads" in x for x in lines) and "28.8 GB/s" in page
     header = next(i for i, x in enumerate(lines) if x.startswith("| row |"))
     assert lines[header] == ("| row | decode tok/s | prefill tok/s | TTFT ms | decode vs row | llama.cpp row | "
