@@ -1,25 +1,39 @@
-// fast_cpu_int4.c: y = x @ w.T for an int4 weight in ATen's packed CPU layout (AVX-512), bfloat16 x, float32 y, with
-// AVX512-BF16 dot products: the products of int4 models' prompts (2 rows or more). Built and loaded by
-// fast_cpu_int4.py, which says when it runs. Plain C (and OpenMP), no torch headers.
+// fast_cpu_int4.c: y = x @ w.T for an int4 weight (AVX-512), bfloat16 x, float32 y, with AVX512-BF16 dot products.
+// Two layouts: ATen's packed CPU layout (the prompts of AOT Inductor packages: llama_flat_int4_mm) and the tiles that
+// fast_cpu_int4.py makes for Python runs (every product there, decode's one row included: llama_flat_int4_tiles_mm).
+// Built by fast_cpu_int4.py and runner-aoti's CMakeLists.txt with int4_op.cpp, which registers both as torch ops.
+// Plain C (and OpenMP), no torch headers.
 //
-// The weight is what aten._convert_weight_to_int4pack_for_cpu writes on an AVX-512 machine: blocks of 64 output
+// ATen's layout is what aten._convert_weight_to_int4pack_for_cpu writes on an AVX-512 machine: blocks of 64 output
 // channels, each [K][32] bytes, byte j of row k holding q[n0 + j][k] (low nibble) and q[n0 + 32 + j][k] (high); sz is
-// [K/gs][N][2] bfloat16, a scale s and an offset z per group of gs: w = (q - 8) s + z. ATen's kernel converts every
-// weight to float32 for every row of x. Here each run of 32 k of a block is converted once per call into bfloat16
-// pairs (q - 8: exact), kept in L1 for 8 such runs while every row of x passes over them, and
+// [K/gs][N][2] bfloat16, a scale s and an offset z per group of gs: w = (q - 8) s + z.
+// The tiles: [N/16][K/gs][gs/32 runs of 256 bytes, then s and z, 16 bfloat16 each] (one stream per 16 channels,
+// scales beside their weights); byte b of a run's 64-byte row i holds, in 16-bit lane L = 2c + h, nibble j at bits 4j:
+// q[16t + c][32r + 8i + 2j + h] (t the tile, r the run). `(lane >> 4j) & 15` is then one k-pair of 16 channels, the
+// operand order of vdpbf16ps.
+// Many rows: each run of 32 k of 64 channels is converted once per call into bfloat16 pairs (q - 8: exact), kept in
+// L1 for 8 such runs while every row of x passes over them, and
 //     y[m][n] += s * sum_k x[m][k] (q[n][k] - 8) + z * sum_k x[m][k]       (over each run of 32 k)
 // the partial sums in float32 (vdpbf16ps: exact products, float32 adds): ATen's result up to float32 rounding.
+// One row (tiles): each nibble becomes the bfloat16 128 + q by one OR (0x4300 | q), multiplied in place, the 136 s
+// sum_k x[k] taken off per group: the same sums up to float32 rounding, at the memory's rate (2 threads, 8192x2048
+// g32 streamed from memory: 0.21 ms, 50 GB/s, against ATen's kernel's 0.27).
 // 2 threads, bfloat16 x, 8192x2048: 128 rows 6.0 ms against ATen's 12.9 (oneDNN's bfloat16 GEMM on a bfloat16 copy:
 // 6.6), 8 rows 0.54 against 0.79, 2 rows 0.25 against 0.28 (`python fast_cpu_int4.py`).
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
 
-enum { G = 32, BLOCK = 64, ROWS = 6 };
+enum { G = 32, BLOCK = 64, ROWS = 6, PREFETCH = 4096 };
+
+static inline __m512 bf16x16(const uint16_t *p) {  // 16 bfloat16 -> float32
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
 
 typedef struct {
     const uint16_t *x; const uint8_t *w; const uint16_t *sz; float *y; const float *xs;
     long M, N, K, gs, b0, b1;
+    int tiles;  // the layout: ATen's (0) or the tiles (1)
 } job_t;
 
 // One block of 64 channels, one run of 32 k: wv[p][c] holds, for k-pair p (k = 2p, 2p + 1) and the 16 channels of
@@ -43,13 +57,30 @@ static void convert_group(const uint8_t *wb, __m512i wv[G / 2][4]) {
 }
 
 
+// The same from the tiles: tiles 4b..4b+3, run r of group g (wb: the first tile's run; `stride` bytes per tile).
+static void convert_tiles(const uint8_t *wb, long stride, __m512i wv[G / 2][4]) {
+    const __m512i table = _mm512_set_epi16(
+        0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0, 0xbf80, 0xc000, 0xc040, 0xc080, 0xc0a0, 0xc0c0,
+        0xc0e0, 0xc100, 0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0, 0xbf80, 0xc000, 0xc040, 0xc080,
+        0xc0a0, 0xc0c0, 0xc0e0, 0xc100);
+    const __m512i low = _mm512_set1_epi16(0x000f);
+    for (int c = 0; c < 4; c++)
+        for (int i = 0; i < 4; i++) {
+            __m512i v = _mm512_loadu_si512((const void *)(wb + c * stride + 64 * i));
+            for (int jj = 0; jj < 4; jj++)
+                wv[4 * i + jj][c] =
+                    _mm512_permutexvar_epi16(_mm512_and_si512(_mm512_srli_epi16(v, 4 * jj), low), table);
+        }
+}
+
 // Runs g0..g0+ng-1 (converted: wv, s, z) of channels n0 + at[c0], at[c0 + 1] (2 x 16) for rows m0..m0+R-1: R x 2
 // partial sums per run and R x 2 totals, all in registers (R = 6: 24 of 32), y read and written once per chunk.
 enum { KC = 8 };  // runs of 32 per chunk: 8 x 16 pairs x 4 x 64 bytes = 32 KB
 #define TILE(R)                                                                                                    \
 static void tile##R(const job_t *j, long m0, long g0, long ng, long n0, int c0, __m512i (*wv)[G / 2][4],           \
                     const __m512 (*s)[4], const __m512 (*z)[4]) {                                                  \
-    static const int at[4] = {0, 32, 16, 48};                                                                      \
+    static const int aten[4] = {0, 32, 16, 48}, tiles[4] = {0, 16, 32, 48};                                      \
+    const int *at = j->tiles ? tiles : aten;                                                                       \
     __m512 tot[R][2];                                                                                              \
     for (int r = 0; r < R; r++) for (int c = 0; c < 2; c++)                                                        \
         tot[r][c] = g0 ? _mm512_loadu_ps(j->y + (m0 + r) * j->N + n0 + at[c0 + c]) : _mm512_setzero_ps();          \
@@ -88,6 +119,17 @@ static void *run(void *arg) {
             long ng = j->K / G - g0 < KC ? j->K / G - g0 : KC;
             for (long gi = 0; gi < ng; gi++) {
                 long g = g0 + gi;
+                if (j->tiles) {  // run g % R of group g / R, tile 4b; its scales and offsets after the group's runs
+                    long R = j->gs / G, stride = j->K / j->gs * (R * 256 + 64);
+                    const uint8_t *wg = j->w + 4 * b * stride + g / R * (R * 256 + 64);
+                    convert_tiles(wg + g % R * 256, stride, wv[gi]);
+                    for (int c = 0; c < 4; c++) {
+                        const uint16_t *p = (const uint16_t *)(wg + c * stride + R * 256);
+                        s[gi][c] = bf16x16(p);
+                        z[gi][c] = bf16x16(p + 16);
+                    }
+                    continue;
+                }
                 convert_group(j->w + (b * j->K + g * G) * 32, wv[gi]);
                 for (int c = 0; c < 4; c++) {
                     long n = n0 + (c == 1 ? 32 : c == 2 ? 16 : c == 3 ? 48 : 0);
@@ -112,11 +154,44 @@ static void *run(void *arg) {
     return 0;
 }
 
-// x [M][K] bfloat16, w ATen's packed int4 [N/64 blocks][K][32], sz [K/gs][N][2] bfloat16, y [M][N] float32,
-// xs [M][K/32] scratch; N % 64 == 0, gs % 32 == 0, K % gs == 0. Returns 1 for any other shape. The blocks are split
-// over `threads` OpenMP threads (torch's own pool: see fast_cpu_int4.py).
-int llama_flat_int4_mm(const uint16_t *x, const uint8_t *w, const uint16_t *sz, float *y, float *xs, long M, long N,
-                       long K, long gs, int threads) {
+// One row from the tiles (decode): tiles t0..t1-1, 16 channels each, y[16t..] written once.
+static void gemv(const uint16_t *x, const uint8_t *w, float *y, const float *xs, long K, long gs, long t0, long t1) {
+    const long R = gs / G, gbytes = R * 256 + 64, groups = K / gs;
+    const __m512i low = _mm512_set1_epi16(0x000f), magic = _mm512_set1_epi16(0x4300);  // bfloat16 128 + q
+    const int32_t *xp = (const int32_t *)x;  // k-pairs of x, as vdpbf16ps reads them
+    for (long t = t0; t < t1; t++) {
+        const uint8_t *wt = w + t * groups * gbytes;
+        __m512 tot = _mm512_setzero_ps();
+        for (long g = 0; g < groups; g++) {
+            const uint8_t *wg = wt + g * gbytes;
+            for (long l = 0; l < gbytes; l += 64)  // 4 KB ahead: 40 against 49 GB/s (python fast_cpu_int4.py)
+                _mm_prefetch((const char *)(wg + PREFETCH + l), _MM_HINT_T0);
+            __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+            float sx = 0;
+            for (long r = 0; r < R; r++) {
+                const int32_t *xr = xp + (g * gs + r * G) / 2;
+                sx += xs[g * R + r];
+                for (int i = 0; i < 4; i++) {  // four chains of dependent dot products, summed per group
+                    __m512i v = _mm512_loadu_si512((const void *)(wg + r * 256 + 64 * i));
+                    for (int jj = 0; jj < 4; jj++) {
+                        __m512i q = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 4 * jj), low, magic, 0xEA);
+                        a[i] = _mm512_dpbf16_ps(a[i], (__m512bh)q, (__m512bh)_mm512_set1_epi32(xr[4 * i + jj]));
+                    }
+                }
+            }
+            const __m512 s = bf16x16((const uint16_t *)(wg + R * 256));
+            const __m512 z = bf16x16((const uint16_t *)(wg + R * 256) + 16);
+            __m512 sum = _mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3]));
+            // s (sum x (128 + q)) + (z - 136 s) sum x = s sum x (q - 8) + z sum x
+            tot = _mm512_fmadd_ps(sum, s, tot);
+            tot = _mm512_fmadd_ps(_mm512_fnmadd_ps(s, _mm512_set1_ps(136.f), z), _mm512_set1_ps(sx), tot);
+        }
+        _mm512_storeu_ps(y + 16 * t, tot);
+    }
+}
+
+static int mm(const uint16_t *x, const uint8_t *w, const uint16_t *sz, float *y, float *xs, long M, long N, long K,
+              long gs, int threads, int tiles) {
     if (M < 1 || N < BLOCK || K < G || gs < G || N % BLOCK || gs % G || K % gs) return 1;
     if (threads < 1) threads = 1;
 #pragma omp parallel for num_threads(threads)
@@ -131,12 +206,33 @@ int llama_flat_int4_mm(const uint16_t *x, const uint8_t *w, const uint16_t *sz, 
             }
             xs[m * (K / G) + g] = t;
         }
+    if (tiles && M == 1) {
+        long n16 = N / 16;
+        if (threads > n16) threads = (int)n16;
+#pragma omp parallel for num_threads(threads) schedule(static, 1)
+        for (int t = 0; t < threads; t++) gemv(x, w, y, xs, K, gs, n16 * t / threads, n16 * (t + 1) / threads);
+        return 0;
+    }
     long blocks = N / BLOCK;
     if (threads > blocks) threads = (int)blocks;
 #pragma omp parallel for num_threads(threads) schedule(static, 1)
     for (int t = 0; t < threads; t++) {
-        job_t job = {x, w, sz, y, xs, M, N, K, gs, blocks * t / threads, blocks * (t + 1) / threads};
+        job_t job = {x, w, sz, y, xs, M, N, K, gs, blocks * t / threads, blocks * (t + 1) / threads, tiles};
         run(&job);
     }
     return 0;
+}
+
+// x [M][K] bfloat16, w ATen's packed int4 [N/64 blocks][K][32], sz [K/gs][N][2] bfloat16, y [M][N] float32,
+// xs [M][K/32] scratch; N % 64 == 0, gs % 32 == 0, K % gs == 0. Returns 1 for any other shape. The blocks are split
+// over `threads` OpenMP threads (torch's own pool: see fast_cpu_int4.py).
+int llama_flat_int4_mm(const uint16_t *x, const uint8_t *w, const uint16_t *sz, float *y, float *xs, long M, long N,
+                       long K, long gs, int threads) {
+    return mm(x, w, sz, y, xs, M, N, K, gs, threads, 0);
+}
+
+// The same from the tiles w [N/16][K/gs][gs / 32 * 256 + 64] (scales and offsets inside).
+int llama_flat_int4_tiles_mm(const uint16_t *x, const uint8_t *w, float *y, float *xs, long M, long N, long K,
+                             long gs, int threads) {
+    return mm(x, w, 0, y, xs, M, N, K, gs, threads, 1);
 }

@@ -1,13 +1,15 @@
-# fast_cpu_int4.py: int4 prompts at the speed of bfloat16 dot products. Builds fast_cpu_int4.c with the system C
-# compiler (cc, or $CC; the toolchain torch.compile needs anyway) once per machine into ~/.cache/llama-flat, loads it
-# with ctypes and registers it as the opaque op llama_flat::int4_mm, which fast_cpu_quant (int4_cpu_mm) calls for the
-# products of prompts on ATen's packed int4 layout, the one layout it keeps (weight-only int4; 8da4w's integer
-# activations); decode keeps ATen's kernel, as fast there. The kernel runs on torch's own OpenMP threads: built with
-# -fopenmp, the library binds to the libgomp.so.1 torch has loaded (threads of its own fought torch's spinning workers
-# for the cores). Where it cannot run (no AVX512-BF16, no compiler, a layout other than the one it reads: a self-test
-# at load; or LLAMA_FLAT_INT4_KERNEL=0), available() is False and ATen's kernel takes every product (the op too: a
-# package that calls it runs anywhere). Delete both files: ATen's kernel, slower, equal up to float rounding.
-import ctypes
+# fast_cpu_int4.py: int4 products at the memory's rate (one row) and at the speed of bfloat16 dot products (prompts).
+# Builds fast_cpu_int4.c and runner-aoti/int4_op.cpp (its torch ops) with the system compilers (cc and c++, or $CC and
+# $CXX; the toolchain torch.compile needs anyway) once per machine into ~/.cache/llama-flat and loads the library
+# (torch.ops.load_library): llama_flat::int4_tiles_mm multiplies by this file's tiles (make_tiles), the one int4 layout
+# fast_cpu_quant keeps where the kernel runs, read at every length (compiled decode calls the op through the
+# dispatcher, no Python); llama_flat::int4_mm by ATen's packed layout, for the prompt models of AOT Inductor packages
+# (runner-aoti links the same files). The kernel runs on torch's own OpenMP threads: built with -fopenmp, the library
+# binds to the libgomp.so.1 torch has loaded (threads of its own fought torch's spinning workers for the cores). Where
+# it cannot run (no AVX512-BF16, no compiler, a layout other than the one it reads: a self-test; or
+# LLAMA_FLAT_INT4_KERNEL=0), available() is False, fast_cpu_quant keeps ATen's layout and kernels, and int4_mm is
+# ATen's kernel (a package that calls it runs anywhere). Delete both files (and int4_op.cpp from runner-aoti's
+# CMakeLists.txt): ATen's kernels, slower, equal up to float rounding.
 import hashlib
 import os
 import subprocess
@@ -20,13 +22,13 @@ import torch_internals as TI
 from common import atomic_path
 
 SOURCE = Path(__file__).with_suffix(".c")
-FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512bf16", "-shared", "-fPIC", "-fopenmp", "-pipe"]
-# From this many tokens per sequence the kernel runs: prompts (2 threads, int4 g32, per product against ATen's kernel:
-# 8192x2048 at 2 rows 0.25 against 0.28 ms, 8 rows 0.54 against 0.79, 128 rows 6.0 against 12.9; oneDNN's bfloat16
-# GEMM on a bfloat16 copy 6.6; `python fast_cpu_int4.py`). Decode's one token, batched or not, stays on ATen's kernel:
-# one row is even (0.26 against 0.25), and compiled decode would reach the kernel through a Python call per product.
+OPS = Path(__file__).parent / "runner-aoti" / "int4_op.cpp"
+FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512bf16", "-fPIC", "-fopenmp", "-pipe"]
+# Prompts on ATen's layout from this many tokens per sequence (a package's prompt model; 2 threads, int4 g32, per
+# product against ATen's kernel: 8192x2048 at 2 rows 0.25 against 0.28 ms, 8 rows 0.54 against 0.79, 128 rows 6.0
+# against 12.9; oneDNN's bfloat16 GEMM on a bfloat16 copy 6.6; `python fast_cpu_int4.py`). Tiles: every length.
 ROWS_FROM = 2
-_LIB = None  # the kernel's C function (ctypes), once built, loaded and checked
+_LIB = None  # the library's path, once built, loaded and checked
 _TRIED = False
 
 
@@ -35,62 +37,66 @@ def _cache_dir() -> Path:
 
 
 def _build():
-    """The kernel's function, compiled on first use into the cache (common.atomic_path: a killed build leaves no
-    library half-written; libraries of other versions of the source are removed), or None with one line on stderr
-    where the compiler fails."""
-    source = SOURCE.read_bytes()
-    cc = os.environ.get("CC", "cc")
-    key = hashlib.sha256(source + " ".join([cc, *FLAGS]).encode()).hexdigest()[:16]
+    """The library's path, compiled on first use into the cache (common.atomic_path: a killed build leaves no
+    library half-written; libraries of other versions of the sources are removed), or None with one line on stderr
+    where a compiler fails."""
+    tdir = Path(torch.__file__).parent
+    cc, cxx = os.environ.get("CC", "cc"), os.environ.get("CXX", "c++")
+    cxxflags = ["-O2", "-std=c++17", "-fPIC", "-DLLAMA_FLAT_INT4_KERNEL", "-w",
+                f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}",
+                f"-I{tdir / 'include'}", f"-I{tdir / 'include' / 'torch' / 'csrc' / 'api' / 'include'}"]
+    key = hashlib.sha256(SOURCE.read_bytes() + OPS.read_bytes()
+                         + " ".join([cc, cxx, *FLAGS, *cxxflags, torch.__version__]).encode()).hexdigest()[:16]
     lib = _cache_dir() / f"fast_cpu_int4-{key}.so"
     if not lib.exists():
+        print("building the int4 kernel (fast_cpu_int4.c, once per machine) ...", file=sys.stderr, flush=True)
         try:
             with atomic_path(lib) as tmp:
-                subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(tmp)], check=True, capture_output=True, timeout=120)
+                c, cpp = tmp.with_suffix(".c.o"), tmp.with_suffix(".cpp.o")
+                for cmd in ([cc, *FLAGS, "-c", str(SOURCE), "-o", str(c)],
+                            [cxx, *cxxflags, "-c", str(OPS), "-o", str(cpp)],
+                            [cxx, "-shared", "-fopenmp", str(c), str(cpp), "-o", str(tmp), f"-L{tdir / 'lib'}",
+                             "-lc10", "-ltorch_cpu"]):
+                    subprocess.run(cmd, check=True, capture_output=True, timeout=300)
         except (OSError, subprocess.SubprocessError) as e:
             said = (getattr(e, "stderr", b"") or b"").decode(errors="replace").splitlines()
             said = [line for line in said if "error" in line] or said or [str(e)]
-            print(f"note: int4 prompts use ATen's kernel: building {SOURCE.name} failed ({said[0].strip()})",
+            print(f"note: int4 products use ATen's kernels: building {SOURCE.name} failed ({said[0].strip()})",
                   file=sys.stderr)
             return None
         for old in lib.parent.glob("fast_cpu_int4-*.so"):
             if old != lib:
                 old.unlink(missing_ok=True)
-    fn = ctypes.CDLL(str(lib)).llama_flat_int4_mm
-    fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_long] * 4 + [ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
+    return lib
 
 
-def int4_mm(x: torch.Tensor, w: torch.Tensor, groupsize: int, sz: torch.Tensor) -> torch.Tensor:
-    """aten._weight_int4pack_mm_for_cpu's product, its arguments (x [M, K] bfloat16; w and sz [K/G, N, 2], scale and
-    offset, as ATen packs them), in float32: [M, N]. Where the kernel does not run, ATen's kernel."""
-    (M, K), N = x.shape, sz.shape[1]
-    if not (x.dtype == sz.dtype == torch.bfloat16 and w.dtype == torch.uint8 and groupsize > 0 and K % groupsize == 0
-            and sz.shape == (K // groupsize, N, 2) and w.numel() * 2 == N * K):
-        raise ValueError(f"int4_mm: unexpected operands x {tuple(x.shape)} {x.dtype}, w {tuple(w.shape)} {w.dtype}, "
-                         f"group size {groupsize}, sz {tuple(sz.shape)} {sz.dtype}")
-    if not available():
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, w, groupsize, sz).float()
-    x, w, sz = x.contiguous(), w.contiguous(), sz.contiguous()
-    y = torch.empty(M, N, dtype=torch.float32)
-    xs = torch.empty(M, K // 32, dtype=torch.float32)
-    if _LIB(x.data_ptr(), w.data_ptr(), sz.data_ptr(), y.data_ptr(), xs.data_ptr(), M, N, K, groupsize,
-            torch.get_num_threads()):
-        raise ValueError(f"int4_mm: unsupported shape {M}x{K} @ {N}x{K}, group size {groupsize}")
-    return y
+def make_tiles(q: torch.Tensor, s: torch.Tensor, z: torch.Tensor, groupsize: int) -> torch.Tensor:
+    """The tiles of fast_cpu_int4.c (its header) from q [N, K] (integers in [0, 15]) and s, z [N, K/groupsize]
+    (w = (q - 8) s + z, rounded to bfloat16): uint8 [N/16, K/groupsize, groupsize / 32 * 256 + 64]; N % 16 == 0,
+    groupsize % 32 == 0. The tiles of a slice of rows (of 16) are a slice of the tiles."""
+    (N, K), G, R = q.shape, q.shape[1] // groupsize, groupsize // 32
+    t = q.to(torch.int32).view(N // 16, 16, G, R, 4, 4, 2).permute(0, 2, 3, 4, 1, 6, 5)  # [t, g, r, i, c, h, j]
+    lanes = (t[..., 0] | (t[..., 1] << 4) | (t[..., 2] << 8) | (t[..., 3] << 12)).to(torch.int16)  # [t, g, r, i, c, h]
+    tile = lambda v: v.to(torch.bfloat16).view(N // 16, 16, G).transpose(1, 2).contiguous().view(torch.uint8)
+    return torch.cat([lanes.contiguous().view(torch.uint8).view(N // 16, G, R * 256), tile(s), tile(z)], -1)
 
 
 def _self_test() -> bool:
-    """The kernel against float64 on a weight packed by ATen here (its layout depends on the CPU's ISA)."""
+    """Both ops against float64, on a weight packed by ATen here (its layout depends on the CPU's ISA) and on tiles."""
     g = torch.Generator().manual_seed(0)
-    N, K, M, G = 128, 128, 7, 64
+    N, K, G = 128, 128, 64
     q = torch.randint(0, 16, (N, K), generator=g, dtype=torch.int32)
     sz = (torch.randn(K // G, N, 2, generator=g) * 0.1).to(torch.bfloat16)
-    x = torch.randn(M, K, generator=g).to(torch.bfloat16)
     s, z = (sz[..., i].t().double().repeat_interleave(G, 1) for i in (0, 1))
-    ref = x.double() @ ((q - 8) * s + z).t()
-    y = int4_mm(x, torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1), G, sz)
-    return torch.allclose(y.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    tiles = make_tiles(q, sz[..., 0].t(), sz[..., 1].t(), G)
+    for M in (1, 7):
+        x = torch.randn(M, K, generator=g).to(torch.bfloat16)
+        ref = x.double() @ ((q - 8) * s + z).t()
+        for y in (torch.ops.llama_flat.int4_mm(x, torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1), G, sz),
+                  torch.ops.llama_flat.int4_tiles_mm(x, tiles, G)):
+            if not torch.allclose(y.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item()):
+                return False
+    return True
 
 
 def takes(out_features: int, groupsize: int) -> bool:
@@ -99,57 +105,94 @@ def takes(out_features: int, groupsize: int) -> bool:
     return out_features % 64 == 0 and groupsize % 32 == 0 and available()
 
 
+def _wanted() -> bool:
+    return (os.environ.get("LLAMA_FLAT_INT4_KERNEL", "1") != "0" and sys.platform == "linux"
+            and TI.cpu_has("avx512_bf16"))
+
+
+def _load() -> bool:
+    """Loads the library (its ops), building it first where the cache lacks it; False where it cannot be."""
+    if hasattr(torch.ops.llama_flat, "int4_tiles_mm"):
+        return True
+    try:
+        lib = _build()
+        if lib is not None:
+            torch.ops.load_library(str(lib))
+    except Exception as e:  # (a missing source, a noexec cache, a library that does not load)
+        print(f"note: int4 products use ATen's kernels: fast_cpu_int4 does not load ({e})", file=sys.stderr)
+        return False
+    return lib is not None
+
+
 def available() -> bool:
-    """Whether int4_mm runs the kernel here (decided once per process: builds, loads and checks it; any failure is
-    one line on stderr and ATen's kernel). Call it outside torch.compile's tracing."""
+    """Whether the ops run the kernel here (decided once per process: builds, loads and checks it; any failure is one
+    line on stderr, and ATen's layout and kernels). Call it outside torch.compile's tracing."""
     global _LIB, _TRIED
     if not _TRIED:
         _TRIED = True
-        wanted = os.environ.get("LLAMA_FLAT_INT4_KERNEL", "1") != "0" and sys.platform == "linux"
-        if wanted and TI.cpu_has("avx512_bf16"):
+        if _wanted() and _load():
             try:
-                _LIB = _build()
-                if _LIB is not None and not _self_test():
+                if not _self_test():
                     raise ValueError("its result differs from float64's: ATen's layout is not the one it reads")
-            except Exception as e:  # (a missing source, a noexec cache, a library that does not load)
-                print(f"note: int4 prompts use ATen's kernel: fast_cpu_int4 does not run here ({e})", file=sys.stderr)
+                _LIB = _cache_dir()
+            except Exception as e:
+                print(f"note: int4 products use ATen's kernels: fast_cpu_int4 does not run here ({e})",
+                      file=sys.stderr)
                 _LIB = None
     return _LIB is not None
 
 
-if not hasattr(torch.ops.llama_flat, "int4_mm"):
-    _OPS = torch.library.Library("llama_flat", "FRAGMENT")
+def _aten_int4_mm(x, w, groupsize, sz):  # llama_flat::int4_mm where the library does not load
+    if not (x.dtype == sz.dtype == torch.bfloat16 and w.dtype == torch.uint8 and sz.dim() == 3 and groupsize > 0
+            and x.shape[1] % groupsize == 0 and w.numel() * 2 == sz.shape[1] * x.shape[1]):
+        raise ValueError(f"llama_flat::int4_mm: unexpected operands")
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, w, groupsize, sz).float()
+
+
+_OPS = torch.library.Library("llama_flat", "FRAGMENT")
+if not (_wanted() and _load()) and not hasattr(torch.ops.llama_flat, "int4_mm"):
     _OPS.define("int4_mm(Tensor x, Tensor w, int groupsize, Tensor sz) -> Tensor")
-    _OPS.impl("int4_mm", int4_mm, "CPU")
-    torch.library.register_fake("llama_flat::int4_mm", lib=_OPS)(
-        lambda x, w, groupsize, sz: x.new_empty((x.shape[0], sz.shape[1]), dtype=torch.float32))
+    _OPS.impl("int4_mm", _aten_int4_mm, "CPU")
+    _OPS.define("int4_tiles_mm(Tensor x, Tensor w, int groupsize) -> Tensor")  # (never called: no tiles are made)
+for _name, _fake in (("int4_mm", lambda x, w, gs, sz: x.new_empty((x.shape[0], sz.shape[1]), dtype=torch.float)),
+                     ("int4_tiles_mm", lambda x, w, gs: x.new_empty((x.shape[0], 16 * w.shape[0]), dtype=torch.float))):
+    try:
+        torch.library.register_fake(f"llama_flat::{_name}", lib=_OPS)(_fake)
+    except RuntimeError:  # (registered already: this file imported again, under another name)
+        pass
 
 
 def _main() -> None:
-    """`python fast_cpu_int4.py [threads]`: the kernel against ATen's and oneDNN's bfloat16 GEMM on a bfloat16 copy,
-    per product of Llama-3.2-1B's shapes (median of 10 calls, ms)."""
+    """`python fast_cpu_int4.py [threads]`: per product of Llama-3.2-1B's shapes (ms, median of 9), the kernel on the
+    tiles and on ATen's layout, ATen's int4 kernel, oneDNN's bfloat16 GEMM on a bfloat16 copy; one row streams 24
+    copies of the weight from memory (as decode reads a model's weights), more rows repeat one (prompts)."""
     import time
     torch.set_num_threads(int(sys.argv[1]) if len(sys.argv) > 1 else 2)
     if not available():
         raise SystemExit("error: the kernel does not run here (see the note above, or the CPU has no AVX512-BF16)")
 
-    def ms(f):
+    def ms(f, n):
         times = []
-        for i in range(13):
+        for i in range(12):
             start = time.perf_counter()
             f()
             times.append(time.perf_counter() - start) if i >= 3 else None
-        return sorted(times)[5] * 1e3
-    print(f"threads {torch.get_num_threads()}; ms per product: ours / ATen's int4 / oneDNN bfloat16")
-    for N, K in ((8192, 2048), (2048, 8192), (2048, 2048), (512, 2048)):
+        return sorted(times)[4] * 1e3 / n
+    print(f"threads {torch.get_num_threads()}; ms per product: tiles / ATen's layout / ATen's int4 / oneDNN bfloat16")
+    for N, K in ((8192, 2048), (2048, 8192), (2048, 2048)):
         q = torch.randint(0, 16, (N, K), dtype=torch.int32)
-        w, sz = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1), torch.randn(K // 32, N, 2).bfloat16()
-        w16 = torch.randn(K, N).bfloat16()
-        for M in (1, 2, 8, 16, 128):
-            x = torch.randn(M, K).bfloat16()
-            print(f"{N}x{K} {M:4d} rows: {ms(lambda: int4_mm(x, w, 32, sz)):6.2f} / "
-                  f"{ms(lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(x, w, 32, sz)):6.2f} / "
-                  f"{ms(lambda: torch.mm(x, w16)):6.2f}")
+        sz = torch.randn(K // 32, N, 2).bfloat16()
+        w = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+        tiles, w16 = make_tiles(q, sz[..., 0].t(), sz[..., 1].t(), 32), torch.randn(K, N).bfloat16()
+        for M in (1, 2, 8, 128):
+            n = 24 if M == 1 else 1
+            x, copies = torch.randn(M, K).bfloat16(), [(tiles.clone(), w.clone(), sz.clone(), w16.clone())
+                                                       for _ in range(n)]
+            run = lambda f: ms(lambda: [f(*c) for c in copies], n)
+            aten = torch.ops.aten._weight_int4pack_mm_for_cpu
+            print(f"{N}x{K} {M:4d} rows: {run(lambda t, w, s, w16: torch.ops.llama_flat.int4_tiles_mm(x, t, 32)):6.3f}"
+                  f" / {run(lambda t, w, s, w16: torch.ops.llama_flat.int4_mm(x, w, 32, s)):6.3f}"
+                  f" / {run(lambda t, w, s, w16: aten(x, w, 32, s)):6.3f} / {run(lambda t, w, s, w16: x @ w16):6.3f}")
 
 
 if __name__ == "__main__":

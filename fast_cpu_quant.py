@@ -1,6 +1,6 @@
 # fast_cpu_quant.py: faster CPU products for qops.py's quantized weights, swapped in by fast_cpu.swap_in (speed_up):
 # FastQuantizedLinear computes what qops.QuantizedLinear does, through ATen's packed int8 / int4 kernels,
-# fast_cpu_int4's kernel (int4 prompts) and oneDNN's bfloat16 GEMM for prompts, one generated reduction over word
+# fast_cpu_int4's kernel (int4, every length) and oneDNN's bfloat16 GEMM for prompts, one generated reduction over word
 # layouts of the integer weights for compiled decode, and integer GEMMs for 8da8w. The layouts are its own (derived
 # from the stored weight when it is made, not saved).
 # Delete this file (with fast_cpu.py) and quantized models run qops.py's exact eager products.
@@ -67,11 +67,9 @@ _FAKE_QUANT_OP = torch.ops.llama_flat.fake_quant_per_token_int8
 # same float32 as with shifts for one integer op less per byte / nibble. The top byte / nibble is shifted down.
 _BYTE_SCALES = torch.tensor([1.0, 2.0 ** -8, 2.0 ** -16, 1.0]).view(4, 1, 1)
 _NIBBLE_SCALES = torch.tensor([16.0 ** -j for j in range(7)] + [1.0]).view(8, 1, 1)
-# Products of many rows on a CPU with bfloat16 dot products (AVX512-BF16 or AMX): the weights go to bfloat16 in one
-# generated kernel reading the word layouts (words_bf16_t), then oneDNN's bfloat16 GEMM, about twice float32's rate;
-# ATen's packed weight-only kernels multiply in float32. 2 threads, 1536x576 int4 g32, compiled: 754 against 1461 us
-# at 128 rows, 274 against 218 at 16: below BF16_ROWS rows the packed kernels stay (a compiled prompt graph then
-# guards on the length: one recompile when prompts cross it).
+# Products of many rows on a CPU with bfloat16 dot products (AVX512-BF16 or AMX): the word layouts to bfloat16 in one
+# generated kernel (words_bf16_t), then oneDNN's bfloat16 GEMM, about twice ATen's packed kernels' float32 rate
+# (1536x576 int4 g32, 2 threads: 754 against 1461 us at 128 rows, 274 against 218 at 16: below BF16_ROWS they stay).
 BF16_GEMM = TI.cpu_has("avx512_bf16") or TI.cpu_has("amx_tile")
 BF16_ROWS = 32
 # Compiled weight-only int8 prompts of fewer rows than this without packed bfloat16 copies (fast_cpu.PROMPT_COPIES_MAX)
@@ -89,8 +87,8 @@ _BYTE_OFFSETS = torch.tensor([0, 0, 0, 128], dtype=torch.int32).view(4, 1, 1, 1)
 LAYOUTS = ("int8_words", "int4_words", "int4_cpu", "int8_unit", "int8_sums", "qdata_int8", "int8_bf16_t")
 
 
-def _by_rows(fn, t: Tensor, rows: int = 4096) -> Tensor:  # fn over slices of rows: small temporaries (1B output)
-    return torch.cat([fn(t[i:i + rows]) for i in range(0, t.shape[0], rows)])
+def _by_rows(fn, n: int, rows: int = 4096) -> Tensor:  # fn over slices of n rows: small temporaries (1B output)
+    return torch.cat([fn(slice(i, i + rows)) for i in range(0, n, rows)])
 
 
 def _int4_words_bf16_t(w: Tensor, st: Tensor, zt: Optional[Tensor]) -> Tensor:
@@ -110,16 +108,15 @@ class FastQuantizedLinear(QuantizedLinear):
         bfloat16 weights (int8: a copy of q, exact; int4: q s + z rounded once); a compiled prompt multiplies an int8
         weight by its packed bfloat16 copy where fast_cpu.pack_prompt_weights made one (pack_prompt);
       * 8da8w, more than one row: one integer GEMM (torch._int_mm); 8da4w compiled prompts: the activations' int8
-        values through the int4 kernels (int4_act_linear); eager 8da4w keeps qops' float32 products (the .pte's
-        reference);
-      * compiled decode (one row), and weight-only int8 prompts of fewer than INT8_WORD_ROWS rows without packed
-        copies: one generated reduction over the word layouts (fused_linear);
-      * weight-only int4 (no word layouts: _make_words) and bfloat16 models: ATen's packed layout at every length,
-        from fast_cpu_int4.ROWS_FROM rows through fast_cpu_int4's kernel where it runs, else ATen's kernel.
+        values through the int4 kernels (int4_act_linear); eager 8da4w: qops' float32 products (the .pte's reference);
+      * compiled decode (one row), weight-only int8 prompts of fewer than INT8_WORD_ROWS rows without packed copies:
+        one generated reduction over the word layouts (fused_linear);
+      * weight-only int4: one layout at every length (int4_cpu_mm): fast_cpu_int4's tiles and kernel where it runs
+        (tiles False, qexport's packages: ATen's), else ATen's packed layout and kernel.
     export_rows (qexport.py's AOT Inductor forms; torch.export only): "words" the word kernels for any number of rows;
     "native" a package's prompt model (the packed kernels, int8 on its bfloat16 copy); "bf16" its long_prompt model."""
 
-    def __init__(self, lin: QuantizedLinear, export_rows: Optional[str] = None, words: bool = True):
+    def __init__(self, lin: QuantizedLinear, export_rows: Optional[str] = None, words: bool = True, tiles: bool = True):
         super().__init__(lin.qweight, None, lin.act)
         self.bias, self.act_quant, self.export_rows = lin.bias, lin.act_quant, export_rows
         self.prompt_packed = getattr(lin, "prompt_packed", False)
@@ -129,42 +126,45 @@ class FastQuantizedLinear(QuantizedLinear):
             for name in LAYOUTS:
                 setattr(self, name, getattr(lin, name))
         else:
-            self._make_layouts(words)
+            self._make_layouts(words, tiles)
 
     def add_words(self):  # the word layouts (compiled decode's), where the module was made without them
         if self.int8_words is None and self.int4_words is None:
             self._make_words()
 
-    def _make_layouts(self, words: bool = True):
+    def _make_layouts(self, words: bool = True, tiles: bool = True):
         """The kernels' layouts from qdata, scales and zeros (plain attributes: not saved, not moved); words: also the
-        word layouts, which only compiled code reads (an eager 1B int8 model would hold 1 GB more for nothing)."""
+        word layouts, which only compiled code reads (an eager 1B int8 model would hold 1 GB more for nothing).
+        int4_cpu: (fast_cpu_int4's tiles, None, True) or (ATen's blocked layout, its scales and offsets, kernel)."""
         qw, static = self.qweight, TI.mark_static
         N = qw.out_features
         for name in LAYOUTS:
             setattr(self, name, None)
         if qw.bits == 8:  # unit bfloat16 scales for float32 activations (native_linear); per-channel sums of q
             self.int8_unit = static(torch.ones(N, dtype=torch.bfloat16, device=qw.qdata.device))
-            self.int8_sums = static(_by_rows(lambda q: q.sum(1, dtype=torch.int32), qw.qdata))
+            self.int8_sums = static(_by_rows(lambda r: qw.qdata[r].sum(1, dtype=torch.int32), N))
         elif (qw.symmetric or qw.xnnpack) and not words:  # q - 8 as int8 [N, K]: eager (q - 8) s in one pass
             self.qdata_int8 = unpack_int4(qw.qdata, qw.groupsize).to(torch.int8) - 8
         if (qw.bits == 4 and qw.qdata.is_cpu and N % 16 == 0
                 and hasattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu")
                 and (qw.scales.dtype == torch.bfloat16 or qw.weight_only  # (8da4w: see int4_act_linear)
                      or torch.equal(qw.scales.to(torch.bfloat16).to(qw.scales.dtype), qw.scales))):
-            s = qw.scales  # ATen's blocked layout, bfloat16 scales and offsets: (q - 8) s + z'
+            s = qw.scales  # bfloat16 scales and offsets: (q - 8) s + z'
             z = torch.zeros_like(s) if qw.zeros is None or qw.xnnpack else qw.zeros + 8 * s
-            packed = _by_rows(lambda q: torch.ops.aten._convert_weight_to_int4pack_for_cpu(  # (blocked along
-                unpack_int4(q, qw.groupsize).to(torch.int32), 1), qw.qdata)                  # rows: slices concatenate)
             kernel = fast_cpu_int4 is not None and fast_cpu_int4.takes(N, qw.groupsize)  # (see int4_cpu_mm)
-            self.int4_cpu = (static(packed), static(torch.stack([s.t(), z.t()], -1).to(torch.bfloat16).contiguous()),
-                             kernel)
+            q, G = (lambda r: unpack_int4(qw.qdata[r], qw.groupsize)), qw.groupsize  # (by rows: slices concatenate)
+            if kernel and tiles:
+                self.int4_cpu = static(_by_rows(lambda r: fast_cpu_int4.make_tiles(q(r), s[r], z[r], G), N)), None, True
+            else:
+                pack = torch.ops.aten._convert_weight_to_int4pack_for_cpu
+                self.int4_cpu = (static(_by_rows(lambda r: pack(q(r).to(torch.int32), 1), N)),
+                                 static(torch.stack([s.t(), z.t()], -1).to(torch.bfloat16)), kernel)
         if words:
             self._make_words()
 
     def _make_words(self):
         """The word layouts of the compiled decode kernels (fused_linear), in tiles of 16 output channels. Not for
-        weight-only int4 with ATen's blocked layout, read at every length (one layout, not two; in compiled decode
-        equal to the word kernel: 24.5 against 23.2 ms per 1B step, 5.0 against 5.0 for SmolLM2, 2 threads)."""
+        weight-only int4 with a packed layout (int4_cpu), read at every length: one layout, not two."""
         qw, static = self.qweight, TI.mark_static
         N, K, G = qw.out_features, qw.in_features, qw.groupsize
         if not (qw.qdata.is_cpu and N % 16 == 0) or (self.int4_cpu is not None and qw.weight_only):
@@ -217,7 +217,7 @@ class FastQuantizedLinear(QuantizedLinear):
     def reads_words_only(self) -> bool:
         """The products read this module's own layouts alone, never qdata (nor int4's scales and zeros): compiled
         weight-only int8 with bfloat16 GEMMs (words; prompts: words_bf16_t or the packed copy), weight-only int4 with
-        ATen's blocked layout, compiled 8da4w (words, blocked layout); swap_in / pack_prompt give their pages back."""
+        int4_cpu, compiled 8da4w (words, int4_cpu); swap_in / pack_prompt give their pages back."""
         qw = self.qweight
         if qw.bits == 8:
             return self.int8_words is not None and self.act is None and BF16_GEMM
@@ -235,7 +235,7 @@ class FastQuantizedLinear(QuantizedLinear):
         return not (torch.compiler.is_exporting() or self._word_rows(x)
                     or (self._compiled_row(x) and not self._int4_blocked_only()))
 
-    def _int4_blocked_only(self) -> bool:  # weight-only int4 without word layouts: see _make_words
+    def _int4_blocked_only(self) -> bool:  # weight-only int4 with int4_cpu alone: see _make_words
         return self.int4_cpu is not None and self.int4_words is None and self.qweight.weight_only
 
     @staticmethod
@@ -340,11 +340,12 @@ class FastQuantizedLinear(QuantizedLinear):
         return y.reshape(*x.shape[:-1], qw.out_features)
 
     def int4_cpu_mm(self, x2: Tensor, x: Tensor) -> Tensor:
-        """x2 [M, K] bfloat16 (the rows of x [..., T, K]) @ w.T on ATen's blocked int4 layout: prompts (from
-        fast_cpu_int4.ROWS_FROM tokens T per sequence) through fast_cpu_int4's kernel where it runs (float32 out; in
-        packages the prompt models only: its proxy executor call, ~18 us, cost decode 6.5 against 3.8 ms per SmolLM2
-        step), else ATen's kernel."""
+        """x2 [M, K] bfloat16 (the rows of x [..., T, K]) @ w.T, float32 or bfloat16: fast_cpu_int4's tiles, its kernel
+        at every length; ATen's blocked layout (packages): prompt models from ROWS_FROM tokens per sequence the kernel
+        (a proxy executor call, ~18 us, cost decode 6.5 against 3.8 ms per SmolLM2 step), else ATen's kernel."""
         packed, sz, kernel = self.int4_cpu
+        if sz is None:
+            return torch.ops.llama_flat.int4_tiles_mm(x2, packed, self.qweight.groupsize)
         if torch.compiler.is_exporting():
             kernel = kernel and self.export_rows in ("native", "bf16")
         if kernel and (x.shape[-2] if x.dim() > 2 else x2.shape[0]) >= fast_cpu_int4.ROWS_FROM:

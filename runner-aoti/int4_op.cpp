@@ -1,8 +1,13 @@
-// int4_op.cpp: llama_flat::int4_mm for the runner, the op that fast_cpu_int4.py registers in Python: an int4 package's
-// "prompt" model (exported where the kernel runs) calls it through AOT Inductor's proxy executor. It runs
-// ../fast_cpu_int4.c where the build targets AVX512-BF16 (CMakeLists.txt defines LLAMA_FLAT_INT4_KERNEL) and the CPU
-// has it; elsewhere ATen's int4 kernel on the same operands, so a package runs on any CPU that packs int4 alike.
-#include <ATen/ATen.h>
+// int4_op.cpp: the torch ops of ../fast_cpu_int4.c, llama_flat::int4_mm (ATen's packed int4 layout) and
+// llama_flat::int4_tiles_mm (fast_cpu_int4.py's tiles). fast_cpu_int4.py builds it with the kernel into the library
+// that Python runs load (torch.ops.load_library: compiled code calls the ops through the dispatcher, no Python); the
+// runner links it for packages whose "prompt" model calls int4_mm (through AOT Inductor's proxy executor). The kernel
+// runs where the build targets AVX512-BF16 (LLAMA_FLAT_INT4_KERNEL) and the CPU has it; elsewhere int4_mm runs ATen's
+// int4 kernel on the same operands (a package runs on any CPU that packs int4 alike) and int4_tiles_mm refuses (tiles
+// are made only where the kernel runs).
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/_weight_int4pack_mm_for_cpu.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -11,6 +16,8 @@
 #ifdef LLAMA_FLAT_INT4_KERNEL
 extern "C" int llama_flat_int4_mm(const uint16_t *x, const uint8_t *w, const uint16_t *sz, float *y, float *xs, long M,
                                   long N, long K, long gs, int threads);
+extern "C" int llama_flat_int4_tiles_mm(const uint16_t *x, const uint8_t *w, float *y, float *xs, long M, long N,
+                                        long K, long gs, int threads);
 #endif
 
 namespace {
@@ -25,17 +32,42 @@ at::Tensor int4_mm_op(const at::Tensor &x, const at::Tensor &w, int64_t groupsiz
     const int64_t M = xc.size(0), K = xc.size(1), N = szc.size(1);
     at::Tensor y = at::empty({M, N}, xc.options().dtype(at::kFloat));
     at::Tensor xs = at::empty({M, K / 32}, xc.options().dtype(at::kFloat));
-    if (!llama_flat_int4_mm(static_cast<const uint16_t *>(xc.data_ptr()), wc.data_ptr<uint8_t>(),
-                            static_cast<const uint16_t *>(szc.data_ptr()), y.data_ptr<float>(), xs.data_ptr<float>(), M,
-                            N, K, groupsize, at::get_num_threads()))
-      return y;
+    TORCH_CHECK(!llama_flat_int4_mm(static_cast<const uint16_t *>(xc.data_ptr()), wc.data_ptr<uint8_t>(),
+                                    static_cast<const uint16_t *>(szc.data_ptr()), y.data_ptr<float>(),
+                                    xs.data_ptr<float>(), M, N, K, groupsize, at::get_num_threads()),
+                "llama_flat::int4_mm: unsupported shape ", M, "x", K, " @ ", N, "x", K, ", group size ", groupsize);
+    return y;
   }
 #endif
   return at::_weight_int4pack_mm_for_cpu(x, w, groupsize, sz).to(at::kFloat);
+}
+
+at::Tensor int4_tiles_mm_op(const at::Tensor &x, const at::Tensor &w, int64_t groupsize) {
+  TORCH_CHECK(x.is_cpu() && x.dim() == 2 && x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kByte &&
+                  w.dim() == 3 && groupsize >= 32 && groupsize % 32 == 0 && x.size(1) % groupsize == 0 &&
+                  w.size(1) == x.size(1) / groupsize && w.size(2) == groupsize / 32 * 256 + 64,
+              "llama_flat::int4_tiles_mm: unexpected operands");
+#ifdef LLAMA_FLAT_INT4_KERNEL
+  if (__builtin_cpu_supports("avx512bf16")) {
+    at::Tensor xc = x.contiguous(), wc = w.contiguous();
+    const int64_t M = xc.size(0), K = xc.size(1), N = wc.size(0) * 16;
+    at::Tensor y = at::empty({M, N}, xc.options().dtype(at::kFloat));
+    at::Tensor xs = at::empty({M, K / 32}, xc.options().dtype(at::kFloat));
+    TORCH_CHECK(!llama_flat_int4_tiles_mm(static_cast<const uint16_t *>(xc.data_ptr()), wc.data_ptr<uint8_t>(),
+                                          y.data_ptr<float>(), xs.data_ptr<float>(), M, N, K, groupsize,
+                                          at::get_num_threads()),
+                "llama_flat::int4_tiles_mm: unsupported shape ", M, "x", K, " @ ", N, "x", K, ", group size ",
+                groupsize);
+    return y;
+  }
+#endif
+  TORCH_CHECK(false, "llama_flat::int4_tiles_mm: the kernel does not run on this CPU or build");
 }
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(llama_flat, m) {
   m.def("int4_mm(Tensor x, Tensor w, int groupsize, Tensor sz) -> Tensor");
   m.impl("int4_mm", c10::DispatchKey::CPU, TORCH_FN(int4_mm_op));
+  m.def("int4_tiles_mm(Tensor x, Tensor w, int groupsize) -> Tensor");
+  m.impl("int4_tiles_mm", c10::DispatchKey::CPU, TORCH_FN(int4_tiles_mm_op));
 }

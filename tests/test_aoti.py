@@ -270,6 +270,20 @@ def quantized(env):
     return get
 
 
+def compiled_as_packaged(q):
+    """`--compile` of checkpoint q on a package's int4 layout: ATen's blocked layout and kernels (packages keep it;
+    Python runs multiply by fast_cpu_int4's tiles where its kernel runs, whose one-row products are float32, where
+    ATen's one-row kernel rounds within bfloat16: a random model's near ties part them)."""
+    import fast_cpu_quant as FQ
+    from generate import TorchBackend
+    from quantize import load_model
+    make = FQ.FastQuantizedLinear._make_layouts
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(FQ.FastQuantizedLinear, "_make_layouts", lambda self, words=True, tiles=True: make(self, words,
+                                                                                                   False))
+        return TorchBackend(load_model(q), 1, MAX_SEQ, compile=True)
+
+
 def test_quantized_checkpoint(env, runner, quantized):
     # int4 weight-only in a package of its models (the models whose weights the package shares once once failed to
     # compile an int4 checkpoint: its several-row products lowered to an aten.mm that Inductor's C++ GEMM template
@@ -292,10 +306,10 @@ def test_quantized_checkpoint(env, runner, quantized):
     int4 = [m for m in load_model(q).modules() if isinstance(m, QuantizedLinear) and m.qweight.bits == 4]
     kinds = Counter(dtypes[r] for r in records["model"])
     assert len(int4) and kinds["uint8"] == kinds["bfloat16"] == len(int4) and len(added) <= 1, (kinds, added)
-    # the package computes what --compile computes (ATen's int4 kernel rounds its input to bfloat16: the norms'
-    # float32 differences between eager and generated code can part a random model's near ties)
+    # the package computes what --compile computes on its layouts (ATen's int4 kernel rounds its input to bfloat16:
+    # the norms' float32 differences between eager and generated code can part a random model's near ties)
     cpu = torch.device("cpu")
-    want, _ = generate(TorchBackend(load_model(q), 1, MAX_SEQ, compile=True), [[1, 5, 9]], 30, cpu)
+    want, _ = generate(compiled_as_packaged(q), [[1, 5, 9]], 30, cpu)
     got, _ = generate(AOTIBackend(pt2), [[1, 5, 9]], 30, cpu)
     assert got == want
     for prompt in PROMPTS[:2]:
@@ -312,8 +326,8 @@ def test_quantized_package_keeps_integer_weights(env, quantized, mode):
     through ATen's packed kernel (its blocked layout), 8da8w's int8 x int8 products through torch._int_mm on qdata,
     int8 through oneDNN's bfloat16 GEMM on q as bfloat16 (exact; eager runs it from 32 rows, the packed kernel
     below); its one-row output projection through the words (8da4w's once failed to compile there: a folded slice).
-    The package's tokens are eager's; 8da4w's are --compile's, whose prompts run the same packed int4 kernel on the
-    activations' int8 values (eager 8da4w: float32 products), and int4's (see test_quantized_checkpoint)."""
+    The package's tokens are eager's; 8da4w's and int4's are --compile's on the package's layouts (compiled_as_packaged;
+    8da4w's prompts run the same packed int4 kernel on the activations' int8 values, eager 8da4w float32 products)."""
     import qops
     from aoti_export import AOTIBackend
     from generate import TorchBackend, generate
@@ -333,7 +347,7 @@ def test_quantized_package_keeps_integer_weights(env, quantized, mode):
                     if mode == "8da8w" else 0), int8
     assert ("prompt" in {row[0] for row in index}) == (mode != "int8")
     cpu = torch.device("cpu")
-    ref = TorchBackend(load_model(q), 1, MAX_SEQ, compile=mode in ("8da4w", "int4"))
+    ref = compiled_as_packaged(q) if mode in ("8da4w", "int4") else TorchBackend(load_model(q), 1, MAX_SEQ)
     for p in ([1, 5, 9, 300, 17], [7]):
         want, _ = generate(ref, [p], 30, cpu)
         got, _ = generate(AOTIBackend(pt2), [p], 30, cpu)

@@ -2,6 +2,8 @@
 # computed from the weights' own dequantized values; the int4 layouts; the 8da4w pattern XNNPACK lowers; fast_cpu_int4's
 # kernel against float64 and ATen's.
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -13,7 +15,7 @@ import qexport
 import qops
 import quantize as Q
 import torch_internals as TI
-from conftest import hf_to_model, tiny_hf
+from conftest import REPO, hf_to_model, tiny_hf
 
 CPU = torch.device("cpu")
 SCHEMES = {  # name: (scheme, activation quantization)
@@ -254,7 +256,8 @@ def test_int4_kernel_runs_where_the_cpu_has_bfloat16_dot_products():
 @pytest.mark.parametrize("N,K,G", [(64, 64, 32), (192, 512, 32), (64, 576, 32), (128, 256, 64), (64, 256, 128),
                                    (64, 512, 256)])
 def test_int4_kernel_matches_float64_and_atens_kernel(M, N, K, G):
-    """llama_flat::int4_mm on a weight packed by ATen: float64's product of the dequantized weight up to float32
+    """llama_flat::int4_mm on a weight packed by ATen and llama_flat::int4_tiles_mm on the same weight's tiles
+    (fast_cpu_int4.make_tiles; one row: its own decode loop): float64's product of the dequantized weight up to float32
     rounding, and ATen's own kernel (bfloat16 output) up to its rounding."""
     g = torch.Generator().manual_seed(M * N + K + G)
     q = torch.randint(0, 16, (N, K), generator=g, dtype=torch.int32)
@@ -263,36 +266,43 @@ def test_int4_kernel_matches_float64_and_atens_kernel(M, N, K, G):
     s, z = (sz[..., i].t().double().repeat_interleave(G, 1) for i in (0, 1))
     ref = x.double() @ ((q - 8) * s + z).t()
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
-    y = torch.ops.llama_flat.int4_mm(x, packed, G, sz)
-    assert y.dtype == torch.float32 and y.shape == (M, N)
-    torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    tiles = fast_cpu_int4.make_tiles(q, sz[..., 0].t(), sz[..., 1].t(), G)
+    assert tiles.shape == (N // 16, K // G, G // 32 * 256 + 64) and tiles.dtype == torch.uint8
     aten = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, G, sz).float()
-    torch.testing.assert_close(y, aten, rtol=2 ** -7, atol=2 ** -7 * ref.abs().max().item())
+    for y in (torch.ops.llama_flat.int4_mm(x, packed, G, sz), torch.ops.llama_flat.int4_tiles_mm(x, tiles, G)):
+        assert y.dtype == torch.float32 and y.shape == (M, N)
+        torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+        torch.testing.assert_close(y, aten, rtol=2 ** -7, atol=2 ** -7 * ref.abs().max().item())
 
 
 @needs_int4_kernel
 def test_int4_kernel_refuses_a_shape_it_does_not_read():
     q = torch.randint(0, 16, (96, 64), dtype=torch.int32)  # 96 channels: not whole blocks of 64
     sz = torch.ones(2, 96, 2, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="int4_mm: unsupported shape 8x64 @ 96x64, group size 32"):
-        fast_cpu_int4.int4_mm(torch.ones(8, 64, dtype=torch.bfloat16),
-                              torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1), 32, sz)
+    x = torch.ones(8, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="llama_flat::int4_mm: unsupported shape 8x64 @ 96x64, group size 32"):
+        torch.ops.llama_flat.int4_mm(x, torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1), 32, sz)
+    tiles = fast_cpu_int4.make_tiles(q, sz[..., 0].t(), sz[..., 1].t(), 32)
+    with pytest.raises(RuntimeError, match="llama_flat::int4_tiles_mm: unsupported shape 8x64 @ 96x64, group size 32"):
+        torch.ops.llama_flat.int4_tiles_mm(x, tiles, 32)
+    with pytest.raises(RuntimeError, match="llama_flat::int4_tiles_mm: unexpected operands"):
+        torch.ops.llama_flat.int4_tiles_mm(x, tiles, 64)
 
 
 @needs_int4_kernel
-def test_int4_prompts_take_the_kernel_from_rows_from(monkeypatch):
-    """FastQuantizedLinear (weight-only int4, 128 channels): prompts of ROWS_FROM rows or more through the kernel, fewer
-    rows and the layer without it through ATen's kernel, on the same packed weight, the same products up to rounding."""
+def test_int4_linear_keeps_the_tiles_alone_at_every_length(monkeypatch):
+    """FastQuantizedLinear (weight-only int4, 128 channels) keeps the kernel's tiles as its one int4 layout and
+    multiplies every length by them, one row included; tiles=False (qexport's packages) keeps ATen's layout and
+    kernel: the same products up to rounding."""
     _, lin = _linear("int4-g32", N=128, K=128)
-    fast, aten = FQ.FastQuantizedLinear(lin), FQ.FastQuantizedLinear(lin)
-    assert fast.int4_cpu[2]
-    aten.int4_cpu = (*aten.int4_cpu[:2], False)
-    rows, real = [], fast_cpu_int4._LIB
-    monkeypatch.setattr(fast_cpu_int4, "_LIB", lambda *a: rows.append(a[5]) or real(*a))
-    for M in (fast_cpu_int4.ROWS_FROM - 1, fast_cpu_int4.ROWS_FROM, 21):
+    fast, aten = FQ.FastQuantizedLinear(lin), FQ.FastQuantizedLinear(lin, tiles=False)
+    assert fast.int4_cpu[1] is None and fast.int4_cpu[0].shape == (8, 4, 320) and aten.int4_cpu[1] is not None
+    rows, real = [], torch.ops.llama_flat.int4_tiles_mm
+    monkeypatch.setattr(torch.ops.llama_flat, "int4_tiles_mm", lambda x, w, g: rows.append(len(x)) or real(x, w, g))
+    for M in (1, 2, 21):
         x = torch.randn(1, M, 128)
         torch.testing.assert_close(fast(x), aten(x), rtol=2 ** -7, atol=1e-3)
-    assert rows == [fast_cpu_int4.ROWS_FROM, 21]
+    assert rows == [1, 2, 21]
 
 
 def test_int4_kernel_build_is_atomic(monkeypatch, tmp_path, capsys):
@@ -300,7 +310,7 @@ def test_int4_kernel_build_is_atomic(monkeypatch, tmp_path, capsys):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setenv("CC", "false")
     assert fast_cpu_int4._build() is None
-    assert "int4 prompts use ATen's kernel: building fast_cpu_int4.c failed" in capsys.readouterr().err
+    assert "int4 products use ATen's kernels: building fast_cpu_int4.c failed" in capsys.readouterr().err
     assert list((tmp_path / "llama-flat").iterdir()) == []
     if BF16_DOTS:
         monkeypatch.delenv("CC")
@@ -309,19 +319,33 @@ def test_int4_kernel_build_is_atomic(monkeypatch, tmp_path, capsys):
 
 
 def test_int4_kernel_off_falls_back_to_atens(monkeypatch, capsys):
-    """A kernel whose self-test fails (a layout it does not read) is not used: one note, and llama_flat::int4_mm (which
-    a package may call) returns ATen's product; operands of the wrong kind are refused by name."""
-    q = torch.randint(0, 16, (64, 64), dtype=torch.int32)
-    w, sz = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1), torch.rand(2, 64, 2).to(torch.bfloat16)
-    x = torch.randn(3, 64).to(torch.bfloat16)
+    """A kernel whose self-test fails (a layout it does not read) is not used: one note, and int4 linears keep ATen's
+    layout and kernel. Where the library is not loaded (LLAMA_FLAT_INT4_KERNEL=0, as on a CPU without AVX512-BF16),
+    llama_flat::int4_mm (which a package may call) is ATen's product, and operands of the wrong kind are refused by
+    name."""
     monkeypatch.setattr(fast_cpu_int4, "_TRIED", False)
     monkeypatch.setattr(fast_cpu_int4, "_LIB", fast_cpu_int4._LIB)  # (restored after the test, as _TRIED)
-    monkeypatch.setattr(fast_cpu_int4, "_build", lambda: lambda x, w, sz, y, *rest: 0)  # "runs", writes nothing
+    monkeypatch.setattr(fast_cpu_int4, "_load", lambda: True)
+    monkeypatch.setattr(fast_cpu_int4, "_self_test", lambda: False)
     monkeypatch.setattr(fast_cpu_int4.TI, "cpu_has", lambda feature: True)
     monkeypatch.setenv("LLAMA_FLAT_INT4_KERNEL", "1")
     assert not fast_cpu_int4.available()
-    assert "int4 prompts use ATen's kernel" in capsys.readouterr().err
-    torch.testing.assert_close(torch.ops.llama_flat.int4_mm(x, w, 32, sz),
-                               torch.ops.aten._weight_int4pack_mm_for_cpu(x, w, 32, sz).float())
-    with pytest.raises(ValueError, match="unexpected operands"):
-        torch.ops.llama_flat.int4_mm(x.float(), w, 32, sz)
+    assert "int4 products use ATen's kernels" in capsys.readouterr().err
+    _, lin = _linear("int4-g32", N=128, K=128)
+    assert FQ.FastQuantizedLinear(lin).int4_cpu[1:] != (None, True)
+    code = """if True:
+        import torch, fast_cpu_int4
+        q = torch.randint(0, 16, (64, 64), dtype=torch.int32)
+        w, sz = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1), torch.rand(2, 64, 2).to(torch.bfloat16)
+        x = torch.randn(3, 64).to(torch.bfloat16)
+        assert not fast_cpu_int4.available()
+        torch.testing.assert_close(torch.ops.llama_flat.int4_mm(x, w, 32, sz),
+                                   torch.ops.aten._weight_int4pack_mm_for_cpu(x, w, 32, sz).float())
+        try:
+            torch.ops.llama_flat.int4_mm(x.float(), w, 32, sz)
+        except ValueError as e:
+            print(e)
+    """
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
+                       env={**os.environ, "LLAMA_FLAT_INT4_KERNEL": "0"}, timeout=300)
+    assert r.returncode == 0 and r.stdout == "llama_flat::int4_mm: unexpected operands\n", r.stderr[-2000:]
