@@ -88,7 +88,7 @@ def export(checkpoint_path, output_path, max_seq_length: int = 1024, dtype: Opti
         model's "prompt" keeps oneDNN's packed weights in its own library (opaque tensors cannot be shared: about
         twice the package); a quantized one shares "model"'s records (weight-only int4's: ATen's int4 layout) and adds
         8da4w's int4 layout, or int8's on a CPU with bfloat16 dot products (q as bfloat16, packed by oneDNN, in its own
-        library). int4 and 8da4w "prompt" models call fast_cpu_int4's kernel where it runs (runner-aoti builds it too);
+        library). int4 and 8da4w "prompt" models call fast_cpu_kernels' kernel where it runs (runner-aoti builds it too);
         without it they add "long_prompt" (from long_prompt_min = BF16_ROWS tokens: oneDNN's GEMM)."""
     from quantize import load_model
     from torch.export import Dim
@@ -175,7 +175,7 @@ def export(checkpoint_path, output_path, max_seq_length: int = 1024, dtype: Opti
         ex = (torch.zeros(1, T, dtype=torch.long, device=device), torch.arange(T, device=device))
         kw = {"logits_at": torch.tensor([T - 1], device=device)}
         prompts = [("prompt", 2, "native")]  # (model, its shortest length, its quantized forms' export_rows)
-        # int4 and 8da4w without fast_cpu_int4's kernel, on a CPU with bfloat16 dot products: "long_prompt" (L tokens
+        # int4 and 8da4w without fast_cpu_kernels' kernel, on a CPU with bfloat16 dot products: "long_prompt" (L tokens
         # or more) through oneDNN's bfloat16 GEMM; weight-only int8's "prompt" runs it at every length, on a bfloat16
         # copy of its integer weights (FastQuantizedLinear.add_export_copy; the blocks', not the output's)
         q, kernel = model.quantization, bool(forms) and all(f.int4_cpu[2] for f in forms.values() if f.int4_cpu)

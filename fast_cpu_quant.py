@@ -1,8 +1,8 @@
 # fast_cpu_quant.py: faster CPU products for qops.py's quantized weights, swapped in by fast_cpu.swap_in (speed_up):
-# FastQuantizedLinear computes what qops.QuantizedLinear does, through ATen's packed int8 / int4 kernels,
-# fast_cpu_int4's kernel (int4, every length) and oneDNN's bfloat16 GEMM for prompts, one generated reduction over word
-# layouts of the integer weights for compiled decode, and integer GEMMs for 8da8w. The layouts are its own (derived
-# from the stored weight when it is made, not saved).
+# FastQuantizedLinear computes what qops.QuantizedLinear does, through fast_cpu_kernels' (int4 at every length, int8
+# compiled decode), ATen's packed int8 / int4 kernels and oneDNN's bfloat16 GEMM for prompts, generated reductions over
+# word layouts of the integer weights for compiled decode (and packages), and integer GEMMs for 8da8w. The layouts are
+# its own (derived from the stored weight when it is made, not saved).
 # Delete this file (with fast_cpu.py) and quantized models run qops.py's exact eager products.
 from typing import Optional
 
@@ -14,10 +14,10 @@ import torch_internals as TI
 from common import release_pages
 from qops import (QuantizedLinear, fake_quant_per_token_int8, group_sums, quant_per_token_int8, unpack_int4)
 
-try:  # int4 prompts through a kernel of our own (fast_cpu_int4.c; int4_cpu_mm); without it, ATen's
-    import fast_cpu_int4
+try:  # kernels of our own (fast_cpu_kernels.c: int4_cpu_mm, fused_linear); without them, ATen's and Inductor's
+    import fast_cpu_kernels
 except ImportError:
-    fast_cpu_int4 = None
+    fast_cpu_kernels = None
 
 # Under torch.compile with freezing, Inductor folds every computation that depends only on weights into a new constant.
 # The nibble unpacking (>> 4, & 15) must stay in the kernel, or the packed int4 weights would be folded into two bytes
@@ -72,19 +72,17 @@ _NIBBLE_SCALES = torch.tensor([16.0 ** -j for j in range(7)] + [1.0]).view(8, 1,
 # (1536x576 int4 g32, 2 threads: 754 against 1461 us at 128 rows, 274 against 218 at 16: below BF16_ROWS they stay).
 BF16_GEMM = TI.cpu_has("avx512_bf16") or TI.cpu_has("amx_tile")
 BF16_ROWS = 32
-# Compiled weight-only int8 prompts of fewer rows than this without packed bfloat16 copies (fast_cpu.PROMPT_COPIES_MAX)
-# run the word kernels row by row (a tile's words stay in cache), not every weight converted to bfloat16: 2 threads,
-# Llama-3.2-1B shape, 15 tokens 143 against 785 ms; the two meet near 110 rows (128: 1,130 against 1,050 ms).
+# Compiled weight-only int8 prompts below this many rows without packed copies (fast_cpu.PROMPT_COPIES_MAX) run the word
+# kernels row by row, not every weight converted to bfloat16 (1B shape, 2 threads, 15 tokens: 143 against 785 ms).
 INT8_WORD_ROWS = 64
-# Compiled prompts convert word layouts to bfloat16 piece by piece, each piece's GEMM right after it (one 4 MB piece
-# lives at a time, read back from the caches, not a 50 MB 3B gate projection): int8, 128 tokens, 2 threads,
-# scripts/profile_step.py: 1B shape 614-642 -> 508-531 ms, 3B 1,807 -> 1,735 ms and peak RSS 3,959 -> 3,889 MB.
+# Compiled prompts convert word layouts to bfloat16 piece by piece, each piece's GEMM right after it (4 MB at a time,
+# read back from the caches): int8, 128 tokens, 2 threads, scripts/profile_step.py, 1B: 614-642 -> 508-531 ms.
 WORD_PIECE_BYTES = 4 << 20
 _SHIFTS = {8: torch.tensor([0, 8, 16, 24], dtype=torch.int32).view(4, 1, 1, 1),
            4: torch.arange(0, 32, 4, dtype=torch.int32).view(8, 1, 1, 1, 1, 1),
            2: torch.tensor([4, 0], dtype=torch.uint8).view(1, 1, 2, 1)}  # qdata's high, then low nibbles
 _BYTE_OFFSETS = torch.tensor([0, 0, 0, 128], dtype=torch.int32).view(4, 1, 1, 1)  # see words_bf16_t
-LAYOUTS = ("int8_words", "int4_words", "int4_cpu", "int8_unit", "int8_sums", "qdata_int8", "int8_bf16_t")
+LAYOUTS = ("int8_words", "int4_words", "int4_cpu", "int8_unit", "int8_sums", "qdata_int8", "int8_bf16_t", "int8_kernel")
 
 
 def _by_rows(fn, n: int, rows: int = 4096) -> Tensor:  # fn over slices of n rows: small temporaries (1B output)
@@ -111,7 +109,7 @@ class FastQuantizedLinear(QuantizedLinear):
         values through the int4 kernels (int4_act_linear); eager 8da4w: qops' float32 products (the .pte's reference);
       * compiled decode (one row), weight-only int8 prompts of fewer than INT8_WORD_ROWS rows without packed copies:
         one generated reduction over the word layouts (fused_linear);
-      * weight-only int4: one layout at every length (int4_cpu_mm): fast_cpu_int4's tiles and kernel where it runs
+      * weight-only int4: one layout at every length (int4_cpu_mm): fast_cpu_kernels' tiles and kernel where it runs
         (tiles False, qexport's packages: ATen's), else ATen's packed layout and kernel.
     export_rows (qexport.py's AOT Inductor forms; torch.export only): "words" the word kernels for any number of rows;
     "native" a package's prompt model (the packed kernels, int8 on its bfloat16 copy); "bf16" its long_prompt model."""
@@ -135,7 +133,7 @@ class FastQuantizedLinear(QuantizedLinear):
     def _make_layouts(self, words: bool = True, tiles: bool = True):
         """The kernels' layouts from qdata, scales and zeros (plain attributes: not saved, not moved); words: also the
         word layouts, which only compiled code reads (an eager 1B int8 model would hold 1 GB more for nothing).
-        int4_cpu: (fast_cpu_int4's tiles, None, True) or (ATen's blocked layout, its scales and offsets, kernel)."""
+        int4_cpu: (fast_cpu_kernels' tiles, None, True) or (ATen's blocked layout, its scales and offsets, kernel)."""
         qw, static = self.qweight, TI.mark_static
         N = qw.out_features
         for name in LAYOUTS:
@@ -146,15 +144,15 @@ class FastQuantizedLinear(QuantizedLinear):
         elif (qw.symmetric or qw.xnnpack) and not words:  # q - 8 as int8 [N, K]: eager (q - 8) s in one pass
             self.qdata_int8 = unpack_int4(qw.qdata, qw.groupsize).to(torch.int8) - 8
         if (qw.bits == 4 and qw.qdata.is_cpu and N % 16 == 0
-                and hasattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu")
                 and (qw.scales.dtype == torch.bfloat16 or qw.weight_only  # (8da4w: see int4_act_linear)
                      or torch.equal(qw.scales.to(torch.bfloat16).to(qw.scales.dtype), qw.scales))):
             s = qw.scales  # bfloat16 scales and offsets: (q - 8) s + z'
             z = torch.zeros_like(s) if qw.zeros is None or qw.xnnpack else qw.zeros + 8 * s
-            kernel = fast_cpu_int4 is not None and fast_cpu_int4.takes(N, qw.groupsize)  # (see int4_cpu_mm)
+            kernel = fast_cpu_kernels is not None and fast_cpu_kernels.takes(N, qw.groupsize)  # (see int4_cpu_mm)
             q, G = (lambda r: unpack_int4(qw.qdata[r], qw.groupsize)), qw.groupsize  # (by rows: slices concatenate)
             if kernel and tiles:
-                self.int4_cpu = static(_by_rows(lambda r: fast_cpu_int4.make_tiles(q(r), s[r], z[r], G), N)), None, True
+                tiled = _by_rows(lambda r: fast_cpu_kernels.make_tiles(q(r), s[r], z[r], G), N)
+                self.int4_cpu = static(tiled), None, True
             else:
                 pack = torch.ops.aten._convert_weight_to_int4pack_for_cpu
                 self.int4_cpu = (static(_by_rows(lambda r: pack(q(r).to(torch.int32), 1), N)),
@@ -178,6 +176,7 @@ class FastQuantizedLinear(QuantizedLinear):
                 w[t:t + 256] = ((u[:, :, 0] + 128) | ((u[:, :, 1] + 128) << 8) | ((u[:, :, 2] + 128) << 16)
                                 | (u[:, :, 3] << 24)).transpose(1, 2)
             self.int8_words = static(w.unsqueeze(1))
+            self.int8_kernel = fast_cpu_kernels is not None and fast_cpu_kernels.available()  # (see fused_linear)
         if qw.bits == 4 and G % 8 == 0:
             # int32 words [N/16, 1, K/G, G/8, 16]: nibble j of word [t, 0, g, i, c] holds q[16t + c, g*G + j*G/8 + i],
             # so each word's 8 nibbles lie in one group and a tile's words are contiguous; scales and zeros tiled alike
@@ -228,8 +227,7 @@ class FastQuantizedLinear(QuantizedLinear):
         return self.export_rows is not None and torch.compiler.is_exporting()
 
     def _native(self, x: Tensor) -> bool:
-        """ATen's CPU kernels may run: eager and compiled prompts (not compiled decode's one row), a package's prompt
-        models."""
+        """ATen's CPU kernels may run: eager and compiled prompts (not compiled decode), packages' prompt models."""
         if self._exporting():
             return self.export_rows in ("native", "bf16") or self._int4_blocked_only()
         return not (torch.compiler.is_exporting() or self._word_rows(x)
@@ -251,8 +249,7 @@ class FastQuantizedLinear(QuantizedLinear):
                 and x.numel() < INT8_WORD_ROWS * x.shape[-1])
 
     def _int_rows(self, x: Tensor) -> bool:
-        """int8 x int8 products of more than one row (8da8w's prompts, 8da4w's tied int8 table); not tp.py's
-        row-parallel shards (their range is the whole row's)."""
+        """int8 x int8 products of several rows (8da8w's prompts, 8da4w's tied int8 table); not tp.py's shards."""
         return x.is_cpu and x.numel() > x.shape[-1] and self.act_quant is None and self._native(x)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -340,15 +337,15 @@ class FastQuantizedLinear(QuantizedLinear):
         return y.reshape(*x.shape[:-1], qw.out_features)
 
     def int4_cpu_mm(self, x2: Tensor, x: Tensor) -> Tensor:
-        """x2 [M, K] bfloat16 (the rows of x [..., T, K]) @ w.T, float32 or bfloat16: fast_cpu_int4's tiles, its kernel
-        at every length; ATen's blocked layout (packages): prompt models from ROWS_FROM tokens per sequence the kernel
-        (a proxy executor call, ~18 us, cost decode 6.5 against 3.8 ms per SmolLM2 step), else ATen's kernel."""
+        """x2 [M, K] bfloat16 (the rows of x [..., T, K]) @ w.T, float32 or bfloat16: fast_cpu_kernels' tiles, its
+        kernel at every length; ATen's blocked layout (packages): prompt models from ROWS_FROM tokens per sequence the
+        kernel (a proxy executor call, ~18 us, cost decode 6.5 against 3.8 ms per SmolLM2 step), else ATen's kernel."""
         packed, sz, kernel = self.int4_cpu
         if sz is None:
             return torch.ops.llama_flat.int4_tiles_mm(x2, packed, self.qweight.groupsize)
         if torch.compiler.is_exporting():
             kernel = kernel and self.export_rows in ("native", "bf16")
-        if kernel and (x.shape[-2] if x.dim() > 2 else x2.shape[0]) >= fast_cpu_int4.ROWS_FROM:
+        if kernel and (x.shape[-2] if x.dim() > 2 else x2.shape[0]) >= fast_cpu_kernels.ROWS_FROM:
             return torch.ops.llama_flat.int4_mm(x2, packed, self.qweight.groupsize, sz)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x2, packed, self.qweight.groupsize, sz)
 
@@ -419,7 +416,7 @@ class FastQuantizedLinear(QuantizedLinear):
 
     def int4_act_linear(self, x: Tensor) -> Optional[Tensor]:
         """8da4w's x @ ((q - 8) s).T for more than one row under torch.compile and in a package's prompt models, or
-        None where it does not apply: x's per-token int8 values q - zp (exact in bfloat16) through fast_cpu_int4's
+        None where it does not apply: x's per-token int8 values q - zp (exact in bfloat16) through fast_cpu_kernels'
         kernel where it runs (any length; exact products), else the packed int4 kernels (int4_cpu_mm: fewer than
         BF16_ROWS rows; scales on the bfloat16 grid) or oneDNN's bfloat16 GEMM on words_bf16_t's (q - 8) s rounded,
         then times x's scales (not a float32 product dequantizing every weight per call)."""
@@ -449,6 +446,9 @@ class FastQuantizedLinear(QuantizedLinear):
             w = self.int8_words
             if w is None:
                 return (x.unsqueeze(-2) * qw.qdata).sum(-1) * qw.scales
+            if self.int8_kernel and not torch.compiler.is_exporting():  # fast_cpu_kernels': what follows, prefetched
+                y = torch.ops.llama_flat.int8_words_mm(x.reshape(-1, K).float(), w, qw.scales.float())
+                return y.reshape(*x.shape[:-1], N)
             # Full-width int32 loads, vectorized along a tile's 16 output channels (an outer reduction over its
             # contiguous K/4 word rows: no horizontal sums). x is split into 4 quarters, one per byte: per word 3 ands,
             # 1 shift, 4 conversions, 4 multiply-adds; the +128 of bytes 0-2 comes off once per row (128 * the sum of

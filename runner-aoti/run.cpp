@@ -12,7 +12,7 @@
 // In kv mode a package's "prompt" model (aoti_export.py --fast_prefill: forward(tokens, positions, logits_at [1]) ->
 // the last position's logits, GEMMs tuned for prompts, its weights inside its own library) takes every call of more
 // than one token; it gets only the shared KV cache. Its "long_prompt" model (an int4 / 8da4w package made on a CPU
-// with bfloat16 dot products but without fast_cpu_int4's kernel: oneDNN's bfloat16 GEMM) takes those of
+// with bfloat16 dot products but without fast_cpu_kernels' kernel: oneDNN's bfloat16 GEMM) takes those of
 // long_prompt_min tokens or more.
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>

@@ -244,10 +244,10 @@ def quantized(env):
     """quantized(mode) -> (checkpoint, package), made once per mode for the tests below: `quantize.py --mode M
     --groupsize 32` on env's checkpoint, then `aoti_export.export(..., fast_prefill=True)` with fast_cpu_quant.BF16_GEMM
     forced on (a weight-only one adds "long_prompt", see test_long_prompt_model; any CPU makes the same package but
-    for fast_cpu_int4's kernel, which int4 and 8da4w "prompt" models call where it runs), and for "M-nokernel" with
+    for fast_cpu_kernels' kernel, which int4 and 8da4w "prompt" models call where it runs), and for "M-nokernel" with
     the kernel off (as on a CPU where it does not run)."""
     import aoti_export
-    import fast_cpu_int4
+    import fast_cpu_kernels
     import fast_cpu_quant
     made = {}
 
@@ -262,8 +262,8 @@ def quantized(env):
             with pytest.MonkeyPatch.context() as mp:
                 mp.setattr(fast_cpu_quant, "BF16_GEMM", True)
                 if mode != base:
-                    mp.setattr(fast_cpu_int4, "_LIB", None)
-                    mp.setattr(fast_cpu_int4, "_TRIED", True)
+                    mp.setattr(fast_cpu_kernels, "_LIB", None)
+                    mp.setattr(fast_cpu_kernels, "_TRIED", True)
                 made[mode] = q, aoti_export.export(q, env["root"] / f"tiny_{mode}.pt2", MAX_SEQ, None, "cpu",
                                                    env["bpe"], False, log=lambda *a: None, fast_prefill=True)
         return made[mode]
@@ -272,7 +272,7 @@ def quantized(env):
 
 def compiled_as_packaged(q):
     """`--compile` of checkpoint q on a package's int4 layout: ATen's blocked layout and kernels (packages keep it;
-    Python runs multiply by fast_cpu_int4's tiles where its kernel runs, whose one-row products are float32, where
+    Python runs multiply by fast_cpu_kernels' tiles where its kernel runs, whose one-row products are float32, where
     ATen's one-row kernel rounds within bfloat16: a random model's near ties part them)."""
     import fast_cpu_quant as FQ
     from generate import TorchBackend
@@ -358,7 +358,7 @@ LONG_PROMPT = "Once upon a time there was a little cat who lived in a big red ho
 
 
 def int4_kernel_calls(pt2) -> Counter:
-    """How many calls of llama_flat::int4_mm (fast_cpu_int4's kernel) each model of a package makes: AOT Inductor lists
+    """How many calls of llama_flat::int4_mm (fast_cpu_kernels' kernel) each model of a package makes: AOT Inductor lists
     the ops it reaches through its proxy executor in the model's wrapper.json."""
     with zipfile.ZipFile(pt2) as z:
         return Counter({n.split("/")[-2]: z.read(n).decode().count('"target": "llama_flat::int4_mm"')
@@ -367,19 +367,19 @@ def int4_kernel_calls(pt2) -> Counter:
 
 @pytest.mark.parametrize("mode", ["int4", "8da4w"])
 def test_int4_prompt_model_calls_the_kernel(env, runner, quantized, mode):
-    """Where fast_cpu_int4's kernel runs, an int4 or 8da4w package's "prompt" model multiplies its many rows with it
+    """Where fast_cpu_kernels' kernel runs, an int4 or 8da4w package's "prompt" model multiplies its many rows with it
     (llama_flat::int4_mm, one call per linear of the blocks), its decode "model" keeps ATen's kernel inside the graph
     (a call through the proxy executor costs more than a one-row product), and it has no "long_prompt". runner-aoti
     serves the op from its own copy of the kernel: it prints the text generate.py prints with the package (itself
     --compile's: test_quantized_checkpoint), for a short prompt and one of more than BF16_ROWS tokens."""
-    import fast_cpu_int4
+    import fast_cpu_kernels
     import fast_cpu_quant
     import qops
     import tokenizer as T
     from aoti_export import AOTIBackend
     from quantize import load_model
-    if not fast_cpu_int4.available():
-        pytest.skip("this CPU has no AVX512-BF16: fast_cpu_int4's kernel does not run (test_long_prompt_model)")
+    if not fast_cpu_kernels.available():
+        pytest.skip("this CPU has no AVX512-BF16: fast_cpu_kernels' kernel does not run (test_long_prompt_model)")
     q, pt2 = quantized(mode)
     assert AOTIBackend(pt2).metadata["models"] == "model,prompt"
     blocks = sum(1 for m in load_model(q).layers.modules() if isinstance(m, qops.QuantizedLinear))
@@ -393,7 +393,7 @@ def test_int4_prompt_model_calls_the_kernel(env, runner, quantized, mode):
 
 @pytest.mark.parametrize("mode", ["int8", "int4-nokernel", "8da4w-nokernel"])
 def test_long_prompt_model(env, runner, quantized, mode, monkeypatch):
-    """An int4 or 8da4w package made where fast_cpu_int4's kernel does not run (see `quantized`), on a CPU
+    """An int4 or 8da4w package made where fast_cpu_kernels' kernel does not run (see `quantized`), on a CPU
     with bfloat16 dot products (forced in `quantized` and here, so any CPU runs the test: oneDNN converts where the
     instructions are missing) adds "long_prompt":
     prompts of BF16_ROWS tokens or more, their products through oneDNN's bfloat16 GEMM on weights converted per

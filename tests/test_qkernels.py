@@ -1,5 +1,5 @@
 # qops.py, fast_cpu_quant.py and qexport.py: every kernel and export form of a quantized product against references
-# computed from the weights' own dequantized values; the int4 layouts; the 8da4w pattern XNNPACK lowers; fast_cpu_int4's
+# computed from the weights' own dequantized values; the int4 layouts; the 8da4w pattern XNNPACK lowers; fast_cpu_kernels'
 # kernel against float64 and ATen's.
 import os
 import subprocess
@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import fast_cpu_int4
+import fast_cpu_kernels
 import fast_cpu_quant as FQ
 import qexport
 import qops
@@ -241,14 +241,14 @@ def test_8da4w_lowers_fully_to_xnnpack():
     # (running the program, with its KV-cache buffers, is et_export.py's business: tests/test_et_export.py)
 
 
-# ----------------------------------------------------------------------------------------------------- fast_cpu_int4
+# ----------------------------------------------------------------------------------------------------- fast_cpu_kernels
 BF16_DOTS = TI.cpu_has("avx512_bf16")
 needs_int4_kernel = pytest.mark.skipif(not BF16_DOTS, reason="this CPU has no AVX512-BF16: ATen's int4 kernel runs")
 
 
 def test_int4_kernel_runs_where_the_cpu_has_bfloat16_dot_products():
     """Built, loaded and self-checked on every CPU with AVX512-BF16 (a failed build there is a failure here)."""
-    assert fast_cpu_int4.available() == (BF16_DOTS and os.environ.get("LLAMA_FLAT_INT4_KERNEL", "1") != "0")
+    assert fast_cpu_kernels.available() == (BF16_DOTS and os.environ.get("LLAMA_FLAT_KERNELS", "1") != "0")
 
 
 @needs_int4_kernel
@@ -257,7 +257,7 @@ def test_int4_kernel_runs_where_the_cpu_has_bfloat16_dot_products():
                                    (64, 512, 256)])
 def test_int4_kernel_matches_float64_and_atens_kernel(M, N, K, G):
     """llama_flat::int4_mm on a weight packed by ATen and llama_flat::int4_tiles_mm on the same weight's tiles
-    (fast_cpu_int4.make_tiles; one row: its own decode loop): float64's product of the dequantized weight up to float32
+    (fast_cpu_kernels.make_tiles; one row: its own decode loop): float64's product of the dequantized weight up to float32
     rounding, and ATen's own kernel (bfloat16 output) up to its rounding."""
     g = torch.Generator().manual_seed(M * N + K + G)
     q = torch.randint(0, 16, (N, K), generator=g, dtype=torch.int32)
@@ -266,7 +266,7 @@ def test_int4_kernel_matches_float64_and_atens_kernel(M, N, K, G):
     s, z = (sz[..., i].t().double().repeat_interleave(G, 1) for i in (0, 1))
     ref = x.double() @ ((q - 8) * s + z).t()
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
-    tiles = fast_cpu_int4.make_tiles(q, sz[..., 0].t(), sz[..., 1].t(), G)
+    tiles = fast_cpu_kernels.make_tiles(q, sz[..., 0].t(), sz[..., 1].t(), G)
     assert tiles.shape == (N // 16, K // G, G // 32 * 256 + 64) and tiles.dtype == torch.uint8
     aten = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, G, sz).float()
     for y in (torch.ops.llama_flat.int4_mm(x, packed, G, sz), torch.ops.llama_flat.int4_tiles_mm(x, tiles, G)):
@@ -282,7 +282,7 @@ def test_int4_kernel_refuses_a_shape_it_does_not_read():
     x = torch.ones(8, 64, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="llama_flat::int4_mm: unsupported shape 8x64 @ 96x64, group size 32"):
         torch.ops.llama_flat.int4_mm(x, torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1), 32, sz)
-    tiles = fast_cpu_int4.make_tiles(q, sz[..., 0].t(), sz[..., 1].t(), 32)
+    tiles = fast_cpu_kernels.make_tiles(q, sz[..., 0].t(), sz[..., 1].t(), 32)
     with pytest.raises(RuntimeError, match="llama_flat::int4_tiles_mm: unsupported shape 8x64 @ 96x64, group size 32"):
         torch.ops.llama_flat.int4_tiles_mm(x, tiles, 32)
     with pytest.raises(RuntimeError, match="llama_flat::int4_tiles_mm: unexpected operands"):
@@ -305,40 +305,59 @@ def test_int4_linear_keeps_the_tiles_alone_at_every_length(monkeypatch):
     assert rows == [1, 2, 21]
 
 
+@needs_int4_kernel
+@pytest.mark.parametrize("M", [1, 3])
+def test_int8_words_kernel_matches_the_generated_reduction(M):
+    """llama_flat::int8_words_mm reads the int8 word layout in place (compiled decode's products): float64's product
+    up to float32 rounding, and the generated reduction it stands in for (fused_linear without it, as in packages)."""
+    _, lin = _linear("int8", N=256, K=512)
+    fast = FQ.FastQuantizedLinear(lin)
+    assert fast.int8_kernel
+    x = torch.randn(M, 512)
+    ref = x.double() @ (lin.qweight.qdata.double() * lin.qweight.scales.double()[:, None]).t()
+    y = fast.fused_linear(x)
+    fast.int8_kernel = False
+    tol = 1e-5 * ref.abs().max().item()
+    torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=tol)
+    torch.testing.assert_close(y, fast.fused_linear(x), rtol=1e-5, atol=tol)
+    with pytest.raises(RuntimeError, match="llama_flat::int8_words_mm: unexpected operands"):
+        torch.ops.llama_flat.int8_words_mm(x[:, :256], fast.int8_words, lin.qweight.scales.float())
+
+
 def test_int4_kernel_build_is_atomic(monkeypatch, tmp_path, capsys):
     """A failed build says so in one line and leaves nothing in the cache; a good one leaves its library alone."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setenv("CC", "false")
-    assert fast_cpu_int4._build() is None
-    assert "int4 products use ATen's kernels: building fast_cpu_int4.c failed" in capsys.readouterr().err
+    assert fast_cpu_kernels._build() is None
+    assert "quantized products use slower kernels: building fast_cpu_kernels.c failed" in capsys.readouterr().err
     assert list((tmp_path / "llama-flat").iterdir()) == []
     if BF16_DOTS:
         monkeypatch.delenv("CC")
-        assert fast_cpu_int4._build() is not None
+        assert fast_cpu_kernels._build() is not None
         assert [p.suffix for p in (tmp_path / "llama-flat").iterdir()] == [".so"]
 
 
 def test_int4_kernel_off_falls_back_to_atens(monkeypatch, capsys):
     """A kernel whose self-test fails (a layout it does not read) is not used: one note, and int4 linears keep ATen's
-    layout and kernel. Where the library is not loaded (LLAMA_FLAT_INT4_KERNEL=0, as on a CPU without AVX512-BF16),
+    layout and kernel. Where the library is not loaded (LLAMA_FLAT_KERNELS=0, as on a CPU without AVX512-BF16),
     llama_flat::int4_mm (which a package may call) is ATen's product, and operands of the wrong kind are refused by
     name."""
-    monkeypatch.setattr(fast_cpu_int4, "_TRIED", False)
-    monkeypatch.setattr(fast_cpu_int4, "_LIB", fast_cpu_int4._LIB)  # (restored after the test, as _TRIED)
-    monkeypatch.setattr(fast_cpu_int4, "_load", lambda: True)
-    monkeypatch.setattr(fast_cpu_int4, "_self_test", lambda: False)
-    monkeypatch.setattr(fast_cpu_int4.TI, "cpu_has", lambda feature: True)
-    monkeypatch.setenv("LLAMA_FLAT_INT4_KERNEL", "1")
-    assert not fast_cpu_int4.available()
-    assert "int4 products use ATen's kernels" in capsys.readouterr().err
+    monkeypatch.setattr(fast_cpu_kernels, "_TRIED", False)
+    monkeypatch.setattr(fast_cpu_kernels, "_LIB", fast_cpu_kernels._LIB)  # (restored after the test, as _TRIED)
+    monkeypatch.setattr(fast_cpu_kernels, "_load", lambda: True)
+    monkeypatch.setattr(fast_cpu_kernels, "_self_test", lambda: False)
+    monkeypatch.setattr(fast_cpu_kernels.TI, "cpu_has", lambda feature: True)
+    monkeypatch.setenv("LLAMA_FLAT_KERNELS", "1")
+    assert not fast_cpu_kernels.available()
+    assert "quantized products use slower kernels" in capsys.readouterr().err
     _, lin = _linear("int4-g32", N=128, K=128)
     assert FQ.FastQuantizedLinear(lin).int4_cpu[1:] != (None, True)
     code = """if True:
-        import torch, fast_cpu_int4
+        import torch, fast_cpu_kernels
         q = torch.randint(0, 16, (64, 64), dtype=torch.int32)
         w, sz = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1), torch.rand(2, 64, 2).to(torch.bfloat16)
         x = torch.randn(3, 64).to(torch.bfloat16)
-        assert not fast_cpu_int4.available()
+        assert not fast_cpu_kernels.available()
         torch.testing.assert_close(torch.ops.llama_flat.int4_mm(x, w, 32, sz),
                                    torch.ops.aten._weight_int4pack_mm_for_cpu(x, w, 32, sz).float())
         try:
@@ -347,5 +366,5 @@ def test_int4_kernel_off_falls_back_to_atens(monkeypatch, capsys):
             print(e)
     """
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
-                       env={**os.environ, "LLAMA_FLAT_INT4_KERNEL": "0"}, timeout=300)
+                       env={**os.environ, "LLAMA_FLAT_KERNELS": "0"}, timeout=300)
     assert r.returncode == 0 and r.stdout == "llama_flat::int4_mm: unexpected operands\n", r.stderr[-2000:]

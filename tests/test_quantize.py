@@ -236,7 +236,7 @@ def test_compiled_long_prefill_bfloat16_gemm(peaked, monkeypatch, mode):
 @pytest.mark.parametrize("rows", ["short", "long"])
 def test_compiled_8da4w_prefill(peaked, monkeypatch, rows):
     """8da4w under --compile: a prompt's products take the activations' integer values q - zp (exact in bfloat16)
-    through fast_cpu_int4's kernel where it takes the shape (any length; not this 96-channel linear), else ATen's
+    through fast_cpu_kernels' kernel where it takes the shape (any length; not this 96-channel linear), else ATen's
     packed int4 kernel (fewer than BF16_ROWS tokens) or oneDNN's bfloat16 GEMM on words_bf16_t's (q - 8) s (from
     BF16_ROWS tokens; forced on here, so any CPU runs it), times the activations' scales after.
     Eager keeps the float32 product of the fake-quantized activations. One product agrees with that float32 product

@@ -1,8 +1,9 @@
-// fast_cpu_int4.c: y = x @ w.T for an int4 weight (AVX-512), bfloat16 x, float32 y, with AVX512-BF16 dot products.
-// Two layouts: ATen's packed CPU layout (the prompts of AOT Inductor packages: llama_flat_int4_mm) and the tiles that
-// fast_cpu_int4.py makes for Python runs (every product there, decode's one row included: llama_flat_int4_tiles_mm).
-// Built by fast_cpu_int4.py and runner-aoti's CMakeLists.txt with int4_op.cpp, which registers both as torch ops.
-// Plain C (and OpenMP), no torch headers.
+// fast_cpu_kernels.c: y = x @ w.T for quantized weights (AVX-512): int4 with AVX512-BF16 dot products (bfloat16 x),
+// in two layouts: ATen's packed CPU layout (the prompts of AOT Inductor packages: llama_flat_int4_mm) and the tiles
+// that fast_cpu_kernels.py makes for Python runs (every product there, decode's one row included:
+// llama_flat_int4_tiles_mm); int8 in fast_cpu_quant's word layout (compiled decode: llama_flat_int8_words_mm, at the
+// end). Built by fast_cpu_kernels.py and runner-aoti's CMakeLists.txt with kernel_ops.cpp, which registers them as
+// torch ops. Plain C (and OpenMP), no torch headers.
 //
 // ATen's layout is what aten._convert_weight_to_int4pack_for_cpu writes on an AVX-512 machine: blocks of 64 output
 // channels, each [K][32] bytes, byte j of row k holding q[n0 + j][k] (low nibble) and q[n0 + 32 + j][k] (high); sz is
@@ -19,7 +20,7 @@
 // sum_k x[k] taken off per group: the same sums up to float32 rounding, at the memory's rate (2 threads, 8192x2048
 // g32 streamed from memory: 0.21 ms, 50 GB/s, against ATen's kernel's 0.27).
 // 2 threads, bfloat16 x, 8192x2048: 128 rows 6.0 ms against ATen's 12.9 (oneDNN's bfloat16 GEMM on a bfloat16 copy:
-// 6.6), 8 rows 0.54 against 0.79, 2 rows 0.25 against 0.28 (`python fast_cpu_int4.py`).
+// 6.6), 8 rows 0.54 against 0.79, 2 rows 0.25 against 0.28 (`python fast_cpu_kernels.py`).
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
@@ -164,7 +165,7 @@ static void gemv(const uint16_t *x, const uint8_t *w, float *y, const float *xs,
         __m512 tot = _mm512_setzero_ps();
         for (long g = 0; g < groups; g++) {
             const uint8_t *wg = wt + g * gbytes;
-            for (long l = 0; l < gbytes; l += 64)  // 4 KB ahead: 40 against 49 GB/s (python fast_cpu_int4.py)
+            for (long l = 0; l < gbytes; l += 64)  // 4 KB ahead: 40 against 49 GB/s (python fast_cpu_kernels.py)
                 _mm_prefetch((const char *)(wg + PREFETCH + l), _MM_HINT_T0);
             __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
             float sx = 0;
@@ -225,7 +226,7 @@ static int mm(const uint16_t *x, const uint8_t *w, const uint16_t *sz, float *y,
 
 // x [M][K] bfloat16, w ATen's packed int4 [N/64 blocks][K][32], sz [K/gs][N][2] bfloat16, y [M][N] float32,
 // xs [M][K/32] scratch; N % 64 == 0, gs % 32 == 0, K % gs == 0. Returns 1 for any other shape. The blocks are split
-// over `threads` OpenMP threads (torch's own pool: see fast_cpu_int4.py).
+// over `threads` OpenMP threads (torch's own pool: see fast_cpu_kernels.py).
 int llama_flat_int4_mm(const uint16_t *x, const uint8_t *w, const uint16_t *sz, float *y, float *xs, long M, long N,
                        long K, long gs, int threads) {
     return mm(x, w, sz, y, xs, M, N, K, gs, threads, 0);
@@ -235,4 +236,58 @@ int llama_flat_int4_mm(const uint16_t *x, const uint8_t *w, const uint16_t *sz, 
 int llama_flat_int4_tiles_mm(const uint16_t *x, const uint8_t *w, float *y, float *xs, long M, long N, long K,
                              long gs, int threads) {
     return mm(x, w, 0, y, xs, M, N, K, gs, threads, 1);
+}
+
+// int8 words (fast_cpu_quant's compiled decode layout): w [N/16][K/4][16] int32, byte j of word [t][i][c] holding
+// q[16t + c][j K/4 + i], plus 128 in bytes 0-2 (unsigned), byte 3 as is (signed). y[m][n] = s[n] sum_k x[m][k] q[n][k]
+// for x [M][K] float32 (M small: each tile's words, K * 16 bytes, stay in cache while every row passes), float32
+// products and sums, 128 x's sum over the first three quarters taken off per row.
+static void words_tiles(const float *x, const int32_t *w, const float *s, float *y, const float *off, long M, long N,
+                        long K, long t0, long t1) {
+    const long K4 = K / 4;
+    const __m512i byte = _mm512_set1_epi32(0xff);
+    for (long t = t0; t < t1; t++) {
+        const int32_t *wt = w + t * K4 * 16;
+        for (long m = 0; m < M; m++) {
+            const float *xm = x + m * K;
+            __m512 a[8];
+            for (int i = 0; i < 8; i++) a[i] = _mm512_setzero_ps();
+            for (long i = 0; i < K4; i += 2) {
+                for (int h = 0; h < 2 && i + h < K4; h++) {
+                    const int32_t *wr = wt + (i + h) * 16;
+                    _mm_prefetch((const char *)wr + PREFETCH, _MM_HINT_T0);
+                    __m512i v = _mm512_loadu_si512((const void *)wr);
+                    __m512 *acc = a + 4 * h;
+                    acc[0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v, byte)),
+                                             _mm512_set1_ps(xm[i + h]), acc[0]);
+                    acc[1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(v, 8), byte)),
+                                             _mm512_set1_ps(xm[K4 + i + h]), acc[1]);
+                    acc[2] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(v, 16), byte)),
+                                             _mm512_set1_ps(xm[2 * K4 + i + h]), acc[2]);
+                    acc[3] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srai_epi32(v, 24)),
+                                             _mm512_set1_ps(xm[3 * K4 + i + h]), acc[3]);
+                }
+            }
+            __m512 sum = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3])),
+                                       _mm512_add_ps(_mm512_add_ps(a[4], a[5]), _mm512_add_ps(a[6], a[7])));
+            sum = _mm512_sub_ps(sum, _mm512_set1_ps(off[m]));
+            _mm512_storeu_ps(y + m * N + 16 * t, _mm512_mul_ps(sum, _mm512_loadu_ps(s + 16 * t)));
+        }
+    }
+}
+
+int llama_flat_int8_words_mm(const float *x, const int32_t *w, const float *s, float *y, float *off, long M, long N,
+                             long K, int threads) {
+    if (M < 1 || N < 16 || N % 16 || K < 4 || K % 4) return 1;
+    if (threads < 1) threads = 1;
+    for (long m = 0; m < M; m++) {
+        float t = 0;
+        for (long k = 0; k < 3 * (K / 4); k++) t += x[m * K + k];
+        off[m] = 128 * t;
+    }
+    long n16 = N / 16;
+    if (threads > n16) threads = (int)n16;
+#pragma omp parallel for num_threads(threads) schedule(static, 1)
+    for (int t = 0; t < threads; t++) words_tiles(x, w, s, y, off, M, N, K, n16 * t / threads, n16 * (t + 1) / threads);
+    return 0;
 }

@@ -1,15 +1,18 @@
-# fast_cpu_int4.py: int4 products at the memory's rate (one row) and at the speed of bfloat16 dot products (prompts).
-# Builds fast_cpu_int4.c and runner-aoti/int4_op.cpp (its torch ops) with the system compilers (cc and c++, or $CC and
-# $CXX; the toolchain torch.compile needs anyway) once per machine into ~/.cache/llama-flat and loads the library
-# (torch.ops.load_library): llama_flat::int4_tiles_mm multiplies by this file's tiles (make_tiles), the one int4 layout
-# fast_cpu_quant keeps where the kernel runs, read at every length (compiled decode calls the op through the
-# dispatcher, no Python); llama_flat::int4_mm by ATen's packed layout, for the prompt models of AOT Inductor packages
-# (runner-aoti links the same files). The kernel runs on torch's own OpenMP threads: built with -fopenmp, the library
-# binds to the libgomp.so.1 torch has loaded (threads of its own fought torch's spinning workers for the cores). Where
-# it cannot run (no AVX512-BF16, no compiler, a layout other than the one it reads: a self-test; or
-# LLAMA_FLAT_INT4_KERNEL=0), available() is False, fast_cpu_quant keeps ATen's layout and kernels, and int4_mm is
-# ATen's kernel (a package that calls it runs anywhere). Delete both files (and int4_op.cpp from runner-aoti's
-# CMakeLists.txt): ATen's kernels, slower, equal up to float rounding.
+# fast_cpu_kernels.py: quantized products at the memory's rate (one row) and at the speed of bfloat16 dot products
+# (int4 prompts). Builds fast_cpu_kernels.c and runner-aoti/kernel_ops.cpp (its torch ops) with the system compilers
+# (cc and c++, or $CC and $CXX; the toolchain torch.compile needs anyway) once per machine into ~/.cache/llama-flat and
+# loads the library (torch.ops.load_library; compiled code calls its ops through the dispatcher, no Python):
+#   llama_flat::int4_tiles_mm  by this file's tiles (make_tiles), the one int4 layout fast_cpu_quant keeps where the
+#                              kernel runs, read at every length;
+#   llama_flat::int8_words_mm  by fast_cpu_quant's int8 word layout, in place (compiled decode);
+#   llama_flat::int4_mm        by ATen's packed int4 layout: the prompt models of AOT Inductor packages (runner-aoti
+#                              links the same files).
+# The kernels run on torch's own OpenMP threads: built with -fopenmp, the library binds to the libgomp.so.1 torch has
+# loaded (threads of its own fought torch's spinning workers for the cores). Where they cannot run (no AVX512-BF16, no
+# compiler, a layout other than the one they read: a self-test; or LLAMA_FLAT_KERNELS=0), available() is False,
+# fast_cpu_quant keeps ATen's layouts and kernels and Inductor's word kernels, and int4_mm is ATen's kernel (a package
+# that calls it runs anywhere). Delete both files (and kernel_ops.cpp from runner-aoti's CMakeLists.txt): those
+# kernels, slower, equal up to float rounding.
 import hashlib
 import os
 import subprocess
@@ -22,11 +25,11 @@ import torch_internals as TI
 from common import atomic_path
 
 SOURCE = Path(__file__).with_suffix(".c")
-OPS = Path(__file__).parent / "runner-aoti" / "int4_op.cpp"
+OPS = Path(__file__).parent / "runner-aoti" / "kernel_ops.cpp"
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512bf16", "-fPIC", "-fopenmp", "-pipe"]
 # Prompts on ATen's layout from this many tokens per sequence (a package's prompt model; 2 threads, int4 g32, per
 # product against ATen's kernel: 8192x2048 at 2 rows 0.25 against 0.28 ms, 8 rows 0.54 against 0.79, 128 rows 6.0
-# against 12.9; oneDNN's bfloat16 GEMM on a bfloat16 copy 6.6; `python fast_cpu_int4.py`). Tiles: every length.
+# against 12.9; oneDNN's bfloat16 GEMM on a bfloat16 copy 6.6; `python fast_cpu_kernels.py`). Tiles: every length.
 ROWS_FROM = 2
 _LIB = None  # the library's path, once built, loaded and checked
 _TRIED = False
@@ -42,14 +45,14 @@ def _build():
     where a compiler fails."""
     tdir = Path(torch.__file__).parent
     cc, cxx = os.environ.get("CC", "cc"), os.environ.get("CXX", "c++")
-    cxxflags = ["-O2", "-std=c++17", "-fPIC", "-DLLAMA_FLAT_INT4_KERNEL", "-w",
+    cxxflags = ["-O2", "-std=c++17", "-fPIC", "-DLLAMA_FLAT_KERNELS", "-w",
                 f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}",
                 f"-I{tdir / 'include'}", f"-I{tdir / 'include' / 'torch' / 'csrc' / 'api' / 'include'}"]
     key = hashlib.sha256(SOURCE.read_bytes() + OPS.read_bytes()
                          + " ".join([cc, cxx, *FLAGS, *cxxflags, torch.__version__]).encode()).hexdigest()[:16]
-    lib = _cache_dir() / f"fast_cpu_int4-{key}.so"
+    lib = _cache_dir() / f"fast_cpu_kernels-{key}.so"
     if not lib.exists():
-        print("building the int4 kernel (fast_cpu_int4.c, once per machine) ...", file=sys.stderr, flush=True)
+        print("building the CPU kernels (fast_cpu_kernels.c, once per machine) ...", file=sys.stderr, flush=True)
         try:
             with atomic_path(lib) as tmp:
                 c, cpp = tmp.with_suffix(".c.o"), tmp.with_suffix(".cpp.o")
@@ -61,17 +64,17 @@ def _build():
         except (OSError, subprocess.SubprocessError) as e:
             said = (getattr(e, "stderr", b"") or b"").decode(errors="replace").splitlines()
             said = [line for line in said if "error" in line] or said or [str(e)]
-            print(f"note: int4 products use ATen's kernels: building {SOURCE.name} failed ({said[0].strip()})",
+            print(f"note: quantized products use slower kernels: building {SOURCE.name} failed ({said[0].strip()})",
                   file=sys.stderr)
             return None
-        for old in lib.parent.glob("fast_cpu_int4-*.so"):
+        for old in lib.parent.glob("fast_cpu_kernels-*.so"):
             if old != lib:
                 old.unlink(missing_ok=True)
     return lib
 
 
 def make_tiles(q: torch.Tensor, s: torch.Tensor, z: torch.Tensor, groupsize: int) -> torch.Tensor:
-    """The tiles of fast_cpu_int4.c (its header) from q [N, K] (integers in [0, 15]) and s, z [N, K/groupsize]
+    """The tiles of fast_cpu_kernels.c (its header) from q [N, K] (integers in [0, 15]) and s, z [N, K/groupsize]
     (w = (q - 8) s + z, rounded to bfloat16): uint8 [N/16, K/groupsize, groupsize / 32 * 256 + 64]; N % 16 == 0,
     groupsize % 32 == 0. The tiles of a slice of rows (of 16) are a slice of the tiles."""
     (N, K), G, R = q.shape, q.shape[1] // groupsize, groupsize // 32
@@ -82,18 +85,24 @@ def make_tiles(q: torch.Tensor, s: torch.Tensor, z: torch.Tensor, groupsize: int
 
 
 def _self_test() -> bool:
-    """Both ops against float64, on a weight packed by ATen here (its layout depends on the CPU's ISA) and on tiles."""
+    """The ops against float64: int4 on a weight packed by ATen here (its layout depends on the CPU's ISA) and on
+    tiles, int8 on words."""
     g = torch.Generator().manual_seed(0)
     N, K, G = 128, 128, 64
     q = torch.randint(0, 16, (N, K), generator=g, dtype=torch.int32)
     sz = (torch.randn(K // G, N, 2, generator=g) * 0.1).to(torch.bfloat16)
     s, z = (sz[..., i].t().double().repeat_interleave(G, 1) for i in (0, 1))
     tiles = make_tiles(q, sz[..., 0].t(), sz[..., 1].t(), G)
+    q8 = torch.randint(-127, 128, (N, K), generator=g, dtype=torch.int32)  # int8 words (fast_cpu_quant._make_words)
+    b = (q8.view(N // 16, 16, 4, K // 4) + torch.tensor([128, 128, 128, 0]).view(4, 1)) & 255
+    words = (b[:, :, 0] | b[:, :, 1] << 8 | b[:, :, 2] << 16 | b[:, :, 3] << 24).int().transpose(1, 2).unsqueeze(1)
     for M in (1, 7):
         x = torch.randn(M, K, generator=g).to(torch.bfloat16)
-        ref = x.double() @ ((q - 8) * s + z).t()
-        for y in (torch.ops.llama_flat.int4_mm(x, torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1), G, sz),
-                  torch.ops.llama_flat.int4_tiles_mm(x, tiles, G)):
+        for y, ref in ((torch.ops.llama_flat.int4_mm(x, torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1), G,
+                                                     sz), x.double() @ ((q - 8) * s + z).t()),
+                       (torch.ops.llama_flat.int4_tiles_mm(x, tiles, G), x.double() @ ((q - 8) * s + z).t()),
+                       (torch.ops.llama_flat.int8_words_mm(x.float(), words.contiguous(), s[:, 0].float()),
+                        x.double() @ (q8 * s[:, :1]).t())):
             if not torch.allclose(y.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item()):
                 return False
     return True
@@ -101,12 +110,12 @@ def _self_test() -> bool:
 
 def takes(out_features: int, groupsize: int) -> bool:
     """Whether the kernel multiplies by such a weight here: whole blocks of 64 channels, groups of whole runs of 32
-    (the shapes fast_cpu_int4.c accepts), on a machine where it runs (available)."""
+    (the shapes fast_cpu_kernels.c accepts), on a machine where it runs (available)."""
     return out_features % 64 == 0 and groupsize % 32 == 0 and available()
 
 
 def _wanted() -> bool:
-    return (os.environ.get("LLAMA_FLAT_INT4_KERNEL", "1") != "0" and sys.platform == "linux"
+    return (os.environ.get("LLAMA_FLAT_KERNELS", "1") != "0" and sys.platform == "linux"
             and TI.cpu_has("avx512_bf16"))
 
 
@@ -119,7 +128,7 @@ def _load() -> bool:
         if lib is not None:
             torch.ops.load_library(str(lib))
     except Exception as e:  # (a missing source, a noexec cache, a library that does not load)
-        print(f"note: int4 products use ATen's kernels: fast_cpu_int4 does not load ({e})", file=sys.stderr)
+        print(f"note: quantized products use slower kernels: fast_cpu_kernels does not load ({e})", file=sys.stderr)
         return False
     return lib is not None
 
@@ -136,7 +145,7 @@ def available() -> bool:
                     raise ValueError("its result differs from float64's: ATen's layout is not the one it reads")
                 _LIB = _cache_dir()
             except Exception as e:
-                print(f"note: int4 products use ATen's kernels: fast_cpu_int4 does not run here ({e})",
+                print(f"note: quantized products use slower kernels: fast_cpu_kernels does not run here ({e})",
                       file=sys.stderr)
                 _LIB = None
     return _LIB is not None
@@ -154,8 +163,10 @@ if not (_wanted() and _load()) and not hasattr(torch.ops.llama_flat, "int4_mm"):
     _OPS.define("int4_mm(Tensor x, Tensor w, int groupsize, Tensor sz) -> Tensor")
     _OPS.impl("int4_mm", _aten_int4_mm, "CPU")
     _OPS.define("int4_tiles_mm(Tensor x, Tensor w, int groupsize) -> Tensor")  # (never called: no tiles are made)
+    _OPS.define("int8_words_mm(Tensor x, Tensor w, Tensor s) -> Tensor")  # (nor this)
 for _name, _fake in (("int4_mm", lambda x, w, gs, sz: x.new_empty((x.shape[0], sz.shape[1]), dtype=torch.float)),
-                     ("int4_tiles_mm", lambda x, w, gs: x.new_empty((x.shape[0], 16 * w.shape[0]), dtype=torch.float))):
+                     ("int4_tiles_mm", lambda x, w, gs: x.new_empty((x.shape[0], 16 * w.shape[0]), dtype=torch.float)),
+                     ("int8_words_mm", lambda x, w, s: x.new_empty((x.shape[0], 16 * w.shape[0])))):
     try:
         torch.library.register_fake(f"llama_flat::{_name}", lib=_OPS)(_fake)
     except RuntimeError:  # (registered already: this file imported again, under another name)
@@ -163,7 +174,7 @@ for _name, _fake in (("int4_mm", lambda x, w, gs, sz: x.new_empty((x.shape[0], s
 
 
 def _main() -> None:
-    """`python fast_cpu_int4.py [threads]`: per product of Llama-3.2-1B's shapes (ms, median of 9), the kernel on the
+    """`python fast_cpu_kernels.py [threads]`: per product of Llama-3.2-1B's shapes (ms, median of 9), the kernel on the
     tiles and on ATen's layout, ATen's int4 kernel, oneDNN's bfloat16 GEMM on a bfloat16 copy; one row streams 24
     copies of the weight from memory (as decode reads a model's weights), more rows repeat one (prompts)."""
     import time

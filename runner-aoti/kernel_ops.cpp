@@ -1,10 +1,10 @@
-// int4_op.cpp: the torch ops of ../fast_cpu_int4.c, llama_flat::int4_mm (ATen's packed int4 layout) and
-// llama_flat::int4_tiles_mm (fast_cpu_int4.py's tiles). fast_cpu_int4.py builds it with the kernel into the library
-// that Python runs load (torch.ops.load_library: compiled code calls the ops through the dispatcher, no Python); the
-// runner links it for packages whose "prompt" model calls int4_mm (through AOT Inductor's proxy executor). The kernel
-// runs where the build targets AVX512-BF16 (LLAMA_FLAT_INT4_KERNEL) and the CPU has it; elsewhere int4_mm runs ATen's
-// int4 kernel on the same operands (a package runs on any CPU that packs int4 alike) and int4_tiles_mm refuses (tiles
-// are made only where the kernel runs).
+// kernel_ops.cpp: the torch ops of ../fast_cpu_kernels.c: llama_flat::int4_mm (ATen's packed int4 layout),
+// llama_flat::int4_tiles_mm (fast_cpu_kernels.py's tiles) and llama_flat::int8_words_mm (fast_cpu_quant's int8 words).
+// fast_cpu_kernels.py builds it with the kernels into the library that Python runs load (torch.ops.load_library:
+// compiled code calls the ops through the dispatcher, no Python); the runner links it for packages whose "prompt"
+// model calls int4_mm (through AOT Inductor's proxy executor). The kernels run where the build targets AVX512-BF16
+// (LLAMA_FLAT_KERNELS) and the CPU has it; elsewhere int4_mm runs ATen's int4 kernel on the same operands (a package
+// runs on any CPU that packs int4 alike) and the others refuse (their layouts are made only where the kernels run).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/_weight_int4pack_mm_for_cpu.h>
 #include <ATen/ops/empty.h>
@@ -13,11 +13,13 @@
 
 #include <cstdint>
 
-#ifdef LLAMA_FLAT_INT4_KERNEL
+#ifdef LLAMA_FLAT_KERNELS
 extern "C" int llama_flat_int4_mm(const uint16_t *x, const uint8_t *w, const uint16_t *sz, float *y, float *xs, long M,
                                   long N, long K, long gs, int threads);
 extern "C" int llama_flat_int4_tiles_mm(const uint16_t *x, const uint8_t *w, float *y, float *xs, long M, long N,
                                         long K, long gs, int threads);
+extern "C" int llama_flat_int8_words_mm(const float *x, const int32_t *w, const float *s, float *y, float *off, long M,
+                                        long N, long K, int threads);
 #endif
 
 namespace {
@@ -26,7 +28,7 @@ at::Tensor int4_mm_op(const at::Tensor &x, const at::Tensor &w, int64_t groupsiz
                   sz.dim() == 3 && sz.scalar_type() == at::kBFloat16 && groupsize > 0 && x.size(1) % groupsize == 0 &&
                   sz.size(0) == x.size(1) / groupsize && sz.size(2) == 2 && w.numel() * 2 == sz.size(1) * x.size(1),
               "llama_flat::int4_mm: unexpected operands");
-#ifdef LLAMA_FLAT_INT4_KERNEL
+#ifdef LLAMA_FLAT_KERNELS
   if (__builtin_cpu_supports("avx512bf16")) {
     at::Tensor xc = x.contiguous(), wc = w.contiguous(), szc = sz.contiguous();
     const int64_t M = xc.size(0), K = xc.size(1), N = szc.size(1);
@@ -47,7 +49,7 @@ at::Tensor int4_tiles_mm_op(const at::Tensor &x, const at::Tensor &w, int64_t gr
                   w.dim() == 3 && groupsize >= 32 && groupsize % 32 == 0 && x.size(1) % groupsize == 0 &&
                   w.size(1) == x.size(1) / groupsize && w.size(2) == groupsize / 32 * 256 + 64,
               "llama_flat::int4_tiles_mm: unexpected operands");
-#ifdef LLAMA_FLAT_INT4_KERNEL
+#ifdef LLAMA_FLAT_KERNELS
   if (__builtin_cpu_supports("avx512bf16")) {
     at::Tensor xc = x.contiguous(), wc = w.contiguous();
     const int64_t M = xc.size(0), K = xc.size(1), N = wc.size(0) * 16;
@@ -63,6 +65,26 @@ at::Tensor int4_tiles_mm_op(const at::Tensor &x, const at::Tensor &w, int64_t gr
 #endif
   TORCH_CHECK(false, "llama_flat::int4_tiles_mm: the kernel does not run on this CPU or build");
 }
+
+at::Tensor int8_words_mm_op(const at::Tensor &x, const at::Tensor &w, const at::Tensor &s) {
+  TORCH_CHECK(x.is_cpu() && x.dim() == 2 && x.scalar_type() == at::kFloat && w.scalar_type() == at::kInt &&
+                  w.dim() == 4 && w.size(1) == 1 && w.size(3) == 16 && w.size(2) * 4 == x.size(1) &&
+                  s.scalar_type() == at::kFloat && s.numel() == w.size(0) * 16,
+              "llama_flat::int8_words_mm: unexpected operands");
+#ifdef LLAMA_FLAT_KERNELS
+  if (__builtin_cpu_supports("avx512bf16")) {
+    at::Tensor xc = x.contiguous(), wc = w.contiguous(), sc = s.contiguous();
+    const int64_t M = xc.size(0), K = xc.size(1), N = wc.size(0) * 16;
+    at::Tensor y = at::empty({M, N}, xc.options());
+    at::Tensor off = at::empty({M}, xc.options());
+    TORCH_CHECK(!llama_flat_int8_words_mm(xc.data_ptr<float>(), wc.data_ptr<int32_t>(), sc.data_ptr<float>(),
+                                          y.data_ptr<float>(), off.data_ptr<float>(), M, N, K, at::get_num_threads()),
+                "llama_flat::int8_words_mm: unsupported shape ", M, "x", K, " @ ", N, "x", K);
+    return y;
+  }
+#endif
+  TORCH_CHECK(false, "llama_flat::int8_words_mm: the kernel does not run on this CPU or build");
+}
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(llama_flat, m) {
@@ -70,4 +92,6 @@ TORCH_LIBRARY_FRAGMENT(llama_flat, m) {
   m.impl("int4_mm", c10::DispatchKey::CPU, TORCH_FN(int4_mm_op));
   m.def("int4_tiles_mm(Tensor x, Tensor w, int groupsize) -> Tensor");
   m.impl("int4_tiles_mm", c10::DispatchKey::CPU, TORCH_FN(int4_tiles_mm_op));
+  m.def("int8_words_mm(Tensor x, Tensor w, Tensor s) -> Tensor");
+  m.impl("int8_words_mm", c10::DispatchKey::CPU, TORCH_FN(int8_words_mm_op));
 }
