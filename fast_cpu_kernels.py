@@ -31,8 +31,9 @@ FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512bf16", "-fPIC", "-fopenmp", 
 # product against ATen's kernel: 8192x2048 at 2 rows 0.25 against 0.28 ms, 8 rows 0.54 against 0.79, 128 rows 6.0
 # against 12.9; oneDNN's bfloat16 GEMM on a bfloat16 copy 6.6; `python fast_cpu_kernels.py`). Tiles: every length.
 ROWS_FROM = 2
-_LIB = None  # the library's path, once built, loaded and checked
+_LIB = None  # True once the library is built, loaded and checked (available)
 _TRIED = False
+_LOADED = None  # whether the library's ops are registered (_load: tried once per process)
 
 
 def _cache_dir() -> Path:
@@ -121,16 +122,18 @@ def _wanted() -> bool:
 
 def _load() -> bool:
     """Loads the library (its ops), building it first where the cache lacks it; False where it cannot be."""
-    if hasattr(torch.ops.llama_flat, "int4_tiles_mm"):
-        return True
-    try:
-        lib = _build()
-        if lib is not None:
-            torch.ops.load_library(str(lib))
-    except Exception as e:  # (a missing source, a noexec cache, a library that does not load)
-        print(f"note: quantized products use slower kernels: fast_cpu_kernels does not load ({e})", file=sys.stderr)
-        return False
-    return lib is not None
+    global _LOADED
+    if _LOADED is None:
+        _LOADED = False
+        try:
+            lib = _build()
+            if lib is not None:
+                torch.ops.load_library(str(lib))
+                _LOADED = True
+        except Exception as e:  # (a missing source, a noexec cache, a library that does not load)
+            print(f"note: quantized products use slower kernels: fast_cpu_kernels does not load ({e})",
+                  file=sys.stderr)
+    return _LOADED
 
 
 def available() -> bool:
@@ -143,7 +146,7 @@ def available() -> bool:
             try:
                 if not _self_test():
                     raise ValueError("its result differs from float64's: ATen's layout is not the one it reads")
-                _LIB = _cache_dir()
+                _LIB = True
             except Exception as e:
                 print(f"note: quantized products use slower kernels: fast_cpu_kernels does not run here ({e})",
                       file=sys.stderr)
@@ -154,7 +157,7 @@ def available() -> bool:
 def _aten_int4_mm(x, w, groupsize, sz):  # llama_flat::int4_mm where the library does not load
     if not (x.dtype == sz.dtype == torch.bfloat16 and w.dtype == torch.uint8 and sz.dim() == 3 and groupsize > 0
             and x.shape[1] % groupsize == 0 and w.numel() * 2 == sz.shape[1] * x.shape[1]):
-        raise ValueError(f"llama_flat::int4_mm: unexpected operands")
+        raise ValueError("llama_flat::int4_mm: unexpected operands")
     return torch.ops.aten._weight_int4pack_mm_for_cpu(x, w, groupsize, sz).float()
 
 
