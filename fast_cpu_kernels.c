@@ -9,7 +9,7 @@
 // channels, each [K][32] bytes, byte j of row k holding q[n0 + j][k] (low nibble) and q[n0 + 32 + j][k] (high); sz is
 // [K/gs][N][2] bfloat16, a scale s and an offset z per group of gs: w = (q - 8) s + z.
 // The tiles: [N/16][K/gs][gs/32 runs of 256 bytes, then s and z, 16 bfloat16 each] (one stream per 16 channels,
-// scales beside their weights); byte b of a run's 64-byte row i holds, in 16-bit lane L = 2c + h, nibble j at bits 4j:
+// scales beside their weights); a run's 64-byte row i holds, in 16-bit lane L = 2c + h, nibble j at bits 4j:
 // q[16t + c][32r + 8i + 2j + h] (t the tile, r the run). `(lane >> 4j) & 15` is then one k-pair of 16 channels, the
 // operand order of vdpbf16ps.
 // Many rows: each run of 32 k of 64 channels is converted once per call into bfloat16 pairs (q - 8: exact), kept in

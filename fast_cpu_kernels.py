@@ -9,9 +9,10 @@
 #                              links the same files).
 # The kernels run on torch's own OpenMP threads: built with -fopenmp, the library binds to the libgomp.so.1 torch has
 # loaded (threads of its own fought torch's spinning workers for the cores). Where they cannot run (no AVX512-BF16, no
-# compiler, a layout other than the one they read: a self-test; or LLAMA_FLAT_KERNELS=0), available() is False,
-# fast_cpu_quant keeps ATen's layouts and kernels and Inductor's word kernels, and int4_mm is ATen's kernel (a package
-# that calls it runs anywhere). Delete both files (and kernel_ops.cpp from runner-aoti's CMakeLists.txt): those
+# compiler, a layout other than the one they read: a self-test; or LLAMA_FLAT_KERNELS=0), available() is False and
+# fast_cpu_quant keeps ATen's layouts and kernels and Inductor's word kernels; without the library int4_mm is ATen's
+# kernel (a package that calls it runs anywhere; a loaded library whose self-test failed still runs its own, as the
+# runner does). Delete both files (and kernel_ops.cpp from runner-aoti's CMakeLists.txt): those
 # kernels, slower, equal up to float rounding.
 import hashlib
 import os
@@ -68,7 +69,7 @@ def _build():
             print(f"note: quantized products use slower kernels: building {SOURCE.name} failed ({said[0].strip()})",
                   file=sys.stderr)
             return None
-        for old in lib.parent.glob("fast_cpu_kernels-*.so"):
+        for old in [*lib.parent.glob("fast_cpu_kernels-*.so"), *lib.parent.glob("fast_cpu_int4-*.so")]:
             if old != lib:
                 old.unlink(missing_ok=True)
     return lib

@@ -304,8 +304,8 @@ class FastQuantizedLinear(QuantizedLinear):
 
     # ------------------------------------------------------------------------------------------------- kernels
     def native_linear(self, x: Tensor, offset: bool = True, float_rows: bool = True) -> Optional[Tensor]:
-        """x @ w.T with ATen's packed CPU kernels or oneDNN's bfloat16 GEMM when they apply (CPU; bfloat16 activations
-        and scales, or int8 / int4 weight-only with more than one row: bfloat16 inside), else None.
+        """x @ w.T with packed CPU kernels (int4: int4_cpu_mm) or oneDNN's bfloat16 GEMM when they apply (CPU; bfloat16
+        activations and scales, or int8 / int4 weight-only with more than one row: bfloat16 inside), else None.
         offset False: without the zero offsets of an asymmetric weight (w = (q - 8) * s).
         float_rows False: x must not be rounded to bfloat16 (8da4w's fake-quantized activations)."""
         qw = self.qweight
@@ -446,9 +446,9 @@ class FastQuantizedLinear(QuantizedLinear):
             w = self.int8_words
             if w is None:
                 return (x.unsqueeze(-2) * qw.qdata).sum(-1) * qw.scales
-            if self.int8_kernel and not torch.compiler.is_exporting():  # fast_cpu_kernels': what follows, prefetched
-                y = torch.ops.llama_flat.int8_words_mm(x.reshape(-1, K).float(), w, qw.scales.float())
-                return y.reshape(*x.shape[:-1], N)
+            if self.int8_kernel and x.numel() == K and not torch.compiler.is_exporting():  # decode: what follows,
+                y = torch.ops.llama_flat.int8_words_mm(x.reshape(-1, K).float(), w, qw.scales.float())  # prefetched
+                return y.reshape(*x.shape[:-1], N)  # (several rows: the reduction below keeps each word for all)
             # Full-width int32 loads, vectorized along a tile's 16 output channels (an outer reduction over its
             # contiguous K/4 word rows: no horizontal sums). x is split into 4 quarters, one per byte: per word 3 ands,
             # 1 shift, 4 conversions, 4 multiply-adds; the +128 of bytes 0-2 comes off once per row (128 * the sum of

@@ -322,8 +322,8 @@ def test_compiled_int8_prompts_use_bfloat16_copies(peaked, monkeypatch, capsys):
 
 def test_compiled_8da4w_keeps_only_the_layouts_it_reads(peaked):
     """8da4w: an eager model keeps the unpacked int8 copy its float32 products read (qdata_int8) and reads qdata; a
-    compiled one reads only its word layouts (decode) and ATen's blocked layout (prompts): no int8 copy, and qdata's
-    pages may be given back (reads_words_only; 1B shape: 4.0 -> 2.3 GB peak RSS)."""
+    compiled one reads only its word layouts (decode) and int4_cpu (prompts: fast_cpu_kernels' tiles or ATen's
+    layout): no int8 copy, and qdata's pages may be given back (reads_words_only; 1B shape: 4.0 -> 2.3 GB peak RSS)."""
     m = copy.deepcopy(peaked)
     Q.quantize_model(m, "8da4w", 32, log=False)
     eager = generate.TorchBackend(copy.deepcopy(m), 1, 64)
