@@ -27,6 +27,13 @@
 
 enum { G = 32, BLOCK = 64, ROWS = 6, PREFETCH = 4096 };
 
+// The bfloat16 of i - 8 at index i (and i + 16): the table _mm512_permutexvar_epi16 converts nibbles with.
+static inline __m512i q_minus_8(void) {
+    return _mm512_set_epi16(0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0, 0xbf80, 0xc000, 0xc040, 0xc080,
+                            0xc0a0, 0xc0c0, 0xc0e0, 0xc100, 0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0,
+                            0xbf80, 0xc000, 0xc040, 0xc080, 0xc0a0, 0xc0c0, 0xc0e0, 0xc100);
+}
+
 static inline __m512 bf16x16(const uint16_t *p) {  // 16 bfloat16 -> float32
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
@@ -40,10 +47,8 @@ typedef struct {
 // One block of 64 channels, one run of 32 k: wv[p][c] holds, for k-pair p (k = 2p, 2p + 1) and the 16 channels of
 // quarter c (c: n0 + 0-15, 32-47, 16-31, 48-63), the bfloat16 pairs (q[n][2p] - 8, q[n][2p + 1] - 8).
 static void convert_group(const uint8_t *wb, __m512i wv[G / 2][4]) {
-    const __m512i table = _mm512_set_epi16(   // bfloat16 of i - 8 at index i (and i + 16)
-        0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0, 0xbf80, 0xc000, 0xc040, 0xc080, 0xc0a0, 0xc0c0,
-        0xc0e0, 0xc100, 0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0, 0xbf80, 0xc000, 0xc040, 0xc080,
-        0xc0a0, 0xc0c0, 0xc0e0, 0xc100);
+    const __m512i table = q_minus_8();
+
     const __m512i low = _mm512_set1_epi32(0x000f000f);
     for (int p = 0; p < G / 2; p++) {
         const uint8_t *r0 = wb + (2 * p) * 32, *r1 = r0 + 32;
@@ -60,10 +65,7 @@ static void convert_group(const uint8_t *wb, __m512i wv[G / 2][4]) {
 
 // The same from the tiles: tiles 4b..4b+3, run r of group g (wb: the first tile's run; `stride` bytes per tile).
 static void convert_tiles(const uint8_t *wb, long stride, __m512i wv[G / 2][4]) {
-    const __m512i table = _mm512_set_epi16(
-        0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0, 0xbf80, 0xc000, 0xc040, 0xc080, 0xc0a0, 0xc0c0,
-        0xc0e0, 0xc100, 0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0, 0xbf80, 0xc000, 0xc040, 0xc080,
-        0xc0a0, 0xc0c0, 0xc0e0, 0xc100);
+    const __m512i table = q_minus_8();
     const __m512i low = _mm512_set1_epi16(0x000f);
     for (int c = 0; c < 4; c++)
         for (int i = 0; i < 4; i++) {
