@@ -25,7 +25,6 @@ from common import (THREADS, ArgumentParser, at_least, atomic_path, check_device
                     write_atomic)
 from native_files import check_free_space, native_tmpdir
 import torch
-
 import torch_internals as TI
 
 try:  # the CPU accelerator: without it a package reads its whole cache, quantized weights folded into float ones
@@ -86,10 +85,10 @@ def export(checkpoint_path, output_path, max_seq_length: int = 1024, dtype: Opti
         kv mode's prompts: tuned at PROMPT_HINT tokens with ATen among the GEMM choices ("model"'s C++ templates,
         tuned for decode, run many rows at ~40% of oneDNN's rate) and skipping the other positions' logits. A float
         model's "prompt" keeps oneDNN's packed weights in its own library (opaque tensors cannot be shared: about
-        twice the package); a quantized one shares "model"'s records (weight-only int4's: ATen's int4 layout) and adds
-        8da4w's int4 layout, or int8's on a CPU with bfloat16 dot products (q as bfloat16, packed by oneDNN, in its own
-        library). int4 and 8da4w "prompt" models call fast_cpu_kernels' kernel where it runs (runner-aoti builds it too);
-        without it they add "long_prompt" (from long_prompt_min = BF16_ROWS tokens: oneDNN's GEMM)."""
+        twice the package); a quantized one shares "model"'s records (int4's: fast_cpu_kernels' tiles, whose kernel
+        every model calls through a C shim where it runs, runner-aoti builds it too; else ATen's int4 layout) and adds
+        8da4w's, or int8's q as bfloat16 on a CPU with bfloat16 dot products (packed by oneDNN, in its own library);
+        int4 and 8da4w without the kernels add "long_prompt" (from long_prompt_min = BF16_ROWS tokens: oneDNN's GEMM)."""
     from quantize import load_model
     from torch.export import Dim
 
@@ -204,8 +203,8 @@ def export(checkpoint_path, output_path, max_seq_length: int = 1024, dtype: Opti
         "compiling with AOT Inductor ...")
 
     configs = {"aot_inductor.metadata": meta}
-    if device == "cpu" and fast_cpu is not None:
-        configs.update(fast_cpu.INDUCTOR_CPU)
+    if device == "cpu" and fast_cpu is not None:  # (+ the C shims of fast_cpu_kernels' ops, where they run)
+        configs.update({**fast_cpu.INDUCTOR_CPU, **getattr(fast_cpu_quant.fast_cpu_kernels, "aoti_shims", dict)()})
     # atomic_path's temporary path already has the final name (the package's archive folder is named after the file)
     t0 = time.perf_counter()
     with native_tmpdir(), atomic_path(output_path) as tmp:  # the compiler's temporaries: removed, even interrupted
@@ -227,6 +226,8 @@ def export(checkpoint_path, output_path, max_seq_length: int = 1024, dtype: Opti
             shared = {**configs, "aot_inductor.package": True, "aot_inductor.package_constants_in_so": False,
                       "aot_inductor.package_constants_on_disk_format": "binary_blob",
                       "max_autotune_gemm_backends": "CPP"}
+            if model.quantization and not TI.cpu_has("avx512"):  # (Inductor's int4 template is AVX-512's: ATen's)
+                shared.update({"max_autotune_gemm_backends": "CPP,ATEN", "cpp.weight_prepack": False})
             own = {**configs, "aot_inductor.package": True, "aot_inductor.package_constants_in_so": True}
             # a quantized model's "prompt": no float GEMMs on its weights, ATen's int8 / int4 kernels allowed, no
             # prepacking; except on int8's bfloat16 copies (oneDNN-packed, so in its own library, as a float model's)
@@ -235,8 +236,7 @@ def export(checkpoint_path, output_path, max_seq_length: int = 1024, dtype: Opti
             for name, (prog, ex, kw) in programs.items():
                 log(f"  compiling {name} ...")
                 with torch.no_grad():
-                    files[name] = TI.aot_compile(prog.module(), ex, kw,
-                                                              options=own if "prompt" in name else shared)
+                    files[name] = TI.aot_compile(prog.module(), ex, kw, options=own if "prompt" in name else shared)
             package_shared(tmp, files, log)
     log(f"compiled in {time.perf_counter() - t0:.1f} s -> {output_path} ({output_path.stat().st_size / 1e6:.1f} MB)")
     return output_path

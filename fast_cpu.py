@@ -331,7 +331,8 @@ def speed_up(model: Transformer, compile: bool = False, export: bool = False) ->
             for name, child in list(parent.named_children()):
                 if type(child) is not nn.Linear:
                     continue
-                if child.weight.dtype == torch.bfloat16 or (compile and float32 >= FLOAT32_PACKED_FROM):
+                if (child.weight.dtype == torch.bfloat16 and TI.onednn_bf16()) or (
+                        compile and float32 >= FLOAT32_PACKED_FROM):
                     replace_module(parent, name, PackedLinear(child))
                     release_pages(child.weight)  # where it maps its checkpoint (loaded without a cast), pages too
                     child.weight = None  # (freed now, not when the loop ends; a tied output's stays the embedding's)

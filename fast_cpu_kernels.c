@@ -1,41 +1,49 @@
-// fast_cpu_kernels.c: y = x @ w.T for quantized weights (AVX-512): int4 with AVX512-BF16 dot products (bfloat16 x),
-// in two layouts: ATen's packed CPU layout (the prompts of AOT Inductor packages: llama_flat_int4_mm) and the tiles
-// that fast_cpu_kernels.py makes for Python runs (every product there, decode's one row included:
-// llama_flat_int4_tiles_mm); int8 in fast_cpu_quant's word layout (compiled decode: llama_flat_int8_words_mm, at the
-// end). Built by fast_cpu_kernels.py and runner-aoti's CMakeLists.txt with kernel_ops.cpp, which registers them as
-// torch ops. Plain C (and OpenMP), no torch headers.
-//
-// ATen's layout is what aten._convert_weight_to_int4pack_for_cpu writes on an AVX-512 machine: blocks of 64 output
-// channels, each [K][32] bytes, byte j of row k holding q[n0 + j][k] (low nibble) and q[n0 + 32 + j][k] (high); sz is
-// [K/gs][N][2] bfloat16, a scale s and an offset z per group of gs: w = (q - 8) s + z.
+// fast_cpu_kernels.c: y = x @ w.T for quantized weights in two instruction sets (each kernel names its own, the file
+// none; llama_flat_kernels_isa says which run here). Built by fast_cpu_kernels.py and runner-aoti's CMakeLists.txt
+// with kernel_ops.cpp, which registers them as torch ops. Plain C (and OpenMP), no torch headers.
+//   AVX-512 + BF16 (bfloat16 x; vdpbf16ps: exact products, float32 sums): int4 on the tiles (llama_flat_int4_tiles_mm)
+//     and on ATen's layout (llama_flat_int4_mm: older packages), int8 on the words, one row (llama_flat_int8_words_mm).
+//   AVX2 + FMA (x as int16 per run of 32, d = max |x| / 32767: 2e-5 of its largest |x|; vpmaddwd: exact int32 sums):
+//     int4 on the tiles, int8 on the words (llama_flat_*_avx2), any number of rows, each weight read once per 2 rows.
+// ATen's layout (aten._convert_weight_to_int4pack_for_cpu, AVX-512): blocks of 64 channels, each [K][32] bytes, byte j
+// of row k holding q[n0 + j][k] (low nibble) and q[n0 + 32 + j][k] (high); sz [K/gs][N][2] bfloat16: w = (q - 8) s + z.
 // The tiles: [N/16][K/gs][gs/32 runs of 256 bytes, then s and z, 16 bfloat16 each] (one stream per 16 channels,
 // scales beside their weights); a run's 64-byte row i holds, in 16-bit lane L = 2c + h, nibble j at bits 4j:
 // q[16t + c][32r + 8i + 2j + h] (t the tile, r the run). `(lane >> 4j) & 15` is then one k-pair of 16 channels, the
-// operand order of vdpbf16ps.
-// Many rows: each run of 32 k of 64 channels is converted once per call into bfloat16 pairs (q - 8: exact), kept in
-// L1 for 8 such runs while every row of x passes over them, and
-//     y[m][n] += s * sum_k x[m][k] (q[n][k] - 8) + z * sum_k x[m][k]       (over each run of 32 k)
-// the partial sums in float32 (vdpbf16ps: exact products, float32 adds): ATen's result up to float32 rounding.
-// One row (tiles): each nibble becomes the bfloat16 128 + q by one OR (0x4300 | q), multiplied in place, the 136 s
-// sum_k x[k] taken off per group: the same sums up to float32 rounding, at the memory's rate (2 threads, 8192x2048
-// g32 streamed from memory: 0.21 ms, 50 GB/s, against ATen's kernel's 0.27).
-// 2 threads, bfloat16 x, 8192x2048: 128 rows 6.0 ms against ATen's 12.9 (oneDNN's bfloat16 GEMM on a bfloat16 copy:
-// 6.6), 8 rows 0.54 against 0.79, 2 rows 0.25 against 0.28 (`python fast_cpu_kernels.py`).
+// operand order of vdpbf16ps and of vpmaddwd. AVX-512, many rows: each run of 32 k of 64 channels is converted once
+// per call into bfloat16 pairs (q - 8: exact), kept in L1 while every row of x passes over them. One row: each nibble
+// becomes the bfloat16 128 + q by one OR (0x4300 | q), 136 s sum_k x taken off per group (8192x2048 g32 streamed, 2
+// threads: 0.21 ms, 50 GB/s; ATen's kernel 0.27). `python fast_cpu_kernels.py` times them.
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
 enum { G = 32, BLOCK = 64, ROWS = 6, PREFETCH = 4096 };
+static int split(int threads, long parts) { return threads < 1 ? 1 : threads > parts ? (int)parts : threads; }
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx512bf16")))
+#define AVX2 __attribute__((target("avx2,fma")))
 
 // The bfloat16 of i - 8 at index i (and i + 16): the table _mm512_permutexvar_epi16 converts nibbles with.
-static inline __m512i q_minus_8(void) {
+AVX512 static inline __m512i q_minus_8(void) {
     return _mm512_set_epi16(0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0, 0xbf80, 0xc000, 0xc040, 0xc080,
                             0xc0a0, 0xc0c0, 0xc0e0, 0xc100, 0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0,
                             0xbf80, 0xc000, 0xc040, 0xc080, 0xc0a0, 0xc0c0, 0xc0e0, 0xc100);
 }
 
-static inline __m512 bf16x16(const uint16_t *p) {  // 16 bfloat16 -> float32
+AVX512 static inline __m512 bf16x16(const uint16_t *p) {  // 16 bfloat16 -> float32
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+AVX2 static inline __m256 bf16x8(const uint16_t *p) {  // 8 bfloat16 -> float32
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
+// Which kernels run here: 2 the AVX-512 ones (AVX512-BF16), 1 the AVX2 + FMA ones (int4 tiles, int8 words), 0 none.
+int llama_flat_kernels_isa(void) {
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512bf16"))
+        return 2;
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? 1 : 0;
 }
 
 typedef struct {
@@ -46,7 +54,7 @@ typedef struct {
 
 // One block of 64 channels, one run of 32 k: wv[p][c] holds, for k-pair p (k = 2p, 2p + 1) and the 16 channels of
 // quarter c (c: n0 + 0-15, 32-47, 16-31, 48-63), the bfloat16 pairs (q[n][2p] - 8, q[n][2p + 1] - 8).
-static void convert_group(const uint8_t *wb, __m512i wv[G / 2][4]) {
+AVX512 static void convert_group(const uint8_t *wb, __m512i wv[G / 2][4]) {
     const __m512i table = q_minus_8();
 
     const __m512i low = _mm512_set1_epi32(0x000f000f);
@@ -64,7 +72,7 @@ static void convert_group(const uint8_t *wb, __m512i wv[G / 2][4]) {
 
 
 // The same from the tiles: tiles 4b..4b+3, run r of group g (wb: the first tile's run; `stride` bytes per tile).
-static void convert_tiles(const uint8_t *wb, long stride, __m512i wv[G / 2][4]) {
+AVX512 static void convert_tiles(const uint8_t *wb, long stride, __m512i wv[G / 2][4]) {
     const __m512i table = q_minus_8();
     const __m512i low = _mm512_set1_epi16(0x000f);
     for (int c = 0; c < 4; c++)
@@ -80,8 +88,8 @@ static void convert_tiles(const uint8_t *wb, long stride, __m512i wv[G / 2][4]) 
 // partial sums per run and R x 2 totals, all in registers (R = 6: 24 of 32), y read and written once per chunk.
 enum { KC = 8 };  // runs of 32 per chunk: 8 x 16 pairs x 4 x 64 bytes = 32 KB
 #define TILE(R)                                                                                                    \
-static void tile##R(const job_t *j, long m0, long g0, long ng, long n0, int c0, __m512i (*wv)[G / 2][4],           \
-                    const __m512 (*s)[4], const __m512 (*z)[4]) {                                                  \
+AVX512 static void tile##R(const job_t *j, long m0, long g0, long ng, long n0, int c0, __m512i (*wv)[G / 2][4],    \
+                           const __m512 (*s)[4], const __m512 (*z)[4]) {                                           \
     static const int aten[4] = {0, 32, 16, 48}, tiles[4] = {0, 16, 32, 48};                                      \
     const int *at = j->tiles ? tiles : aten;                                                                       \
     __m512 tot[R][2];                                                                                              \
@@ -112,7 +120,7 @@ static void tile##R(const job_t *j, long m0, long g0, long ng, long n0, int c0, 
 }
 TILE(1) TILE(2) TILE(3) TILE(4) TILE(5) TILE(6)
 
-static void *run(void *arg) {
+AVX512 static void *run(void *arg) {
     const job_t *j = arg;
     __m512i wv[KC][G / 2][4];
     __m512 s[KC][4], z[KC][4];
@@ -158,7 +166,8 @@ static void *run(void *arg) {
 }
 
 // One row from the tiles (decode): tiles t0..t1-1, 16 channels each, y[16t..] written once.
-static void gemv(const uint16_t *x, const uint8_t *w, float *y, const float *xs, long K, long gs, long t0, long t1) {
+AVX512 static void gemv(const uint16_t *x, const uint8_t *w, float *y, const float *xs, long K, long gs, long t0,
+                        long t1) {
     const long R = gs / G, gbytes = R * 256 + 64, groups = K / gs;
     const __m512i low = _mm512_set1_epi16(0x000f), magic = _mm512_set1_epi16(0x4300);  // bfloat16 128 + q
     const int32_t *xp = (const int32_t *)x;  // k-pairs of x, as vdpbf16ps reads them
@@ -195,8 +204,9 @@ static void gemv(const uint16_t *x, const uint8_t *w, float *y, const float *xs,
 
 static int mm(const uint16_t *x, const uint8_t *w, const uint16_t *sz, float *y, float *xs, long M, long N, long K,
               long gs, int threads, int tiles) {
-    if (M < 1 || N < BLOCK || K < G || gs < G || N % BLOCK || gs % G || K % gs) return 1;
-    if (threads < 1) threads = 1;
+    if (M < 1 || N < BLOCK || K < G || gs < G || N % BLOCK || gs % G || K % gs || llama_flat_kernels_isa() != 2)
+        return 1;
+    threads = split(threads, N / 16);
 #pragma omp parallel for num_threads(threads)
     for (long m = 0; m < M; m++)  // the sums of x over each run of 32, float32
         for (long g = 0; g < K / G; g++) {
@@ -211,13 +221,12 @@ static int mm(const uint16_t *x, const uint8_t *w, const uint16_t *sz, float *y,
         }
     if (tiles && M == 1) {
         long n16 = N / 16;
-        if (threads > n16) threads = (int)n16;
 #pragma omp parallel for num_threads(threads) schedule(static, 1)
         for (int t = 0; t < threads; t++) gemv(x, w, y, xs, K, gs, n16 * t / threads, n16 * (t + 1) / threads);
         return 0;
     }
     long blocks = N / BLOCK;
-    if (threads > blocks) threads = (int)blocks;
+    threads = split(threads, blocks);
 #pragma omp parallel for num_threads(threads) schedule(static, 1)
     for (int t = 0; t < threads; t++) {
         job_t job = {x, w, sz, y, xs, M, N, K, gs, blocks * t / threads, blocks * (t + 1) / threads, tiles};
@@ -244,8 +253,8 @@ int llama_flat_int4_tiles_mm(const uint16_t *x, const uint8_t *w, float *y, floa
 // q[16t + c][j K/4 + i], plus 128 in bytes 0-2 (unsigned), byte 3 as is (signed). y[m][n] = s[n] sum_k x[m][k] q[n][k]
 // for x [M][K] float32 (M small: each tile's words, K * 16 bytes, stay in cache while every row passes), float32
 // products and sums, 128 x's sum over the first three quarters taken off per row.
-static void words_tiles(const float *x, const int32_t *w, const float *s, float *y, const float *off, long M, long N,
-                        long K, long t0, long t1) {
+AVX512 static void words_tiles(const float *x, const int32_t *w, const float *s, float *y, const float *off, long M,
+                               long N, long K, long t0, long t1) {
     const long K4 = K / 4;
     const __m512i byte = _mm512_set1_epi32(0xff);
     for (long t = t0; t < t1; t++) {
@@ -280,16 +289,211 @@ static void words_tiles(const float *x, const int32_t *w, const float *s, float 
 
 int llama_flat_int8_words_mm(const float *x, const int32_t *w, const float *s, float *y, float *off, long M, long N,
                              long K, int threads) {
-    if (M < 1 || N < 16 || N % 16 || K < 4 || K % 4) return 1;
-    if (threads < 1) threads = 1;
+    if (M < 1 || N < 16 || N % 16 || K < 4 || K % 4 || llama_flat_kernels_isa() != 2) return 1;
     for (long m = 0; m < M; m++) {
         float t = 0;
         for (long k = 0; k < 3 * (K / 4); k++) t += x[m * K + k];
         off[m] = 128 * t;
     }
     long n16 = N / 16;
-    if (threads > n16) threads = (int)n16;
+    threads = split(threads, n16);
 #pragma omp parallel for num_threads(threads) schedule(static, 1)
     for (int t = 0; t < threads; t++) words_tiles(x, w, s, y, off, M, N, K, n16 * t / threads, n16 * (t + 1) / threads);
+    return 0;
+}
+
+// ------------------------------------------------------------------------------------------------ AVX2 + FMA: int4
+// Few rows from the tiles, x as int16 per run of 32 k (xi = round(x / d), d = max |x| / 32767: 2e-5 of the run's
+// largest |x|, finer than the bfloat16 x the callers pass): 16-bit lane 2c + h of a run's 64-byte row i holds nibble
+// j of channel c at k = 8i + 2j + h, so (lane >> 4j) & 15 and x's k-pair make one vpmaddwd (int32 sums of pairs,
+// exact). Per run: y += s d sum_k xi q + (z - 8 s) d sum_k xi, y's 16 channels kept in memory (L1).
+#define ROWS16(MR)                                                                                                 \
+AVX2 static void rows16_##MR(const int16_t *xi, const float *d, const int32_t *xsum, const uint8_t *w, float *y,  \
+                             long N, long K, long gs, long t) {                                                    \
+    const long R = gs / G, gbytes = R * 256 + 64, groups = K / gs;                                                 \
+    const __m256i m0 = _mm256_set1_epi16(0xf), m1 = _mm256_set1_epi16(0xf0), m2 = _mm256_set1_epi16(0xf00);       \
+    const uint8_t *wt = w + t * groups * gbytes;                                                                   \
+    for (int m = 0; m < MR; m++)                                                                                   \
+        for (int h = 0; h < 2; h++) _mm256_storeu_ps(y + m * N + 16 * t + 8 * h, _mm256_setzero_ps());            \
+    for (long g = 0; g < groups; g++) {                                                                            \
+        const uint8_t *wg = wt + g * gbytes;                                                                       \
+        for (long l = 0; l < gbytes; l += 64) _mm_prefetch((const char *)(wg + PREFETCH + l), _MM_HINT_T0);        \
+        const uint16_t *sz = (const uint16_t *)(wg + R * 256);                                                     \
+        for (long r = 0; r < R; r++) {                                                                             \
+            const long run = g * R + r;                                                                            \
+            __m256i a[MR][2][3];  /* nibbles 0 and 3 (q), 1 (16 q), 2 (256 q): masked in place, not shifted */     \
+            for (int m = 0; m < MR; m++)                                                                           \
+                for (int h = 0; h < 2; h++) a[m][h][0] = a[m][h][1] = a[m][h][2] = _mm256_setzero_si256();         \
+            for (int i = 0; i < 4; i++)                                                                            \
+                for (int h = 0; h < 2; h++) {                                                                      \
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)(wg + r * 256 + 64 * i + 32 * h));       \
+                    const __m256i q[4] = {_mm256_and_si256(v, m0), _mm256_and_si256(v, m1),                        \
+                                          _mm256_and_si256(v, m2), _mm256_srli_epi16(v, 12)};                      \
+                    for (int m = 0; m < MR; m++) {                                                                 \
+                        const int32_t *xp = (const int32_t *)(xi + m * K + run * G + 8 * i);                       \
+                        for (int j = 0; j < 4; j++)                                                                \
+                            a[m][h][j % 3] = _mm256_add_epi32(a[m][h][j % 3],                                      \
+                                                              _mm256_madd_epi16(q[j], _mm256_set1_epi32(xp[j])));  \
+                    }                                                                                              \
+                }                                                                                                  \
+            for (int m = 0; m < MR; m++) {                                                                         \
+                const float dm = d[m * (K / G) + run];                                                             \
+                const __m256 dv = _mm256_set1_ps(dm), o = _mm256_set1_ps(dm * (float)xsum[m * (K / G) + run]);    \
+                for (int h = 0; h < 2; h++) {  /* (16 q and 256 q: exact multiples, so the shifts are exact) */    \
+                    const __m256i n = _mm256_add_epi32(_mm256_add_epi32(a[m][h][0], _mm256_srai_epi32(a[m][h][1], 4)), \
+                                                       _mm256_srai_epi32(a[m][h][2], 8));                          \
+                    const __m256 s = bf16x8(sz + 8 * h), z = bf16x8(sz + 16 + 8 * h);                              \
+                    float *yp = y + m * N + 16 * t + 8 * h;                                                        \
+                    __m256 v = _mm256_fmadd_ps(_mm256_mul_ps(s, dv), _mm256_cvtepi32_ps(n), _mm256_loadu_ps(yp));  \
+                    _mm256_storeu_ps(yp, _mm256_fmadd_ps(_mm256_fnmadd_ps(s, _mm256_set1_ps(8.f), z), o, v));      \
+                }                                                                                                  \
+            }                                                                                                      \
+        }                                                                                                          \
+    }                                                                                                              \
+}
+ROWS16(1) ROWS16(2)
+
+// Tiles t0..t1-1 as float32 w.T: wt[k][16 (t - base) + c] = (q - 8) s + z (exact products, one float32 rounding).
+AVX2 static void unpack2(const uint8_t *w, float *wt, long K, long gs, long base, long t0, long t1, long ld) {
+    const long R = gs / G, gbytes = R * 256 + 64, groups = K / gs;
+    const __m256i low = _mm256_set1_epi32(15);
+    const __m256 eight = _mm256_set1_ps(8.f);
+    for (long t = t0; t < t1; t++)
+        for (long g = 0; g < groups; g++) {
+            const uint8_t *wg = w + (t * groups + g) * gbytes;
+            const uint16_t *sz = (const uint16_t *)(wg + R * 256);
+            for (int h = 0; h < 2; h++) {
+                const __m256 s = bf16x8(sz + 8 * h), z = bf16x8(sz + 16 + 8 * h);
+                for (long r = 0; r < R; r++)
+                    for (int i = 0; i < 4; i++) {
+                        const __m256i v = _mm256_loadu_si256((const __m256i *)(wg + r * 256 + 64 * i + 32 * h));
+                        float *o = wt + (g * gs + r * G + 8 * i) * ld + 16 * (t - base) + 8 * h;
+                        for (int j = 0; j < 8; j++) {  // (k = 8i + j: nibble j / 2 of half j % 2)
+                            __m256i q = _mm256_and_si256(_mm256_srli_epi32(v, 4 * (j / 2) + 16 * (j % 2)), low);
+                            __m256 v8 = _mm256_sub_ps(_mm256_cvtepi32_ps(q), eight);
+                            _mm256_storeu_ps(o + j * ld, _mm256_fmadd_ps(v8, s, z));
+                        }
+                    }
+            }
+        }
+}
+
+// x [M][K] float32 @ tiles w [N/16][K/gs][gs / 32 * 256 + 64] -> y [M][N], each tile read once per pair of rows
+// (kernel_ops: from AVX2_GEMM_ROWS rows, unpack and at::mm); scratch: M K int16 then M K/32 float32 and M K/32 int32.
+// N % 16 == 0, gs % 32 == 0, K % gs == 0; 1 for any other shape or where AVX2 + FMA is missing.
+int llama_flat_int4_tiles_mm_avx2(const float *x, const uint8_t *w, float *y, void *scratch, long M, long N, long K,
+                                  long gs, int threads) {
+    if (!llama_flat_kernels_isa() || M < 1 || N < 16 || N % 16 || K < G || gs < G || gs % G || K % gs) return 1;
+    int16_t *xi = scratch;
+    float *d = (float *)(xi + M * K);
+    int32_t *xsum = (int32_t *)(d + M * (K / G));
+    for (long run = 0; run < M * (K / G); run++) {  // (K % 32 == 0: a run never spans two rows)
+        const float *xr = x + run * G;
+        float top = 0;
+        for (int i = 0; i < G; i++) top = fmaxf(top, fabsf(xr[i]));
+        const float inv = top > 0 ? 32767.f / top : 0.f;
+        int32_t sum = 0;
+        for (int i = 0; i < G; i++) sum += xi[run * G + i] = (int16_t)lrintf(xr[i] * inv);
+        d[run] = top / 32767.f;
+        xsum[run] = sum;
+    }
+    long n16 = N / 16;
+    threads = split(threads, n16);
+#pragma omp parallel for num_threads(threads) schedule(static, 1)
+    for (int p = 0; p < threads; p++)
+        for (long t = n16 * p / threads; t < n16 * (p + 1) / threads; t++)
+            for (long m = 0; m < M; m += 2)  // (rows in pairs: each tile read once per pair, in L1 for the rest)
+                (M - m == 1 ? rows16_1 : rows16_2)(xi + m * K, d + m * (K / G), xsum + m * (K / G), w, y + m * N, N, K,
+                                                   gs, t);
+    return 0;
+}
+
+// Channels n0..n1-1 (multiples of 16) of the tiles as float32 w.T [K][n1 - n0], for a GEMM (prompts on AVX2).
+int llama_flat_int4_tiles_unpack_avx2(const uint8_t *w, float *wt, long n0, long n1, long K, long gs, int threads) {
+    if (!llama_flat_kernels_isa() || n0 % 16 || n1 % 16 || n1 <= n0 || gs < G || gs % G || K % gs) return 1;
+    long t0 = n0 / 16, nt = (n1 - n0) / 16;
+    threads = split(threads, nt);
+#pragma omp parallel for num_threads(threads) schedule(static, 1)
+    for (int t = 0; t < threads; t++)
+        unpack2(w, wt, K, gs, t0, t0 + nt * t / threads, t0 + nt * (t + 1) / threads, n1 - n0);
+    return 0;
+}
+
+// ------------------------------------------------------------------------------------------------ AVX2 + FMA: int8
+// The int8 words (llama_flat_int8_words_mm's layout) for any number of rows, x as int16 per run of 32 word rows i
+// (its 128 values x[i], x[K/4 + i], x[K/2 + i], x[3K/4 + i] share d = max |x| / 32767): a word's 16-bit lanes masked
+// to (byte 0, byte 2) and, shifted arithmetically, (byte 1, byte 3 signed) make one vpmaddwd each with x's pairs.
+// Per run: y += s d (sum xi b - 128 sum of xi over bytes 0-2), in int32 before the conversion (exact).
+#define WORDS16(MR)                                                                                                \
+AVX2 static void words16_##MR(const int16_t *xi, const float *d, const int32_t *xoff, const int32_t *w,           \
+                              const float *s, float *y, long N, long K, long t) {                                  \
+    const long K4 = K / 4, runs = (K4 + G - 1) / G;                                                                \
+    const __m256i lo = _mm256_set1_epi32(0x00ff00ff), hi = _mm256_set1_epi32((int)0xffff00ff);                    \
+    const int32_t *wt = w + t * K4 * 16;                                                                           \
+    for (int m = 0; m < MR; m++)                                                                                   \
+        for (int h = 0; h < 2; h++) _mm256_storeu_ps(y + m * N + 16 * t + 8 * h, _mm256_setzero_ps());            \
+    for (long r = 0; r < runs; r++) {                                                                              \
+        __m256i a[MR][2];                                                                                          \
+        for (int m = 0; m < MR; m++) a[m][0] = a[m][1] = _mm256_setzero_si256();                                   \
+        for (long i = r * G; i < K4 && i < (r + 1) * G; i++) {                                                     \
+            _mm_prefetch((const char *)(wt + i * 16) + PREFETCH, _MM_HINT_T0);                                     \
+            for (int h = 0; h < 2; h++) {                                                                          \
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(wt + i * 16 + 8 * h));                      \
+                const __m256i b02 = _mm256_and_si256(v, lo), b13 = _mm256_and_si256(_mm256_srai_epi32(v, 8), hi);  \
+                for (int m = 0; m < MR; m++) {                                                                     \
+                    const int32_t *xp = (const int32_t *)(xi + m * K + 4 * i);                                     \
+                    const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(b02, _mm256_set1_epi32(xp[0])),           \
+                                                       _mm256_madd_epi16(b13, _mm256_set1_epi32(xp[1])));          \
+                    a[m][h] = _mm256_add_epi32(a[m][h], p);                                                        \
+                }                                                                                                  \
+            }                                                                                                      \
+        }                                                                                                          \
+        for (int m = 0; m < MR; m++) {                                                                             \
+            const __m256 dv = _mm256_set1_ps(d[m * runs + r]);                                                     \
+            const __m256i off = _mm256_set1_epi32(xoff[m * runs + r]);                                             \
+            for (int h = 0; h < 2; h++) {                                                                          \
+                float *yp = y + m * N + 16 * t + 8 * h;                                                            \
+                const __m256 n = _mm256_cvtepi32_ps(_mm256_sub_epi32(a[m][h], off));                               \
+                _mm256_storeu_ps(yp, _mm256_fmadd_ps(_mm256_mul_ps(_mm256_loadu_ps(s + 16 * t + 8 * h), dv), n,    \
+                                                     _mm256_loadu_ps(yp)));                                        \
+            }                                                                                                      \
+        }                                                                                                          \
+    }                                                                                                              \
+}
+WORDS16(1) WORDS16(2)
+
+// x [M][K] float32 @ the int8 words w [N/16][K/4][16] (scales s [N]) -> y [M][N]; scratch: M K int16, then
+// M ceil(K/128) float32 and as many int32. N % 16 == 0, K % 4 == 0; 1 for any other shape or without AVX2 + FMA.
+int llama_flat_int8_words_mm_avx2(const float *x, const int32_t *w, const float *s, float *y, void *scratch, long M,
+                                  long N, long K, int threads) {
+    if (!llama_flat_kernels_isa() || M < 1 || N < 16 || N % 16 || K < 4 || K % 4) return 1;
+    const long K4 = K / 4, runs = (K4 + G - 1) / G;
+    int16_t *xi = scratch;  // per row: (x[i], x[K/2 + i], x[K/4 + i], x[3K/4 + i]) for each i: the words' pairs
+    float *d = (float *)(xi + M * K);
+    int32_t *xoff = (int32_t *)(d + M * runs);
+    for (long m = 0; m < M; m++)
+        for (long r = 0; r < runs; r++) {
+            const float *xm = x + m * K;
+            const long i0 = r * G, i1 = K4 < (r + 1) * G ? K4 : (r + 1) * G;
+            float top = 0;
+            for (long i = i0; i < i1; i++)
+                for (int j = 0; j < 4; j++) top = fmaxf(top, fabsf(xm[j * K4 + i]));
+            const float inv = top > 0 ? 32767.f / top : 0.f;
+            static const int lane[4] = {0, 2, 1, 3};  // byte j's x in the word's pairs; bytes 0-2 hold q + 128
+            int32_t off = 0;
+            for (long i = i0; i < i1; i++)
+                for (int j = 0; j < 4; j++)
+                    off += (j < 3) * 128 * (xi[m * K + 4 * i + lane[j]] = (int16_t)lrintf(xm[j * K4 + i] * inv));
+            d[m * runs + r] = top / 32767.f;
+            xoff[m * runs + r] = off;
+        }
+    long n16 = N / 16;
+    threads = split(threads, n16);
+#pragma omp parallel for num_threads(threads) schedule(static, 1)
+    for (int p = 0; p < threads; p++)
+        for (long t = n16 * p / threads; t < n16 * (p + 1) / threads; t++)
+            for (long m = 0; m < M; m += 2)
+                (M - m == 1 ? words16_1 : words16_2)(xi + m * K, d + m * runs, xoff + m * runs, w, s, y + m * N, N,
+                                                     K, t);
     return 0;
 }

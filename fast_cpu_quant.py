@@ -1,8 +1,7 @@
 # fast_cpu_quant.py: faster CPU products for qops.py's quantized weights, swapped in by fast_cpu.swap_in (speed_up):
-# FastQuantizedLinear computes what qops.QuantizedLinear does, through fast_cpu_kernels' (int4 at every length, int8
-# compiled decode), ATen's packed int8 / int4 kernels and oneDNN's bfloat16 GEMM for prompts, generated reductions over
-# word layouts of the integer weights for compiled decode (and packages), and integer GEMMs for 8da8w. The layouts are
-# its own (derived from the stored weight when it is made, not saved).
+# FastQuantizedLinear computes what qops.QuantizedLinear does through fast_cpu_kernels', ATen's packed int8 / int4 and
+# oneDNN's bfloat16 kernels, generated reductions over word layouts of the integer weights (compiled decode, packages)
+# and integer GEMMs for 8da8w, on layouts of its own (made from the stored weight, not saved).
 # Delete this file (with fast_cpu.py) and quantized models run qops.py's exact eager products.
 from typing import Optional
 
@@ -14,7 +13,7 @@ import torch_internals as TI
 from common import release_pages
 from qops import (QuantizedLinear, fake_quant_per_token_int8, group_sums, quant_per_token_int8, unpack_int4)
 
-try:  # kernels of our own (fast_cpu_kernels.c: int4_cpu_mm, fused_linear); without them, ATen's and Inductor's
+try:  # kernels of our own (int4_cpu_mm, fused_linear); without them, ATen's and Inductor's
     import fast_cpu_kernels
 except ImportError:
     fast_cpu_kernels = None
@@ -72,8 +71,8 @@ _NIBBLE_SCALES = torch.tensor([16.0 ** -j for j in range(7)] + [1.0]).view(8, 1,
 # (1536x576 int4 g32, 2 threads: 754 against 1461 us at 128 rows, 274 against 218 at 16: below BF16_ROWS they stay).
 BF16_GEMM = TI.cpu_has("avx512_bf16") or TI.cpu_has("amx_tile")
 BF16_ROWS = 32
-# Compiled weight-only int8 prompts below this many rows without packed copies (fast_cpu.PROMPT_COPIES_MAX) run the word
-# kernels row by row, not every weight converted to bfloat16 (1B shape, 2 threads, 15 tokens: 143 against 785 ms).
+# Compiled weight-only int8 prompts below this many rows without packed copies (fast_cpu.PROMPT_COPIES_MAX) run the
+# word kernels row by row, not every weight to bfloat16 (1B shape, 2 threads, 15 tokens: 143 against 785 ms).
 INT8_WORD_ROWS = 64
 # Compiled prompts convert word layouts to bfloat16 piece by piece, each piece's GEMM right after it (4 MB at a time,
 # read back from the caches): int8, 128 tokens, 2 threads, scripts/profile_step.py, 1B: 614-642 -> 508-531 ms.
@@ -109,8 +108,8 @@ class FastQuantizedLinear(QuantizedLinear):
         values through the int4 kernels (int4_act_linear); eager 8da4w: qops' float32 products (the .pte's reference);
       * compiled decode (one row), weight-only int8 prompts of fewer than INT8_WORD_ROWS rows without packed copies:
         one generated reduction over the word layouts (fused_linear);
-      * weight-only int4: one layout at every length (int4_cpu_mm): fast_cpu_kernels' tiles and kernel where it runs
-        (tiles False, qexport's packages: ATen's), else ATen's packed layout and kernel.
+      * weight-only int4: one layout at every length (int4_cpu_mm): fast_cpu_kernels' tiles and kernel where it runs,
+        else ATen's packed layout and kernel; weight-only int8 on AVX2: the words at every length (int8_kernel "all").
     export_rows (qexport.py's AOT Inductor forms; torch.export only): "words" the word kernels for any number of rows;
     "native" a package's prompt model (the packed kernels, int8 on its bfloat16 copy); "bf16" its long_prompt model."""
 
@@ -127,8 +126,7 @@ class FastQuantizedLinear(QuantizedLinear):
             self._make_layouts(words, tiles)
 
     def add_words(self):  # the word layouts (compiled decode's), where the module was made without them
-        if self.int8_words is None and self.int4_words is None:
-            self._make_words()
+        self._make_words() if self.int8_words is None and self.int4_words is None else None
 
     def _make_layouts(self, words: bool = True, tiles: bool = True):
         """The kernels' layouts from qdata, scales and zeros (plain attributes: not saved, not moved); words: also the
@@ -176,7 +174,8 @@ class FastQuantizedLinear(QuantizedLinear):
                 w[t:t + 256] = ((u[:, :, 0] + 128) | ((u[:, :, 1] + 128) << 8) | ((u[:, :, 2] + 128) << 16)
                                 | (u[:, :, 3] << 24)).transpose(1, 2)
             self.int8_words = static(w.unsqueeze(1))
-            self.int8_kernel = fast_cpu_kernels is not None and fast_cpu_kernels.available()  # (see fused_linear)
+            self.int8_kernel = (fast_cpu_kernels is not None and fast_cpu_kernels.available()  # (fused_linear)
+                                and ("all" if fast_cpu_kernels.ISA == 1 else "row"))
         if qw.bits == 4 and G % 8 == 0:
             # int32 words [N/16, 1, K/G, G/8, 16]: nibble j of word [t, 0, g, i, c] holds q[16t + c, g*G + j*G/8 + i],
             # so each word's 8 nibbles lie in one group and a tile's words are contiguous; scales and zeros tiled alike
@@ -219,7 +218,7 @@ class FastQuantizedLinear(QuantizedLinear):
         int4_cpu, compiled 8da4w (words, int4_cpu); swap_in / pack_prompt give their pages back."""
         qw = self.qweight
         if qw.bits == 8:
-            return self.int8_words is not None and self.act is None and BF16_GEMM
+            return self.int8_words is not None and self.act is None and (BF16_GEMM or self.int8_kernel == "all")
         return self.int4_cpu is not None and (qw.weight_only or self.int4_words is not None)
 
     # ------------------------------------------------------------------------------------------------- dispatch
@@ -284,6 +283,8 @@ class FastQuantizedLinear(QuantizedLinear):
         return y + self.bias if self.bias is not None else y
 
     def product(self, x: Tensor, offset: bool = True, sums: Optional[Tensor] = None) -> Tensor:
+        if self.int8_kernel == "all" and self.act is None and not (BF16_GEMM or torch.compiler.is_exporting()):
+            return self.fused_linear(x).to(x.dtype)  # (the words alone, at every length)
         if self._native(x) and (y := self.native_linear(x, offset, self.act is None)) is not None:
             return y
         if self._words(x):  # (several rows: x rounded to bfloat16, as the GEMMs of longer prompts and eager round it)
@@ -337,14 +338,11 @@ class FastQuantizedLinear(QuantizedLinear):
         return y.reshape(*x.shape[:-1], qw.out_features)
 
     def int4_cpu_mm(self, x2: Tensor, x: Tensor) -> Tensor:
-        """x2 [M, K] bfloat16 (the rows of x [..., T, K]) @ w.T, float32 or bfloat16: fast_cpu_kernels' tiles, its
-        kernel at every length; ATen's blocked layout (packages): prompt models from ROWS_FROM tokens per sequence the
-        kernel (a proxy executor call, ~18 us, cost decode 6.5 against 3.8 ms per SmolLM2 step), else ATen's kernel."""
+        """x2 [M, K] bfloat16 (the rows of x [..., T, K]) @ w.T, float32 or bfloat16: fast_cpu_kernels' tiles and
+        kernel at every length; ATen's blocked layout (tiles=False): from ROWS_FROM rows our kernel, else ATen's."""
         packed, sz, kernel = self.int4_cpu
         if sz is None:
             return torch.ops.llama_flat.int4_tiles_mm(x2, packed, self.qweight.groupsize)
-        if torch.compiler.is_exporting():
-            kernel = kernel and self.export_rows in ("native", "bf16")
         if kernel and (x.shape[-2] if x.dim() > 2 else x2.shape[0]) >= fast_cpu_kernels.ROWS_FROM:
             return torch.ops.llama_flat.int4_mm(x2, packed, self.qweight.groupsize, sz)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x2, packed, self.qweight.groupsize, sz)
@@ -446,9 +444,11 @@ class FastQuantizedLinear(QuantizedLinear):
             w = self.int8_words
             if w is None:
                 return (x.unsqueeze(-2) * qw.qdata).sum(-1) * qw.scales
-            if self.int8_kernel and x.numel() == K and not torch.compiler.is_exporting():  # decode: what follows,
-                y = torch.ops.llama_flat.int8_words_mm(x.reshape(-1, K).float(), w, qw.scales.float())  # prefetched
-                return y.reshape(*x.shape[:-1], N)  # (several rows: the reduction below keeps each word for all)
+            if self.int8_kernel and (x.numel() == K or self.int8_kernel == "all") \
+                    and not torch.compiler.is_exporting():  # the kernel: decode's one row (prefetching what
+                y = torch.ops.llama_flat.int8_words_mm(x.reshape(-1, K).float(), w, qw.scales.float())  # follows);
+                return y.reshape(*x.shape[:-1], N)  # AVX2's at every length (AVX-512's, several rows: the
+            # reduction below keeps each word for all rows)
             # Full-width int32 loads, vectorized along a tile's 16 output channels (an outer reduction over its
             # contiguous K/4 word rows: no horizontal sums). x is split into 4 quarters, one per byte: per word 3 ands,
             # 1 shift, 4 conversions, 4 multiply-adds; the +128 of bytes 0-2 comes off once per row (128 * the sum of

@@ -134,7 +134,7 @@ def aoti_forms(model: nn.Module, export_rows: str, made: dict):
     from fast_cpu_quant import FastQuantizedLinear
     linears = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
     for m in linears:
-        made.setdefault(id(m.qweight), FastQuantizedLinear(QuantizedLinear(m.qweight, m.bias, m.act), tiles=False))
+        made.setdefault(id(m.qweight), FastQuantizedLinear(QuantizedLinear(m.qweight, m.bias, m.act)))
     words = {id(m.qweight): made[id(m.qweight)].int8_words for m in linears}
 
     def form(m):

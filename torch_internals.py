@@ -98,6 +98,13 @@ def constant_table(wrapper_cpp) -> list[dict]:
     return table
 
 
+def onednn_bf16() -> bool:
+    """Whether oneDNN runs bfloat16 products on this CPU (AVX512-BW/VL/DQ or AVX-NE-CONVERT): its packed bfloat16
+    weights fail to build elsewhere (an AVX2 machine)."""
+    return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 def cpu_has(feature: str) -> bool:
-    """Whether this CPU has an instruction set torch checks for: avx512_bf16, amx_tile (torch.cpu._is_*_supported)."""
+    """Whether this CPU has an instruction set torch checks for: avx2, avx512_bf16, amx_tile
+    (torch.cpu._is_*_supported)."""
     return bool(getattr(torch.cpu, f"_is_{feature}_supported", lambda: False)())

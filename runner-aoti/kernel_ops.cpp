@@ -1,16 +1,19 @@
 // kernel_ops.cpp: the torch ops of ../fast_cpu_kernels.c: llama_flat::int4_mm (ATen's packed int4 layout),
-// llama_flat::int4_tiles_mm (fast_cpu_kernels.py's tiles) and llama_flat::int8_words_mm (fast_cpu_quant's int8 words).
-// fast_cpu_kernels.py builds it with the kernels into the library that Python runs load (torch.ops.load_library:
-// compiled code calls the ops through the dispatcher, no Python); the runner links it for packages whose "prompt"
-// model calls int4_mm (through AOT Inductor's proxy executor). The kernels run where the build targets AVX512-BF16
-// (LLAMA_FLAT_KERNELS) and the CPU has it; elsewhere int4_mm runs ATen's int4 kernel on the same operands (a package
-// runs on any CPU that packs int4 alike) and the others refuse (their layouts are made only where the kernels run).
+// llama_flat::int4_tiles_mm (fast_cpu_kernels.py's tiles) and llama_flat::int8_words_mm (fast_cpu_quant's int8 words),
+// and C shims of the last two, which AOT Inductor packages call directly (fast_cpu_kernels.aoti_shims).
+// fast_cpu_kernels.py builds it with the kernels into the library that Python runs load (compiled code calls the ops
+// through the dispatcher, no Python); the runner links it (and exports the shims). The kernels run where the build
+// has them (LLAMA_FLAT_KERNELS) and the CPU has AVX2 (AVX-512 + BF16: int4_mm too); elsewhere int4_mm runs ATen's
+// int4 kernel on the same operands and the others refuse (their layouts are made only where the kernels run).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/_weight_int4pack_mm_for_cpu.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
 #include <ATen/Parallel.h>
+#include <torch/csrc/inductor/aoti_torch/utils.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #ifdef LLAMA_FLAT_KERNELS
@@ -18,18 +21,30 @@ extern "C" int llama_flat_int4_mm(const uint16_t *x, const uint8_t *w, const uin
                                   long N, long K, long gs, int threads);
 extern "C" int llama_flat_int4_tiles_mm(const uint16_t *x, const uint8_t *w, float *y, float *xs, long M, long N,
                                         long K, long gs, int threads);
+extern "C" int llama_flat_int4_tiles_mm_avx2(const float *x, const uint8_t *w, float *y, void *scratch, long M, long N,
+                                             long K, long gs, int threads);
+extern "C" int llama_flat_int4_tiles_unpack_avx2(const uint8_t *w, float *wt, long n0, long n1, long K, long gs,
+                                                 int threads);
+extern "C" int llama_flat_int8_words_mm_avx2(const float *x, const int32_t *w, const float *s, float *y, void *scratch,
+                                             long M, long N, long K, int threads);
+extern "C" int llama_flat_kernels_isa(void);
 extern "C" int llama_flat_int8_words_mm(const float *x, const int32_t *w, const float *s, float *y, float *off, long M,
                                         long N, long K, int threads);
+static int isa() { return llama_flat_kernels_isa(); }
+#else
+static int isa() { return 0; }
 #endif
 
 namespace {
+constexpr int64_t AVX2_GEMM_ROWS = 64;  // AVX2 int4 from this many rows: at::mm on float32 pieces of w.T
+
 at::Tensor int4_mm_op(const at::Tensor &x, const at::Tensor &w, int64_t groupsize, const at::Tensor &sz) {
   TORCH_CHECK(x.is_cpu() && x.dim() == 2 && x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kByte &&
                   sz.dim() == 3 && sz.scalar_type() == at::kBFloat16 && groupsize > 0 && x.size(1) % groupsize == 0 &&
                   sz.size(0) == x.size(1) / groupsize && sz.size(2) == 2 && w.numel() * 2 == sz.size(1) * x.size(1),
               "llama_flat::int4_mm: unexpected operands");
 #ifdef LLAMA_FLAT_KERNELS
-  if (__builtin_cpu_supports("avx512bf16")) {
+  if (isa() == 2) {
     at::Tensor xc = x.contiguous(), wc = w.contiguous(), szc = sz.contiguous();
     const int64_t M = xc.size(0), K = xc.size(1), N = szc.size(1);
     at::Tensor y = at::empty({M, N}, xc.options().dtype(at::kFloat));
@@ -50,7 +65,32 @@ at::Tensor int4_tiles_mm_op(const at::Tensor &x, const at::Tensor &w, int64_t gr
                   w.size(1) == x.size(1) / groupsize && w.size(2) == groupsize / 32 * 256 + 64,
               "llama_flat::int4_tiles_mm: unexpected operands");
 #ifdef LLAMA_FLAT_KERNELS
-  if (__builtin_cpu_supports("avx512bf16")) {
+  if (isa() == 1) {  // AVX2: one row by the kernel, prompts by at::mm on float32 pieces of w.T (~4 MB)
+    at::Tensor xf = x.to(at::kFloat).contiguous(), wc = w.contiguous();
+    const int64_t M = xf.size(0), K = xf.size(1), N = wc.size(0) * 16;
+    at::Tensor y = at::empty({M, N}, xf.options());
+    if (M < AVX2_GEMM_ROWS) {
+      at::Tensor scratch = at::empty({M * K * 2 + M * (K / 32) * 8}, xf.options().dtype(at::kByte));
+      TORCH_CHECK(!llama_flat_int4_tiles_mm_avx2(xf.data_ptr<float>(), wc.data_ptr<uint8_t>(), y.data_ptr<float>(),
+                                                 scratch.data_ptr(), M, N, K, groupsize, at::get_num_threads()),
+                  "llama_flat::int4_tiles_mm: unsupported shape ", M, "x", K, " @ ", N, "x", K, ", group size ",
+                  groupsize);
+      return y;
+    }
+    const int64_t piece = std::min<int64_t>(N, std::max<int64_t>(16, (int64_t{1} << 20) / K / 16 * 16));
+    at::Tensor buf = at::empty({K * piece}, xf.options());
+    for (int64_t n0 = 0; n0 < N; n0 += piece) {
+      const int64_t n1 = std::min(N, n0 + piece);
+      at::Tensor wt = buf.narrow(0, 0, K * (n1 - n0)).view({K, n1 - n0});
+      TORCH_CHECK(!llama_flat_int4_tiles_unpack_avx2(wc.data_ptr<uint8_t>(), wt.data_ptr<float>(), n0, n1, K,
+                                                     groupsize, at::get_num_threads()),
+                  "llama_flat::int4_tiles_mm: unsupported shape ", M, "x", K, " @ ", N, "x", K, ", group size ",
+                  groupsize);
+      y.narrow(1, n0, n1 - n0).copy_(at::mm(xf, wt));
+    }
+    return y;
+  }
+  if (isa() == 2) {
     at::Tensor xc = x.contiguous(), wc = w.contiguous();
     const int64_t M = xc.size(0), K = xc.size(1), N = wc.size(0) * 16;
     at::Tensor y = at::empty({M, N}, xc.options().dtype(at::kFloat));
@@ -72,7 +112,17 @@ at::Tensor int8_words_mm_op(const at::Tensor &x, const at::Tensor &w, const at::
                   s.scalar_type() == at::kFloat && s.numel() == w.size(0) * 16,
               "llama_flat::int8_words_mm: unexpected operands");
 #ifdef LLAMA_FLAT_KERNELS
-  if (__builtin_cpu_supports("avx512bf16")) {
+  if (isa() == 1) {
+    at::Tensor xc = x.contiguous(), wc = w.contiguous(), sc = s.contiguous();
+    const int64_t M = xc.size(0), K = xc.size(1), N = wc.size(0) * 16, runs = (K / 4 + 31) / 32;
+    at::Tensor y = at::empty({M, N}, xc.options());
+    at::Tensor scratch = at::empty({M * K * 2 + M * runs * 8}, xc.options().dtype(at::kByte));
+    TORCH_CHECK(!llama_flat_int8_words_mm_avx2(xc.data_ptr<float>(), wc.data_ptr<int32_t>(), sc.data_ptr<float>(),
+                                               y.data_ptr<float>(), scratch.data_ptr(), M, N, K, at::get_num_threads()),
+                "llama_flat::int8_words_mm: unsupported shape ", M, "x", K, " @ ", N, "x", K);
+    return y;
+  }
+  if (isa() == 2) {
     at::Tensor xc = x.contiguous(), wc = w.contiguous(), sc = s.contiguous();
     const int64_t M = xc.size(0), K = xc.size(1), N = wc.size(0) * 16;
     at::Tensor y = at::empty({M, N}, xc.options());
@@ -86,6 +136,27 @@ at::Tensor int8_words_mm_op(const at::Tensor &x, const at::Tensor &w, const at::
   TORCH_CHECK(false, "llama_flat::int8_words_mm: the kernel does not run on this CPU or build");
 }
 }  // namespace
+
+// C shims: AOT Inductor packages call these directly (aoti_export.py names them in aot_inductor.custom_ops_to_c_shims;
+// the name is aoti_torch_cpu_ + the op's name), not through the proxy executor (~18 us a call, 2 ms of a 1B step).
+// The runner exports them (ENABLE_EXPORTS); Python loads this library with RTLD_GLOBAL (fast_cpu_kernels._load).
+extern "C" AOTITorchError aoti_torch_cpu_int4_tiles_mm(AtenTensorHandle x, AtenTensorHandle w, int64_t groupsize,
+                                                       AtenTensorHandle *ret0) {
+  using namespace torch::aot_inductor;
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
+    *ret0 = new_tensor_handle(
+        int4_tiles_mm_op(*tensor_handle_to_tensor_pointer(x), *tensor_handle_to_tensor_pointer(w), groupsize));
+  });
+}
+
+extern "C" AOTITorchError aoti_torch_cpu_int8_words_mm(AtenTensorHandle x, AtenTensorHandle w, AtenTensorHandle s,
+                                                       AtenTensorHandle *ret0) {
+  using namespace torch::aot_inductor;
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
+    *ret0 = new_tensor_handle(int8_words_mm_op(*tensor_handle_to_tensor_pointer(x), *tensor_handle_to_tensor_pointer(w),
+                                               *tensor_handle_to_tensor_pointer(s)));
+  });
+}
 
 TORCH_LIBRARY_FRAGMENT(llama_flat, m) {
   m.def("int4_mm(Tensor x, Tensor w, int groupsize, Tensor sz) -> Tensor");

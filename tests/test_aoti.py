@@ -271,17 +271,13 @@ def quantized(env):
 
 
 def compiled_as_packaged(q):
-    """`--compile` of checkpoint q on a package's int4 layout: ATen's blocked layout and kernels (packages keep it;
-    Python runs multiply by fast_cpu_kernels' tiles where its kernel runs, whose one-row products are float32, where
-    ATen's one-row kernel rounds within bfloat16: a random model's near ties part them)."""
-    import fast_cpu_quant as FQ
+    """`--compile` of checkpoint q: packages keep the int4 layout compiled code reads (fast_cpu_kernels' tiles where
+    its kernels run, else ATen's blocked layout), so they compute what it computes (eager's one-row products differ:
+    ATen's int4 kernel rounds within bfloat16 and AVX2's tiles take x as int16 per run, and a random model's near ties
+    part them)."""
     from generate import TorchBackend
     from quantize import load_model
-    make = FQ.FastQuantizedLinear._make_layouts
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(FQ.FastQuantizedLinear, "_make_layouts", lambda self, words=True, tiles=True: make(self, words,
-                                                                                                   False))
-        return TorchBackend(load_model(q), 1, MAX_SEQ, compile=True)
+    return TorchBackend(load_model(q), 1, MAX_SEQ, compile=True)
 
 
 def test_quantized_checkpoint(env, runner, quantized):
@@ -305,7 +301,9 @@ def test_quantized_checkpoint(env, runner, quantized):
     added = records["prompt"] - records["model"]
     int4 = [m for m in load_model(q).modules() if isinstance(m, QuantizedLinear) and m.qweight.bits == 4]
     kinds = Counter(dtypes[r] for r in records["model"])
-    assert len(int4) and kinds["uint8"] == kinds["bfloat16"] == len(int4) and len(added) <= 1, (kinds, added)
+    import fast_cpu_kernels  # (the tiles hold their scales and offsets; ATen's layout has them beside it, bfloat16)
+    scales = 0 if fast_cpu_kernels.available() else len(int4)
+    assert len(int4) and kinds["uint8"] == len(int4) and kinds["bfloat16"] == scales and len(added) <= 1, (kinds, added)
     # the package computes what --compile computes on its layouts (ATen's int4 kernel rounds its input to bfloat16:
     # the norms' float32 differences between eager and generated code can part a random model's near ties)
     cpu = torch.device("cpu")
@@ -358,19 +356,23 @@ LONG_PROMPT = "Once upon a time there was a little cat who lived in a big red ho
 
 
 def int4_kernel_calls(pt2) -> Counter:
-    """How many calls of llama_flat::int4_mm (fast_cpu_kernels' kernel) each model of a package makes: AOT Inductor lists
-    the ops it reaches through its proxy executor in the model's wrapper.json."""
+    """How many calls of llama_flat::int4_tiles_mm (fast_cpu_kernels' kernel) each model of a package makes through its
+    C shim (wrapper.cpp; the declaration not counted), checking that no llama_flat op goes through the proxy executor
+    (which lists its ops in the model's wrapper.json)."""
     with zipfile.ZipFile(pt2) as z:
-        return Counter({n.split("/")[-2]: z.read(n).decode().count('"target": "llama_flat::int4_mm"')
-                        for n in z.namelist() if n.endswith(".wrapper.json")})
+        assert not any('"target": "llama_flat::' in z.read(n).decode() for n in z.namelist()
+                       if n.endswith(".wrapper.json"))
+        return Counter({n.split("/")[-2]: len(re.findall(r"aoti_torch_cpu_int4_tiles_mm\((?!AtenTensorHandle)",
+                                                         z.read(n).decode()))
+                        for n in z.namelist() if n.endswith(".wrapper.cpp")})
 
 
 @pytest.mark.parametrize("mode", ["int4", "8da4w"])
 def test_int4_prompt_model_calls_the_kernel(env, runner, quantized, mode):
-    """Where fast_cpu_kernels' kernel runs, an int4 or 8da4w package's "prompt" model multiplies its many rows with it
-    (llama_flat::int4_mm, one call per linear of the blocks), its decode "model" keeps ATen's kernel inside the graph
-    (a call through the proxy executor costs more than a one-row product), and it has no "long_prompt". runner-aoti
-    serves the op from its own copy of the kernel: it prints the text generate.py prints with the package (itself
+    """Where fast_cpu_kernels' kernels run, an int4 package keeps the kernel's tiles as its one int4 layout and both
+    its models call llama_flat::int4_tiles_mm through the C shim (one call per int4 linear; no proxy executor); an
+    8da4w package's "prompt" does for the blocks' linears, its decode "model" reads the words. No "long_prompt". runner-aoti
+    serves the op from its own copy of the kernels: it prints the text generate.py prints with the package (itself
     --compile's: test_quantized_checkpoint), for a short prompt and one of more than BF16_ROWS tokens."""
     import fast_cpu_kernels
     import fast_cpu_quant
@@ -379,11 +381,14 @@ def test_int4_prompt_model_calls_the_kernel(env, runner, quantized, mode):
     from aoti_export import AOTIBackend
     from quantize import load_model
     if not fast_cpu_kernels.available():
-        pytest.skip("this CPU has no AVX512-BF16: fast_cpu_kernels' kernel does not run (test_long_prompt_model)")
+        pytest.skip("this CPU has no AVX2: fast_cpu_kernels' kernels do not run (test_long_prompt_model)")
     q, pt2 = quantized(mode)
     assert AOTIBackend(pt2).metadata["models"] == "model,prompt"
-    blocks = sum(1 for m in load_model(q).layers.modules() if isinstance(m, qops.QuantizedLinear))
-    assert int4_kernel_calls(pt2) == Counter({"prompt": blocks}), int4_kernel_calls(pt2)
+    model = load_model(q)
+    blocks = sum(1 for m in model.layers.modules() if isinstance(m, qops.QuantizedLinear))
+    int4 = sum(1 for m in model.modules() if isinstance(m, qops.QuantizedLinear) and m.qweight.bits == 4)
+    want = Counter({"prompt": int4, "model": int4} if mode == "int4" else {"prompt": blocks, "model": 0})
+    assert int4_kernel_calls(pt2) == want, int4_kernel_calls(pt2)
     assert len(T.load_tokenizer(env["bpe"]).encode(LONG_PROMPT)) > fast_cpu_quant.BF16_ROWS
     for prompt in ("Once upon a time", LONG_PROMPT):
         expect = generate_py(["--aoti_package", pt2], env["bpe"], prompt, 12)

@@ -9,6 +9,7 @@ from conftest import assert_clean_error, hf_greedy, run_cli
 
 import engine
 import fast_cpu
+import torch_internals as TI
 import fast_cpu_quant
 from quantize import load_model
 from tokenizer import load_tokenizer
@@ -134,7 +135,7 @@ def prompt_then_step(forward, ids):
     return torch.cat([forward(ids[:, :8], torch.arange(8)), forward(ids[:, 8:], torch.tensor([8]))], 1)
 
 
-@pytest.mark.skipif(not fast_cpu.ONEDNN, reason="PyTorch built without oneDNN")
+@pytest.mark.skipif(not TI.onednn_bf16(), reason="no oneDNN bfloat16 products on this CPU (AVX2): plain linears")
 def test_bfloat16_weights_held_once_packed(tiny_checkpoint, cpu, monkeypatch):
     """A bfloat16 model on CPU holds each linear weight once, in oneDNN's packed layout (fast_cpu.PackedLinear): the
     stored layout is gone, and eager products and every product of the compiled prompt and decode graphs read the

@@ -61,7 +61,10 @@ def test_linear_matches_its_dequantized_weights(name, bias):
     elif qw.weight_only:  # weight-only int4 holds ATen's blocked layout alone, no word layouts
         assert fast.words_bf16_t() is None and fast.int4_words is None and fast.int4_cpu is not None
     torch.testing.assert_close(lin(x), ref, rtol=1e-5, atol=1e-5)  # qops' module: the exact eager product
-    if want is None:
+    if qw.bits == 8 and not lin.act and fast.int8_kernel == "all":  # AVX2: the words at every length (x as int16
+        # per run of 32 word rows: 2e-5 of the run's largest |x|)
+        torch.testing.assert_close(fast(x), ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+    elif want is None:
         torch.testing.assert_close(fast(x), ref, rtol=1e-5, atol=1e-5)
     else:
         torch.testing.assert_close(fast(x), want, rtol=2 ** -8, atol=1e-6)
@@ -196,6 +199,7 @@ def test_compiled_decode_int8_layout_keeps_precision_in_bfloat16():
     w, lin = _linear("int8", N=64, K=256)
     fast = FQ.FastQuantizedLinear(lin)
     assert fast.int8_words is not None  # the word layout this checks
+    fast.int8_kernel = None  # the generated reduction (the kernel's: test_int8_words_kernel_matches_the_generated_...)
     x = (torch.randn(1, 1, 256) + 2.0).to(torch.bfloat16)  # a mean far from 0: a large offset term
     ref = F.linear(x.float(), lin.qweight.dequantize(torch.float32))
     got = fast.fused_linear(x).float()
@@ -243,12 +247,17 @@ def test_8da4w_lowers_fully_to_xnnpack():
 
 # ----------------------------------------------------------------------------------------------------- fast_cpu_kernels
 BF16_DOTS = TI.cpu_has("avx512_bf16")
-needs_int4_kernel = pytest.mark.skipif(not BF16_DOTS, reason="this CPU has no AVX512-BF16: ATen's int4 kernel runs")
+KERNELS = TI.cpu_has("avx2")  # (every CPU with AVX2 torch knows has FMA)
+needs_int4_kernel = pytest.mark.skipif(not KERNELS, reason="this CPU has no AVX2: ATen's int4 kernel runs")
+needs_bf16_dots = pytest.mark.skipif(not BF16_DOTS, reason="this CPU has no AVX512-BF16: int4_mm is ATen's kernel")
 
 
-def test_int4_kernel_runs_where_the_cpu_has_bfloat16_dot_products():
-    """Built, loaded and self-checked on every CPU with AVX512-BF16 (a failed build there is a failure here)."""
-    assert fast_cpu_kernels.available() == (BF16_DOTS and os.environ.get("LLAMA_FLAT_KERNELS", "1") != "0")
+def test_kernels_run_where_the_cpu_has_avx2():
+    """Built, loaded and self-checked on every CPU with AVX2 (a failed build there is a failure here): the AVX-512
+    kernels where it has AVX512-BF16, else the AVX2 ones."""
+    on = os.environ.get("LLAMA_FLAT_KERNELS", "1") != "0"
+    assert fast_cpu_kernels.available() == (KERNELS and on)
+    assert fast_cpu_kernels.ISA == (0 if not (KERNELS and on) else 2 if BF16_DOTS else 1)
 
 
 @needs_int4_kernel
@@ -256,9 +265,10 @@ def test_int4_kernel_runs_where_the_cpu_has_bfloat16_dot_products():
 @pytest.mark.parametrize("N,K,G", [(64, 64, 32), (192, 512, 32), (64, 576, 32), (128, 256, 64), (64, 256, 128),
                                    (64, 512, 256)])
 def test_int4_kernel_matches_float64_and_atens_kernel(M, N, K, G):
-    """llama_flat::int4_mm on a weight packed by ATen and llama_flat::int4_tiles_mm on the same weight's tiles
-    (fast_cpu_kernels.make_tiles; one row: its own decode loop): float64's product of the dequantized weight up to float32
-    rounding, and ATen's own kernel (bfloat16 output) up to its rounding."""
+    """llama_flat::int4_mm on a weight packed by ATen (its own kernel where AVX512-BF16 is, else ATen's) and
+    llama_flat::int4_tiles_mm on the same weight's tiles (fast_cpu_kernels.make_tiles; one row: its own decode loop):
+    float64's product of the dequantized weight up to float32 rounding (AVX2's tiles: x as int16 per run of 32, 2e-5
+    of the run's largest |x|), and ATen's own kernel (bfloat16 output) up to its rounding."""
     g = torch.Generator().manual_seed(M * N + K + G)
     q = torch.randint(0, 16, (N, K), generator=g, dtype=torch.int32)
     sz = (torch.randn(K // G, N, 2, generator=g) * 0.1).to(torch.bfloat16)
@@ -269,13 +279,15 @@ def test_int4_kernel_matches_float64_and_atens_kernel(M, N, K, G):
     tiles = fast_cpu_kernels.make_tiles(q, sz[..., 0].t(), sz[..., 1].t(), G)
     assert tiles.shape == (N // 16, K // G, G // 32 * 256 + 64) and tiles.dtype == torch.uint8
     aten = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, G, sz).float()
-    for y in (torch.ops.llama_flat.int4_mm(x, packed, G, sz), torch.ops.llama_flat.int4_tiles_mm(x, tiles, G)):
+    tiled = torch.ops.llama_flat.int4_tiles_mm(x, tiles, G)
+    for y, tol in ((torch.ops.llama_flat.int4_mm(x, packed, G, sz), 1e-5 if BF16_DOTS else 2 ** -7),
+                   (tiled, 1e-5 if BF16_DOTS else 1e-4)):
         assert y.dtype == torch.float32 and y.shape == (M, N)
-        torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+        torch.testing.assert_close(y.double(), ref, rtol=tol, atol=tol * ref.abs().max().item())
         torch.testing.assert_close(y, aten, rtol=2 ** -7, atol=2 ** -7 * ref.abs().max().item())
 
 
-@needs_int4_kernel
+@needs_bf16_dots
 def test_int4_kernel_refuses_a_shape_it_does_not_read():
     q = torch.randint(0, 16, (96, 64), dtype=torch.int32)  # 96 channels: not whole blocks of 64
     sz = torch.ones(2, 96, 2, dtype=torch.bfloat16)
@@ -308,8 +320,9 @@ def test_int4_linear_keeps_the_tiles_alone_at_every_length(monkeypatch):
 @needs_int4_kernel
 @pytest.mark.parametrize("M", [1, 3])
 def test_int8_words_kernel_matches_the_generated_reduction(M):
-    """llama_flat::int8_words_mm reads the int8 word layout in place (compiled decode's products): float64's product
-    up to float32 rounding, and the generated reduction it stands in for (fused_linear without it, as in packages)."""
+    """llama_flat::int8_words_mm reads the int8 word layout in place (compiled decode's products; AVX2's: every
+    length): float64's product up to float32 rounding (AVX2's: x as int16 per run of 32 word rows, 2e-5 of the
+    run's largest |x|), and the generated reduction it stands in for (fused_linear without it, as in packages)."""
     _, lin = _linear("int8", N=256, K=512)
     fast = FQ.FastQuantizedLinear(lin)
     assert fast.int8_kernel
@@ -317,9 +330,10 @@ def test_int8_words_kernel_matches_the_generated_reduction(M):
     ref = x.double() @ (lin.qweight.qdata.double() * lin.qweight.scales.double()[:, None]).t()
     y = fast.fused_linear(x)
     fast.int8_kernel = False
-    tol = 1e-5 * ref.abs().max().item()
-    torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=tol)
-    torch.testing.assert_close(y, fast.fused_linear(x), rtol=1e-5, atol=tol)
+    rtol = 1e-5 if BF16_DOTS else 1e-4
+    tol = rtol * ref.abs().max().item()
+    torch.testing.assert_close(y.double(), ref, rtol=rtol, atol=tol)
+    torch.testing.assert_close(y, fast.fused_linear(x), rtol=rtol, atol=tol)
     with pytest.raises(RuntimeError, match="llama_flat::int8_words_mm: unexpected operands"):
         torch.ops.llama_flat.int8_words_mm(x[:, :256], fast.int8_words, lin.qweight.scales.float())
 
@@ -331,7 +345,7 @@ def test_int4_kernel_build_is_atomic(monkeypatch, tmp_path, capsys):
     assert fast_cpu_kernels._build() is None
     assert "quantized products use slower kernels: building fast_cpu_kernels.c failed" in capsys.readouterr().err
     assert list((tmp_path / "llama-flat").iterdir()) == []
-    if BF16_DOTS:
+    if KERNELS:
         monkeypatch.delenv("CC")
         assert fast_cpu_kernels._build() is not None
         assert [p.suffix for p in (tmp_path / "llama-flat").iterdir()] == [".so"]
@@ -339,7 +353,7 @@ def test_int4_kernel_build_is_atomic(monkeypatch, tmp_path, capsys):
 
 def test_int4_kernel_off_falls_back_to_atens(monkeypatch, capsys):
     """A kernel whose self-test fails (a layout it does not read) is not used: one note, and int4 linears keep ATen's
-    layout and kernel. Where the library is not loaded (LLAMA_FLAT_KERNELS=0, as on a CPU without AVX512-BF16),
+    layout and kernel. Where the library is not loaded (LLAMA_FLAT_KERNELS=0, as on a CPU without AVX2),
     llama_flat::int4_mm (which a package may call) is ATen's product, and operands of the wrong kind are refused by
     name."""
     monkeypatch.setattr(fast_cpu_kernels, "_TRIED", False)

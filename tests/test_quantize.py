@@ -19,6 +19,11 @@ from conftest import assert_clean_error, hf_to_model, run_cli, tiny_hf
 from checkpoint import checkpoint_state, save_checkpoint
 from quantize import load_model
 from test_qkernels import CPU, SCHEMES, _linear
+import torch_internals as TI
+
+# oneDNN's bfloat16 products (what fast_cpu_quant.BF16_GEMM stands for; the tests below force it) need AVX512-BW/VL/DQ
+# or AVX-NE-CONVERT: on an AVX2 CPU its packed bfloat16 weights are refused and its unpacked products round otherwise
+needs_onednn_bf16 = pytest.mark.skipif(not TI.onednn_bf16(), reason="oneDNN has no bfloat16 products on this CPU")
 
 # ----------------------------------------------------------------------------------------------------------- models
 def _peaked_model(seed=3):
@@ -183,6 +188,7 @@ def test_compiled_prefill_matches_eager(peaked, monkeypatch, output):
     assert out[0] == eager
 
 
+@needs_onednn_bf16
 def test_eager_int8_long_product_bfloat16_gemm(monkeypatch):
     """Eager int8 products of BF16_ROWS rows or more on a CPU with bfloat16 dot products: one cast of the integer
     weights to bfloat16 and oneDNN's bfloat16 GEMM (forced on here), the same arithmetic as the packed kernel (x in
@@ -268,6 +274,7 @@ def test_compiled_8da4w_prefill(peaked, monkeypatch, rows):
     assert out == eager
 
 
+@needs_onednn_bf16
 def test_compiled_int8_prompts_use_bfloat16_copies(peaked, monkeypatch, capsys):
     """--compile of a weight-only int8 model on a CPU with bfloat16 dot products (forced on here) gives each block's
     weight a bfloat16 copy of q (exact) in oneDNN's packed layout that every product of a compiled prompt runs on, short
