@@ -30,7 +30,10 @@ extern "C" int llama_flat_int8_words_mm_avx2(const float *x, const int32_t *w, c
 extern "C" int llama_flat_kernels_isa(void);
 extern "C" int llama_flat_int8_words_mm(const float *x, const int32_t *w, const float *s, float *y, float *off, long M,
                                         long N, long K, int threads);
-static int isa() { return llama_flat_kernels_isa(); }
+static int isa() {  // (asked once: every product asks)
+  static const int v = llama_flat_kernels_isa();
+  return v;
+}
 #else
 static int isa() { return 0; }
 #endif
