@@ -177,7 +177,7 @@ def export(checkpoint_path, output_path, max_seq_length: int = 1024, dtype: Opti
         # int4 and 8da4w without fast_cpu_kernels' kernel, on a CPU with bfloat16 dot products: "long_prompt" (L tokens
         # or more) through oneDNN's bfloat16 GEMM; weight-only int8's "prompt" runs it at every length, on a bfloat16
         # copy of its integer weights (FastQuantizedLinear.add_export_copy; the blocks', not the output's)
-        q, kernel = model.quantization, bool(forms) and all(f.int4_cpu[2] for f in forms.values() if f.int4_cpu)
+        q, kernel = model.quantization, bool(forms) and all(f.int4_cpu[1] is None for f in forms.values() if f.int4_cpu)
         bf16_copies = [f.add_export_copy() for f in forms.values()
                        if f.qweight is not model.output.qweight and f.prompt_copy_bytes()]
         if q and fast_cpu and q.get("mode") in ("8da4w", "int4", "int4-gptq") and not kernel \

@@ -1,12 +1,10 @@
 // fast_cpu_kernels.c: y = x @ w.T for quantized weights in two instruction sets (each kernel names its own, the file
 // none; llama_flat_kernels_isa says which run here). Built by fast_cpu_kernels.py and runner-aoti's CMakeLists.txt
 // with kernel_ops.cpp, which registers them as torch ops. Plain C (and OpenMP), no torch headers.
-//   AVX-512 + BF16 (bfloat16 x; vdpbf16ps: exact products, float32 sums): int4 on the tiles (llama_flat_int4_tiles_mm)
-//     and on ATen's layout (llama_flat_int4_mm: older packages), int8 on the words, one row (llama_flat_int8_words_mm).
+//   AVX-512 + BF16 (bfloat16 x; vdpbf16ps: exact products, float32 sums): int4 on the tiles (llama_flat_int4_tiles_mm),
+//     int8 on the words, one row (llama_flat_int8_words_mm).
 //   AVX2 + FMA (x as int16 per run of 32, d = max |x| / 32767: 2e-5 of its largest |x|; vpmaddwd: exact int32 sums):
 //     int4 on the tiles, int8 on the words (llama_flat_*_avx2), any number of rows, each weight read once per 2 rows.
-// ATen's layout (aten._convert_weight_to_int4pack_for_cpu, AVX-512): blocks of 64 channels, each [K][32] bytes, byte j
-// of row k holding q[n0 + j][k] (low nibble) and q[n0 + 32 + j][k] (high); sz [K/gs][N][2] bfloat16: w = (q - 8) s + z.
 // The tiles: [N/16][K/gs][gs/32 runs of 256 bytes, then s and z, 16 bfloat16 each] (one stream per 16 channels,
 // scales beside their weights); a run's 64-byte row i holds, in 16-bit lane L = 2c + h, nibble j at bits 4j:
 // q[16t + c][32r + 8i + 2j + h] (t the tile, r the run). `(lane >> 4j) & 15` is then one k-pair of 16 channels, the
@@ -47,31 +45,13 @@ int llama_flat_kernels_isa(void) {
 }
 
 typedef struct {
-    const uint16_t *x; const uint8_t *w; const uint16_t *sz; float *y; const float *xs;
+    const uint16_t *x; const uint8_t *w; float *y; const float *xs;
     long M, N, K, gs, b0, b1;
-    int tiles;  // the layout: ATen's (0) or the tiles (1)
 } job_t;
 
-// One block of 64 channels, one run of 32 k: wv[p][c] holds, for k-pair p (k = 2p, 2p + 1) and the 16 channels of
-// quarter c (c: n0 + 0-15, 32-47, 16-31, 48-63), the bfloat16 pairs (q[n][2p] - 8, q[n][2p + 1] - 8).
-AVX512 static void convert_group(const uint8_t *wb, __m512i wv[G / 2][4]) {
-    const __m512i table = q_minus_8();
-
-    const __m512i low = _mm512_set1_epi32(0x000f000f);
-    for (int p = 0; p < G / 2; p++) {
-        const uint8_t *r0 = wb + (2 * p) * 32, *r1 = r0 + 32;
-        for (int h = 0; h < 2; h++) {  // bytes 0-15 (channels 0-15 and 32-47), then 16-31 (16-31 and 48-63)
-            __m512i a = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(r0 + 16 * h)));
-            __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(r1 + 16 * h)));
-            __m512i ab = _mm512_or_si512(a, _mm512_slli_epi32(b, 16));          // (byte k, byte k + 1) per lane
-            wv[p][2 * h] = _mm512_permutexvar_epi16(_mm512_and_si512(ab, low), table);
-            wv[p][2 * h + 1] = _mm512_permutexvar_epi16(_mm512_and_si512(_mm512_srli_epi32(ab, 4), low), table);
-        }
-    }
-}
-
-
-// The same from the tiles: tiles 4b..4b+3, run r of group g (wb: the first tile's run; `stride` bytes per tile).
+// Tiles 4b..4b+3 (channels n0 + 16c + 0-15), run r of group g, converted: wv[p][c] holds, for k-pair p (k = 2p, 2p + 1)
+// and the 16 channels of tile c, the bfloat16 pairs (q[n][2p] - 8, q[n][2p + 1] - 8) (wb: the first tile's run;
+// `stride` bytes per tile).
 AVX512 static void convert_tiles(const uint8_t *wb, long stride, __m512i wv[G / 2][4]) {
     const __m512i table = q_minus_8();
     const __m512i low = _mm512_set1_epi16(0x000f);
@@ -90,8 +70,7 @@ enum { KC = 8 };  // runs of 32 per chunk: 8 x 16 pairs x 4 x 64 bytes = 32 KB
 #define TILE(R)                                                                                                    \
 AVX512 static void tile##R(const job_t *j, long m0, long g0, long ng, long n0, int c0, __m512i (*wv)[G / 2][4],    \
                            const __m512 (*s)[4], const __m512 (*z)[4]) {                                           \
-    static const int aten[4] = {0, 32, 16, 48}, tiles[4] = {0, 16, 32, 48};                                      \
-    const int *at = j->tiles ? tiles : aten;                                                                       \
+    static const int at[4] = {0, 16, 32, 48};                                                                      \
     __m512 tot[R][2];                                                                                              \
     for (int r = 0; r < R; r++) for (int c = 0; c < 2; c++)                                                        \
         tot[r][c] = g0 ? _mm512_loadu_ps(j->y + (m0 + r) * j->N + n0 + at[c0 + c]) : _mm512_setzero_ps();          \
@@ -130,23 +109,14 @@ AVX512 static void *run(void *arg) {
             long ng = j->K / G - g0 < KC ? j->K / G - g0 : KC;
             for (long gi = 0; gi < ng; gi++) {
                 long g = g0 + gi;
-                if (j->tiles) {  // run g % R of group g / R, tile 4b; its scales and offsets after the group's runs
-                    long R = j->gs / G, stride = j->K / j->gs * (R * 256 + 64);
-                    const uint8_t *wg = j->w + 4 * b * stride + g / R * (R * 256 + 64);
-                    convert_tiles(wg + g % R * 256, stride, wv[gi]);
-                    for (int c = 0; c < 4; c++) {
-                        const uint16_t *p = (const uint16_t *)(wg + c * stride + R * 256);
-                        s[gi][c] = bf16x16(p);
-                        z[gi][c] = bf16x16(p + 16);
-                    }
-                    continue;
-                }
-                convert_group(j->w + (b * j->K + g * G) * 32, wv[gi]);
+                // run g % R of group g / R, tile 4b; its scales and offsets after the group's runs
+                long R = j->gs / G, stride = j->K / j->gs * (R * 256 + 64);
+                const uint8_t *wg = j->w + 4 * b * stride + g / R * (R * 256 + 64);
+                convert_tiles(wg + g % R * 256, stride, wv[gi]);
                 for (int c = 0; c < 4; c++) {
-                    long n = n0 + (c == 1 ? 32 : c == 2 ? 16 : c == 3 ? 48 : 0);
-                    __m512i v = _mm512_loadu_si512((const void *)(j->sz + (g * G / j->gs * j->N + n) * 2));
-                    s[gi][c] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
-                    z[gi][c] = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xffff0000)));
+                    const uint16_t *p = (const uint16_t *)(wg + c * stride + R * 256);
+                    s[gi][c] = bf16x16(p);
+                    z[gi][c] = bf16x16(p + 16);
                 }
             }
             for (int c0 = 0; c0 < 4; c0 += 2) {
@@ -202,8 +172,11 @@ AVX512 static void gemv(const uint16_t *x, const uint8_t *w, float *y, const flo
     }
 }
 
-static int mm(const uint16_t *x, const uint8_t *w, const uint16_t *sz, float *y, float *xs, long M, long N, long K,
-              long gs, int threads, int tiles) {
+// x [M][K] bfloat16 @ the tiles w [N/16][K/gs][gs / 32 * 256 + 64] (scales and offsets inside) -> y [M][N] float32;
+// xs [M][K/32] scratch; N % 64 == 0, gs % 32 == 0, K % gs == 0 (1 for any other shape). One row: gemv over tiles of
+// 16 channels; more: blocks of 64 channels split over `threads` OpenMP threads (torch's own pool: fast_cpu_kernels.py).
+int llama_flat_int4_tiles_mm(const uint16_t *x, const uint8_t *w, float *y, float *xs, long M, long N, long K,
+                             long gs, int threads) {
     if (M < 1 || N < BLOCK || K < G || gs < G || N % BLOCK || gs % G || K % gs || llama_flat_kernels_isa() != 2)
         return 1;
     threads = split(threads, N / 16);
@@ -219,7 +192,7 @@ static int mm(const uint16_t *x, const uint8_t *w, const uint16_t *sz, float *y,
             }
             xs[m * (K / G) + g] = t;
         }
-    if (tiles && M == 1) {
+    if (M == 1) {
         long n16 = N / 16;
 #pragma omp parallel for num_threads(threads) schedule(static, 1)
         for (int t = 0; t < threads; t++) gemv(x, w, y, xs, K, gs, n16 * t / threads, n16 * (t + 1) / threads);
@@ -229,24 +202,10 @@ static int mm(const uint16_t *x, const uint8_t *w, const uint16_t *sz, float *y,
     threads = split(threads, blocks);
 #pragma omp parallel for num_threads(threads) schedule(static, 1)
     for (int t = 0; t < threads; t++) {
-        job_t job = {x, w, sz, y, xs, M, N, K, gs, blocks * t / threads, blocks * (t + 1) / threads, tiles};
+        job_t job = {x, w, y, xs, M, N, K, gs, blocks * t / threads, blocks * (t + 1) / threads};
         run(&job);
     }
     return 0;
-}
-
-// x [M][K] bfloat16, w ATen's packed int4 [N/64 blocks][K][32], sz [K/gs][N][2] bfloat16, y [M][N] float32,
-// xs [M][K/32] scratch; N % 64 == 0, gs % 32 == 0, K % gs == 0. Returns 1 for any other shape. The blocks are split
-// over `threads` OpenMP threads (torch's own pool: see fast_cpu_kernels.py).
-int llama_flat_int4_mm(const uint16_t *x, const uint8_t *w, const uint16_t *sz, float *y, float *xs, long M, long N,
-                       long K, long gs, int threads) {
-    return mm(x, w, sz, y, xs, M, N, K, gs, threads, 0);
-}
-
-// The same from the tiles w [N/16][K/gs][gs / 32 * 256 + 64] (scales and offsets inside).
-int llama_flat_int4_tiles_mm(const uint16_t *x, const uint8_t *w, float *y, float *xs, long M, long N, long K,
-                             long gs, int threads) {
-    return mm(x, w, 0, y, xs, M, N, K, gs, threads, 1);
 }
 
 // int8 words (fast_cpu_quant's compiled decode layout): w [N/16][K/4][16] int32, byte j of word [t][i][c] holding

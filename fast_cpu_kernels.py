@@ -5,14 +5,12 @@
 # calls its ops through the dispatcher, packages through the C shims: aoti_shims; no Python):
 #   llama_flat::int4_tiles_mm  by this file's tiles (make_tiles), the one int4 layout fast_cpu_quant and packages keep
 #                              where the kernels run, read at every length;
-#   llama_flat::int8_words_mm  by fast_cpu_quant's int8 word layout, in place (decode; AVX2: every length);
-#   llama_flat::int4_mm        by ATen's packed int4 layout (AVX-512; the prompts of packages made before the tiles).
+#   llama_flat::int8_words_mm  by fast_cpu_quant's int8 word layout, in place (decode; AVX2: every length).
 # The kernels run on torch's own OpenMP threads: built with -fopenmp, the library binds to the libgomp.so.1 torch has
 # loaded (threads of its own fought torch's spinning workers for the cores). Where they cannot run (no AVX2, no
-# compiler, a layout other than the one they read: a self-test; or LLAMA_FLAT_KERNELS=0), available() is False and
-# fast_cpu_quant keeps ATen's layouts and kernels and Inductor's word kernels; without the library int4_mm is ATen's
-# kernel. Delete both files (and kernel_ops.cpp from runner-aoti's CMakeLists.txt): those kernels, slower, equal up to
-# float rounding.
+# compiler, a failed self-test, or LLAMA_FLAT_KERNELS=0), available() is False and
+# fast_cpu_quant keeps ATen's layouts and kernels and Inductor's word kernels. Delete both files (and kernel_ops.cpp
+# from runner-aoti's CMakeLists.txt): those kernels, slower, equal up to float rounding.
 import ctypes
 import hashlib
 import os
@@ -28,10 +26,6 @@ from common import atomic_path
 SOURCE = Path(__file__).with_suffix(".c")
 OPS = Path(__file__).parent / "runner-aoti" / "kernel_ops.cpp"
 FLAGS = ["-O3", "-fPIC", "-fopenmp", "-pipe"]  # (each kernel names its ISA: AVX-512 + BF16 or AVX2 + FMA)
-# Prompts on ATen's layout from this many tokens per sequence (a package's prompt model; 2 threads, int4 g32, per
-# product against ATen's kernel: 8192x2048 at 2 rows 0.25 against 0.28 ms, 8 rows 0.54 against 0.79, 128 rows 6.0
-# against 12.9; oneDNN's bfloat16 GEMM on a bfloat16 copy 6.6; `python fast_cpu_kernels.py`). Tiles: every length.
-ROWS_FROM = 2
 _LIB = None  # True once the library is built, loaded and checked (available)
 _TRIED = False
 _LOADED = None  # whether the library's ops are registered (_load: tried once per process)
@@ -88,8 +82,7 @@ def make_tiles(q: torch.Tensor, s: torch.Tensor, z: torch.Tensor, groupsize: int
 
 
 def _self_test() -> bool:
-    """The ops against float64: int4 on a weight packed by ATen here (its layout depends on the CPU's ISA) and on
-    tiles, int8 on words."""
+    """The ops against float64: int4 on tiles, int8 on words."""
     g = torch.Generator().manual_seed(0)
     N, K, G = 128, 128, 64
     q = torch.randint(0, 16, (N, K), generator=g, dtype=torch.int32)
@@ -101,10 +94,7 @@ def _self_test() -> bool:
     words = (b[:, :, 0] | b[:, :, 1] << 8 | b[:, :, 2] << 16 | b[:, :, 3] << 24).int().transpose(1, 2).unsqueeze(1)
     for M in (1, 7):
         x = torch.randn(M, K, generator=g).to(torch.bfloat16)
-        for y, ref in (*(((torch.ops.llama_flat.int4_mm(x, torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1),
-                                                         G, sz), x.double() @ ((q - 8) * s + z).t()),)
-                         if ISA == 2 else ()),  # (elsewhere int4_mm is ATen's kernel, which rounds to bfloat16)
-                       (torch.ops.llama_flat.int4_tiles_mm(x, tiles, G), x.double() @ ((q - 8) * s + z).t()),
+        for y, ref in ((torch.ops.llama_flat.int4_tiles_mm(x, tiles, G), x.double() @ ((q - 8) * s + z).t()),
                        (torch.ops.llama_flat.int8_words_mm(x.float(), words.contiguous(), s[:, 0].float()),
                         x.double() @ (q8 * s[:, :1]).t())):
             tol = 1e-5 if ISA == 2 else 1e-4  # (AVX2's int4: x as int16 per run of 32, 2e-5 of its largest)
@@ -149,7 +139,7 @@ def available() -> bool:
         if _wanted() and _load():
             try:
                 if not _self_test():
-                    raise ValueError("its result differs from float64's: ATen's layout is not the one it reads")
+                    raise ValueError("its result differs from float64's")
                 _LIB = True
             except Exception as e:
                 print(f"note: quantized products use slower kernels: fast_cpu_kernels does not run here ({e})",
@@ -171,21 +161,11 @@ def aoti_shims() -> dict:
         ops.int8_words_mm.default: [f"AOTITorchError aoti_torch_cpu_int8_words_mm({t}, {t}, {t}, {t}*)"]}}
 
 
-def _aten_int4_mm(x, w, groupsize, sz):  # llama_flat::int4_mm where the library does not load
-    if not (x.dtype == sz.dtype == torch.bfloat16 and w.dtype == torch.uint8 and sz.dim() == 3 and groupsize > 0
-            and x.shape[1] % groupsize == 0 and w.numel() * 2 == sz.shape[1] * x.shape[1]):
-        raise ValueError("llama_flat::int4_mm: unexpected operands")
-    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, w, groupsize, sz).float()
-
-
 _OPS = torch.library.Library("llama_flat", "FRAGMENT")
-if not (_wanted() and _load()) and not hasattr(torch.ops.llama_flat, "int4_mm"):
-    _OPS.define("int4_mm(Tensor x, Tensor w, int groupsize, Tensor sz) -> Tensor")
-    _OPS.impl("int4_mm", _aten_int4_mm, "CPU")
+if not (_wanted() and _load()) and not hasattr(torch.ops.llama_flat, "int4_tiles_mm"):
     _OPS.define("int4_tiles_mm(Tensor x, Tensor w, int groupsize) -> Tensor")  # (never called: no tiles are made)
     _OPS.define("int8_words_mm(Tensor x, Tensor w, Tensor s) -> Tensor")  # (nor this)
-for _name, _fake in (("int4_mm", lambda x, w, gs, sz: x.new_empty((x.shape[0], sz.shape[1]), dtype=torch.float)),
-                     ("int4_tiles_mm", lambda x, w, gs: x.new_empty((x.shape[0], 16 * w.shape[0]), dtype=torch.float)),
+for _name, _fake in (("int4_tiles_mm", lambda x, w, gs: x.new_empty((x.shape[0], 16 * w.shape[0]), dtype=torch.float)),
                      ("int8_words_mm", lambda x, w, s: x.new_empty((x.shape[0], 16 * w.shape[0])))):
     try:
         torch.library.register_fake(f"llama_flat::{_name}", lib=_OPS)(_fake)
@@ -195,7 +175,7 @@ for _name, _fake in (("int4_mm", lambda x, w, gs, sz: x.new_empty((x.shape[0], s
 
 def _main() -> None:
     """`python fast_cpu_kernels.py [threads]`: per product of Llama-3.2-1B's shapes (ms, median of 9), the kernel on the
-    tiles and on ATen's layout, ATen's int4 kernel, oneDNN's bfloat16 GEMM on a bfloat16 copy; one row streams 24
+    tiles, ATen's int4 kernel (on its own layout), oneDNN's bfloat16 GEMM on a bfloat16 copy; one row streams 24
     copies of the weight from memory (as decode reads a model's weights), more rows repeat one (prompts)."""
     import time
     torch.set_num_threads(int(sys.argv[1]) if len(sys.argv) > 1 else 2)
@@ -209,7 +189,7 @@ def _main() -> None:
             f()
             times.append(time.perf_counter() - start) if i >= 3 else None
         return sorted(times)[4] * 1e3 / n
-    print(f"threads {torch.get_num_threads()}; ms per product: tiles / ATen's layout / ATen's int4 / oneDNN bfloat16")
+    print(f"threads {torch.get_num_threads()}; ms per product: tiles / ATen's int4 / oneDNN bfloat16")
     for N, K in ((8192, 2048), (2048, 8192), (2048, 2048)):
         q = torch.randint(0, 16, (N, K), dtype=torch.int32)
         sz = torch.randn(K // 32, N, 2).bfloat16()
@@ -222,7 +202,6 @@ def _main() -> None:
             run = lambda f: ms(lambda: [f(*c) for c in copies], n)
             aten = torch.ops.aten._weight_int4pack_mm_for_cpu
             print(f"{N}x{K} {M:4d} rows: {run(lambda t, w, s, w16: torch.ops.llama_flat.int4_tiles_mm(x, t, 32)):6.3f}"
-                  f" / {run(lambda t, w, s, w16: torch.ops.llama_flat.int4_mm(x, w, 32, s)):6.3f}"
                   f" / {run(lambda t, w, s, w16: aten(x, w, 32, s)):6.3f} / {run(lambda t, w, s, w16: x @ w16):6.3f}")
 
 

@@ -113,7 +113,7 @@ class FastQuantizedLinear(QuantizedLinear):
     export_rows (qexport.py's AOT Inductor forms; torch.export only): "words" the word kernels for any number of rows;
     "native" a package's prompt model (the packed kernels, int8 on its bfloat16 copy); "bf16" its long_prompt model."""
 
-    def __init__(self, lin: QuantizedLinear, export_rows: Optional[str] = None, words: bool = True, tiles: bool = True):
+    def __init__(self, lin: QuantizedLinear, export_rows: Optional[str] = None, words: bool = True):
         super().__init__(lin.qweight, None, lin.act)
         self.bias, self.act_quant, self.export_rows = lin.bias, lin.act_quant, export_rows
         self.prompt_packed = getattr(lin, "prompt_packed", False)
@@ -123,15 +123,16 @@ class FastQuantizedLinear(QuantizedLinear):
             for name in LAYOUTS:
                 setattr(self, name, getattr(lin, name))
         else:
-            self._make_layouts(words, tiles)
+            self._make_layouts(words)
 
     def add_words(self):  # the word layouts (compiled decode's), where the module was made without them
         self._make_words() if self.int8_words is None and self.int4_words is None else None
 
-    def _make_layouts(self, words: bool = True, tiles: bool = True):
+    def _make_layouts(self, words: bool = True):
         """The kernels' layouts from qdata, scales and zeros (plain attributes: not saved, not moved); words: also the
         word layouts, which only compiled code reads (an eager 1B int8 model would hold 1 GB more for nothing).
-        int4_cpu: (fast_cpu_kernels' tiles, None, True) or (ATen's blocked layout, its scales and offsets, kernel)."""
+        int4_cpu: (fast_cpu_kernels' tiles, None) where its kernels run, else (ATen's blocked layout, its scales and
+        offsets)."""
         qw, static = self.qweight, TI.mark_static
         N = qw.out_features
         for name in LAYOUTS:
@@ -148,13 +149,12 @@ class FastQuantizedLinear(QuantizedLinear):
             z = torch.zeros_like(s) if qw.zeros is None or qw.xnnpack else qw.zeros + 8 * s
             kernel = fast_cpu_kernels is not None and fast_cpu_kernels.takes(N, qw.groupsize)  # (see int4_cpu_mm)
             q, G = (lambda r: unpack_int4(qw.qdata[r], qw.groupsize)), qw.groupsize  # (by rows: slices concatenate)
-            if kernel and tiles:
-                tiled = _by_rows(lambda r: fast_cpu_kernels.make_tiles(q(r), s[r], z[r], G), N)
-                self.int4_cpu = static(tiled), None, True
+            if kernel:
+                self.int4_cpu = static(_by_rows(lambda r: fast_cpu_kernels.make_tiles(q(r), s[r], z[r], G), N)), None
             else:
                 pack = torch.ops.aten._convert_weight_to_int4pack_for_cpu
                 self.int4_cpu = (static(_by_rows(lambda r: pack(q(r).to(torch.int32), 1), N)),
-                                 static(torch.stack([s.t(), z.t()], -1).to(torch.bfloat16)), kernel)
+                                 static(torch.stack([s.t(), z.t()], -1).to(torch.bfloat16)))
         if words:
             self._make_words()
 
@@ -332,19 +332,17 @@ class FastQuantizedLinear(QuantizedLinear):
             y = (torch.ops.aten._weight_int8pack_mm(x2.to(torch.bfloat16), qw.qdata, self.int8_unit).to(x.dtype)
                  * qw.scales.to(x.dtype))
         elif self.int4_cpu is not None:
-            y = self.int4_cpu_mm(x2.to(torch.bfloat16), x).to(x.dtype)
+            y = self.int4_cpu_mm(x2.to(torch.bfloat16)).to(x.dtype)
         else:
             return None
         return y.reshape(*x.shape[:-1], qw.out_features)
 
-    def int4_cpu_mm(self, x2: Tensor, x: Tensor) -> Tensor:
-        """x2 [M, K] bfloat16 (the rows of x [..., T, K]) @ w.T, float32 or bfloat16: fast_cpu_kernels' tiles and
-        kernel at every length; ATen's blocked layout (tiles=False): from ROWS_FROM rows our kernel, else ATen's."""
-        packed, sz, kernel = self.int4_cpu
+    def int4_cpu_mm(self, x2: Tensor) -> Tensor:
+        """x2 [M, K] bfloat16 @ w.T, float32 or bfloat16: fast_cpu_kernels' tiles and
+        kernel at every length, else ATen's blocked layout and kernel."""
+        packed, sz = self.int4_cpu
         if sz is None:
             return torch.ops.llama_flat.int4_tiles_mm(x2, packed, self.qweight.groupsize)
-        if kernel and (x.shape[-2] if x.dim() > 2 else x2.shape[0]) >= fast_cpu_kernels.ROWS_FROM:
-            return torch.ops.llama_flat.int4_mm(x2, packed, self.qweight.groupsize, sz)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x2, packed, self.qweight.groupsize, sz)
 
     def _bf16_weight_t(self, x2: Tensor):
@@ -422,7 +420,7 @@ class FastQuantizedLinear(QuantizedLinear):
         if qw.bits != 4 or qw.weight_only:
             return None
         x2 = x.reshape(-1, qw.in_features)
-        w = None if self.int4_cpu is not None and self.int4_cpu[2] else self._bf16_weight_t(x2)
+        w = None if self.int4_cpu is not None and self.int4_cpu[1] is None else self._bf16_weight_t(x2)
         if w is None and self.int4_cpu is None:
             return None
         q, zp, scale = quant_per_token_int8(x2.float())
@@ -430,7 +428,7 @@ class FastQuantizedLinear(QuantizedLinear):
         if w is not None:
             y = self._mm_bf16(xi, w)
         else:
-            y = self.int4_cpu_mm(xi, x)
+            y = self.int4_cpu_mm(xi)
         return (y.float() * scale).to(x.dtype).reshape(*x.shape[:-1], qw.out_features)
 
     def fused_linear(self, x: Tensor, offset: bool = True, sums: Optional[Tensor] = None) -> Tensor:

@@ -1,12 +1,10 @@
-// kernel_ops.cpp: the torch ops of ../fast_cpu_kernels.c: llama_flat::int4_mm (ATen's packed int4 layout),
-// llama_flat::int4_tiles_mm (fast_cpu_kernels.py's tiles) and llama_flat::int8_words_mm (fast_cpu_quant's int8 words),
-// and C shims of the last two, which AOT Inductor packages call directly (fast_cpu_kernels.aoti_shims).
-// fast_cpu_kernels.py builds it with the kernels into the library that Python runs load (compiled code calls the ops
-// through the dispatcher, no Python); the runner links it (and exports the shims). The kernels run where the build
-// has them (LLAMA_FLAT_KERNELS) and the CPU has AVX2 (AVX-512 + BF16: int4_mm too); elsewhere int4_mm runs ATen's
-// int4 kernel on the same operands and the others refuse (their layouts are made only where the kernels run).
+// kernel_ops.cpp: the torch ops of ../fast_cpu_kernels.c: llama_flat::int4_tiles_mm (fast_cpu_kernels.py's tiles) and
+// llama_flat::int8_words_mm (fast_cpu_quant's int8 words), and their C shims, which AOT Inductor packages call
+// directly (fast_cpu_kernels.aoti_shims). fast_cpu_kernels.py builds it with the kernels into the library that Python
+// runs load (compiled code calls the ops through the dispatcher, no Python); the runner links it (and exports the
+// shims). The kernels run where the build has them (LLAMA_FLAT_KERNELS) and the CPU has AVX2; elsewhere the ops
+// refuse (their layouts are made only where the kernels run).
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/_weight_int4pack_mm_for_cpu.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/mm.h>
 #include <ATen/Parallel.h>
@@ -17,8 +15,6 @@
 #include <cstdint>
 
 #ifdef LLAMA_FLAT_KERNELS
-extern "C" int llama_flat_int4_mm(const uint16_t *x, const uint8_t *w, const uint16_t *sz, float *y, float *xs, long M,
-                                  long N, long K, long gs, int threads);
 extern "C" int llama_flat_int4_tiles_mm(const uint16_t *x, const uint8_t *w, float *y, float *xs, long M, long N,
                                         long K, long gs, int threads);
 extern "C" int llama_flat_int4_tiles_mm_avx2(const float *x, const uint8_t *w, float *y, void *scratch, long M, long N,
@@ -40,27 +36,6 @@ static int isa() { return 0; }
 
 namespace {
 constexpr int64_t AVX2_GEMM_ROWS = 64;  // AVX2 int4 from this many rows: at::mm on float32 pieces of w.T
-
-at::Tensor int4_mm_op(const at::Tensor &x, const at::Tensor &w, int64_t groupsize, const at::Tensor &sz) {
-  TORCH_CHECK(x.is_cpu() && x.dim() == 2 && x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kByte &&
-                  sz.dim() == 3 && sz.scalar_type() == at::kBFloat16 && groupsize > 0 && x.size(1) % groupsize == 0 &&
-                  sz.size(0) == x.size(1) / groupsize && sz.size(2) == 2 && w.numel() * 2 == sz.size(1) * x.size(1),
-              "llama_flat::int4_mm: unexpected operands");
-#ifdef LLAMA_FLAT_KERNELS
-  if (isa() == 2) {
-    at::Tensor xc = x.contiguous(), wc = w.contiguous(), szc = sz.contiguous();
-    const int64_t M = xc.size(0), K = xc.size(1), N = szc.size(1);
-    at::Tensor y = at::empty({M, N}, xc.options().dtype(at::kFloat));
-    at::Tensor xs = at::empty({M, K / 32}, xc.options().dtype(at::kFloat));
-    TORCH_CHECK(!llama_flat_int4_mm(static_cast<const uint16_t *>(xc.data_ptr()), wc.data_ptr<uint8_t>(),
-                                    static_cast<const uint16_t *>(szc.data_ptr()), y.data_ptr<float>(),
-                                    xs.data_ptr<float>(), M, N, K, groupsize, at::get_num_threads()),
-                "llama_flat::int4_mm: unsupported shape ", M, "x", K, " @ ", N, "x", K, ", group size ", groupsize);
-    return y;
-  }
-#endif
-  return at::_weight_int4pack_mm_for_cpu(x, w, groupsize, sz).to(at::kFloat);
-}
 
 at::Tensor int4_tiles_mm_op(const at::Tensor &x, const at::Tensor &w, int64_t groupsize) {
   TORCH_CHECK(x.is_cpu() && x.dim() == 2 && x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kByte &&
@@ -162,8 +137,6 @@ extern "C" AOTITorchError aoti_torch_cpu_int8_words_mm(AtenTensorHandle x, AtenT
 }
 
 TORCH_LIBRARY_FRAGMENT(llama_flat, m) {
-  m.def("int4_mm(Tensor x, Tensor w, int groupsize, Tensor sz) -> Tensor");
-  m.impl("int4_mm", c10::DispatchKey::CPU, TORCH_FN(int4_mm_op));
   m.def("int4_tiles_mm(Tensor x, Tensor w, int groupsize) -> Tensor");
   m.impl("int4_tiles_mm", c10::DispatchKey::CPU, TORCH_FN(int4_tiles_mm_op));
   m.def("int8_words_mm(Tensor x, Tensor w, Tensor s) -> Tensor");

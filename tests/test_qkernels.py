@@ -249,7 +249,7 @@ def test_8da4w_lowers_fully_to_xnnpack():
 BF16_DOTS = TI.cpu_has("avx512_bf16")
 KERNELS = TI.cpu_has("avx2")  # (every CPU with AVX2 torch knows has FMA)
 needs_int4_kernel = pytest.mark.skipif(not KERNELS, reason="this CPU has no AVX2: ATen's int4 kernel runs")
-needs_bf16_dots = pytest.mark.skipif(not BF16_DOTS, reason="this CPU has no AVX512-BF16: int4_mm is ATen's kernel")
+needs_bf16_dots = pytest.mark.skipif(not BF16_DOTS, reason="this CPU has no AVX512-BF16: AVX2's kernels read any 16")
 
 
 def test_kernels_run_where_the_cpu_has_avx2():
@@ -265,10 +265,9 @@ def test_kernels_run_where_the_cpu_has_avx2():
 @pytest.mark.parametrize("N,K,G", [(64, 64, 32), (192, 512, 32), (64, 576, 32), (128, 256, 64), (64, 256, 128),
                                    (64, 512, 256)])
 def test_int4_kernel_matches_float64_and_atens_kernel(M, N, K, G):
-    """llama_flat::int4_mm on a weight packed by ATen (its own kernel where AVX512-BF16 is, else ATen's) and
-    llama_flat::int4_tiles_mm on the same weight's tiles (fast_cpu_kernels.make_tiles; one row: its own decode loop):
+    """llama_flat::int4_tiles_mm on a weight's tiles (fast_cpu_kernels.make_tiles; one row: its own decode loop):
     float64's product of the dequantized weight up to float32 rounding (AVX2's tiles: x as int16 per run of 32, 2e-5
-    of the run's largest |x|), and ATen's own kernel (bfloat16 output) up to its rounding."""
+    of the run's largest |x|), and ATen's own kernel on its packed layout (bfloat16 output) up to its rounding."""
     g = torch.Generator().manual_seed(M * N + K + G)
     q = torch.randint(0, 16, (N, K), generator=g, dtype=torch.int32)
     sz = (torch.randn(K // G, N, 2, generator=g) * 0.1).to(torch.bfloat16)
@@ -279,12 +278,10 @@ def test_int4_kernel_matches_float64_and_atens_kernel(M, N, K, G):
     tiles = fast_cpu_kernels.make_tiles(q, sz[..., 0].t(), sz[..., 1].t(), G)
     assert tiles.shape == (N // 16, K // G, G // 32 * 256 + 64) and tiles.dtype == torch.uint8
     aten = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, G, sz).float()
-    tiled = torch.ops.llama_flat.int4_tiles_mm(x, tiles, G)
-    for y, tol in ((torch.ops.llama_flat.int4_mm(x, packed, G, sz), 1e-5 if BF16_DOTS else 2 ** -7),
-                   (tiled, 1e-5 if BF16_DOTS else 1e-4)):
-        assert y.dtype == torch.float32 and y.shape == (M, N)
-        torch.testing.assert_close(y.double(), ref, rtol=tol, atol=tol * ref.abs().max().item())
-        torch.testing.assert_close(y, aten, rtol=2 ** -7, atol=2 ** -7 * ref.abs().max().item())
+    y, tol = torch.ops.llama_flat.int4_tiles_mm(x, tiles, G), 1e-5 if BF16_DOTS else 1e-4
+    assert y.dtype == torch.float32 and y.shape == (M, N)
+    torch.testing.assert_close(y.double(), ref, rtol=tol, atol=tol * ref.abs().max().item())
+    torch.testing.assert_close(y, aten, rtol=2 ** -7, atol=2 ** -7 * ref.abs().max().item())
 
 
 @needs_bf16_dots
@@ -292,8 +289,6 @@ def test_int4_kernel_refuses_a_shape_it_does_not_read():
     q = torch.randint(0, 16, (96, 64), dtype=torch.int32)  # 96 channels: not whole blocks of 64
     sz = torch.ones(2, 96, 2, dtype=torch.bfloat16)
     x = torch.ones(8, 64, dtype=torch.bfloat16)
-    with pytest.raises(RuntimeError, match="llama_flat::int4_mm: unsupported shape 8x64 @ 96x64, group size 32"):
-        torch.ops.llama_flat.int4_mm(x, torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1), 32, sz)
     tiles = fast_cpu_kernels.make_tiles(q, sz[..., 0].t(), sz[..., 1].t(), 32)
     with pytest.raises(RuntimeError, match="llama_flat::int4_tiles_mm: unsupported shape 8x64 @ 96x64, group size 32"):
         torch.ops.llama_flat.int4_tiles_mm(x, tiles, 32)
@@ -304,10 +299,12 @@ def test_int4_kernel_refuses_a_shape_it_does_not_read():
 @needs_int4_kernel
 def test_int4_linear_keeps_the_tiles_alone_at_every_length(monkeypatch):
     """FastQuantizedLinear (weight-only int4, 128 channels) keeps the kernel's tiles as its one int4 layout and
-    multiplies every length by them, one row included; tiles=False (qexport's packages) keeps ATen's layout and
-    kernel: the same products up to rounding."""
+    multiplies every length by them, one row included; where the kernel does not take the weight, the linear keeps
+    ATen's layout and kernel: the same products up to rounding."""
     _, lin = _linear("int4-g32", N=128, K=128)
-    fast, aten = FQ.FastQuantizedLinear(lin), FQ.FastQuantizedLinear(lin, tiles=False)
+    fast = FQ.FastQuantizedLinear(lin)
+    monkeypatch.setattr(fast_cpu_kernels, "takes", lambda out_features, groupsize: False)
+    aten = FQ.FastQuantizedLinear(lin)
     assert fast.int4_cpu[1] is None and fast.int4_cpu[0].shape == (8, 4, 320) and aten.int4_cpu[1] is not None
     rows, real = [], torch.ops.llama_flat.int4_tiles_mm
     monkeypatch.setattr(torch.ops.llama_flat, "int4_tiles_mm", lambda x, w, g: rows.append(len(x)) or real(x, w, g))
@@ -353,9 +350,8 @@ def test_int4_kernel_build_is_atomic(monkeypatch, tmp_path, capsys):
 
 def test_int4_kernel_off_falls_back_to_atens(monkeypatch, capsys):
     """A kernel whose self-test fails (a layout it does not read) is not used: one note, and int4 linears keep ATen's
-    layout and kernel. Where the library is not loaded (LLAMA_FLAT_KERNELS=0, as on a CPU without AVX2),
-    llama_flat::int4_mm (which a package may call) is ATen's product, and operands of the wrong kind are refused by
-    name."""
+    layout and kernel. Where the library is not loaded (LLAMA_FLAT_KERNELS=0, as on a CPU without AVX2), int4
+    linears compute on ATen's layout what qops' reference computes, and the kernels' ops are refused by name."""
     monkeypatch.setattr(fast_cpu_kernels, "_TRIED", False)
     monkeypatch.setattr(fast_cpu_kernels, "_LIB", fast_cpu_kernels._LIB)  # (restored after the test, as _TRIED)
     monkeypatch.setattr(fast_cpu_kernels, "_load", lambda: True)
@@ -365,20 +361,20 @@ def test_int4_kernel_off_falls_back_to_atens(monkeypatch, capsys):
     assert not fast_cpu_kernels.available()
     assert "quantized products use slower kernels" in capsys.readouterr().err
     _, lin = _linear("int4-g32", N=128, K=128)
-    assert FQ.FastQuantizedLinear(lin).int4_cpu[1:] != (None, True)
+    assert FQ.FastQuantizedLinear(lin).int4_cpu[1] is not None  # (ATen's scales and offsets beside its layout)
     code = """if True:
-        import torch, fast_cpu_kernels
-        q = torch.randint(0, 16, (64, 64), dtype=torch.int32)
-        w, sz = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1), torch.rand(2, 64, 2).to(torch.bfloat16)
-        x = torch.randn(3, 64).to(torch.bfloat16)
-        assert not fast_cpu_kernels.available()
-        torch.testing.assert_close(torch.ops.llama_flat.int4_mm(x, w, 32, sz),
-                                   torch.ops.aten._weight_int4pack_mm_for_cpu(x, w, 32, sz).float())
+        import torch, fast_cpu_kernels, fast_cpu_quant, qops, quantize
+        torch.manual_seed(0)
+        lin = qops.QuantizedLinear(quantize.quantize_weight(torch.randn(128, 128) * 0.05, quantize._scheme(4, 32)))
+        fast, x = fast_cpu_quant.FastQuantizedLinear(lin), torch.randn(3, 128)
+        assert not fast_cpu_kernels.available() and fast.int4_cpu[1] is not None
+        y, ref = fast(x), lin(x)  # (ATen's kernel: x, scales and offsets in bfloat16)
+        torch.testing.assert_close(y, ref, rtol=2 ** -7, atol=2 ** -7 * ref.abs().max().item())
         try:
-            torch.ops.llama_flat.int4_mm(x.float(), w, 32, sz)
-        except ValueError as e:
-            print(e)
+            torch.ops.llama_flat.int4_tiles_mm(x.bfloat16(), fast.int4_cpu[0], 32)
+        except NotImplementedError as e:
+            print(str(e).splitlines()[0])
     """
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
                        env={**os.environ, "LLAMA_FLAT_KERNELS": "0"}, timeout=300)
-    assert r.returncode == 0 and r.stdout == "llama_flat::int4_mm: unexpected operands\n", r.stderr[-2000:]
+    assert r.returncode == 0 and "llama_flat::int4_tiles_mm" in r.stdout, r.stderr[-2000:]
