@@ -1,5 +1,5 @@
 # fast_cpu.py: the CPU accelerator. speed_up(model) assigns faster modules at model.py's swap points (oneDNN products,
-# bfloat16 weights held packed, attention over the filled cache slots only, float32 attention for half-precision
+# bfloat16 weights held packed or, without oneDNN bfloat16, fast_cpu_kernels' bfloat16 kernel, attention over the filled cache slots only, float32 attention for half-precision
 # models) and, for torch.compile, compiled per-layer prompt callers with oneDNN-packed prompt weights; it owns every
 # Inductor setting.
 # engine.py and aoti_export.py call it. Delete this file and everything still runs: the same tokens, slower.
@@ -167,6 +167,28 @@ class OneDNNLinear(nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
 
+class Bf16Linear(nn.Linear):
+    """A bfloat16 nn.Linear where oneDNN has no bfloat16 products (AVX2 without AVX-512): fast_cpu_kernels' kernel on
+    the weight as stored (llama_flat::bf16_mm: float32 products and sums, rounded to bfloat16 as F.linear's are),
+    eager and compiled. ATen's bfloat16 product there runs ~11 GFLOP/s at every length (a 1B-shaped 128-token prompt
+    at 0.30x llama.cpp F16), and Inductor's frozen decode graph peaked at 8.7 GB for 2.1 GB of weights. Exports keep
+    F.linear (a package's own kernels)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if torch.compiler.is_exporting():
+            return F.linear(x, self.weight, self.bias)
+        y = torch.ops.llama_flat.bf16_mm(x.reshape(-1, self.in_features), self.weight)
+        y = y if self.bias is None else y + self.bias
+        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+
+def bf16_kernel_takes(lin: nn.Linear) -> bool:
+    """Whether Bf16Linear runs lin here: bfloat16, no oneDNN bfloat16, the kernels loaded, shapes they read."""
+    kernels = fast_cpu_quant.fast_cpu_kernels
+    return (lin.weight.dtype == torch.bfloat16 and not TI.onednn_bf16() and kernels is not None
+            and kernels.available() and lin.out_features % 4 == 0 and lin.in_features % 16 == 0)
+
+
 # A bfloat16 weight in oneDNN's packed layout (an opaque tensor) multiplies one row at ~1.4x the rate of F.linear on
 # the weight as stored: 2 threads, Llama-3.2-1B shape, compiled decode 34 against 35-52 ms per step (Inductor's own
 # packed copy; interleaved runs, bimodal), 128-token prompts 324 against 350-400 ms. PackedLinear holds it instead of
@@ -306,7 +328,8 @@ def speed_up(model: Transformer, compile: bool = False, export: bool = False) ->
     """Assign the faster modules (in place; returns the model). On CPU only (elsewhere the model is left as is):
       * cache_len -> FilledSlots and each attention.attend -> FilledSlotsAttention;
       * export (aoti_export.py): nothing more; Inductor's own kernels take the products;
-      * else qops.QuantizedLinear -> FastQuantizedLinear, bfloat16 nn.Linear -> PackedLinear, float32
+      * else qops.QuantizedLinear -> FastQuantizedLinear, bfloat16 nn.Linear -> PackedLinear (Bf16Linear where
+        oneDNN has no bfloat16 products), float32
         ones -> OneDNNLinear (compiled, from FLOAT32_PACKED_FROM bytes: PackedLinear), and with
         compile the layers and the output projection run prompts through CompiledPrompt, the blocks' weights get
         packed prompt copies (pack_prompt_weights) unless they would take more than half of the free memory (one
@@ -324,23 +347,22 @@ def speed_up(model: Transformer, compile: bool = False, export: bool = False) ->
     if export:
         return model
     swap_in(model, words=compile)
-    if ONEDNN:
-        float32 = sum(m.weight.numel() * 4 for m in model.modules()
-                      if type(m) is nn.Linear and m.weight.dtype == torch.float32)
-        for parent in list(model.modules()):
-            for name, child in list(parent.named_children()):
-                if type(child) is not nn.Linear:
-                    continue
-                if (child.weight.dtype == torch.bfloat16 and TI.onednn_bf16()) or (
-                        compile and float32 >= FLOAT32_PACKED_FROM):
-                    replace_module(parent, name, PackedLinear(child))
-                    release_pages(child.weight)  # where it maps its checkpoint (loaded without a cast), pages too
-                    child.weight = None  # (freed now, not when the loop ends; a tied output's stays the embedding's)
-                else:
-                    fast = OneDNNLinear(child.in_features, child.out_features, bias=child.bias is not None,
-                                        device="meta")
-                    fast.weight, fast.bias = child.weight, child.bias
-                    replace_module(parent, name, fast)
+    float32 = sum(m.weight.numel() * 4 for m in model.modules()
+                  if type(m) is nn.Linear and m.weight.dtype == torch.float32)
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is not nn.Linear or not (ONEDNN or bf16_kernel_takes(child)):
+                continue
+            if ONEDNN and ((child.weight.dtype == torch.bfloat16 and TI.onednn_bf16()) or (
+                    compile and float32 >= FLOAT32_PACKED_FROM)):
+                replace_module(parent, name, PackedLinear(child))
+                release_pages(child.weight)  # where it maps its checkpoint (loaded without a cast), pages too
+                child.weight = None  # (freed now, not when the loop ends; a tied output's stays the embedding's)
+            else:
+                cls = Bf16Linear if bf16_kernel_takes(child) else OneDNNLinear
+                fast = cls(child.in_features, child.out_features, bias=child.bias is not None, device="meta")
+                fast.weight, fast.bias = child.weight, child.bias
+                replace_module(parent, name, fast)
     if compile and not isinstance(model.output, CompiledPrompt):
         configure_inductor()
         run = torch.compile(_call, dynamic=True, fullgraph=True)

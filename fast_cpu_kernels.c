@@ -1,10 +1,11 @@
-// fast_cpu_kernels.c: y = x @ w.T for quantized weights in two instruction sets (each kernel names its own, the file
-// none; llama_flat_kernels_isa says which run here). Built by fast_cpu_kernels.py and runner-aoti's CMakeLists.txt
+// fast_cpu_kernels.c: y = x @ w.T for quantized (and AVX2's bfloat16) weights in two instruction sets (each kernel
+// names its own, the file none; llama_flat_kernels_isa says which run here). Built by fast_cpu_kernels.py and runner-aoti's CMakeLists.txt
 // with kernel_ops.cpp, which registers them as torch ops. Plain C (and OpenMP), no torch headers.
 //   AVX-512 + BF16 (bfloat16 x; vdpbf16ps: exact products, float32 sums): int4 on the tiles (llama_flat_int4_tiles_mm),
 //     int8 on the words, one row (llama_flat_int8_words_mm).
 //   AVX2 + FMA (x as int16 per run of 32, d = max |x| / 32767: 2e-5 of its largest |x|; vpmaddwd: exact int32 sums):
-//     int4 on the tiles, int8 on the words (llama_flat_*_avx2), any number of rows, each weight read once per 2 rows.
+//     int4 on the tiles, int8 on the words (llama_flat_*_avx2), any number of rows, each weight read once per 2 rows;
+//     bfloat16 weights as stored (float32 products), where oneDNN has no bfloat16 products.
 // The tiles: [N/16][K/gs][gs/32 runs of 256 bytes, then s and z, 16 bfloat16 each] (one stream per 16 channels,
 // scales beside their weights); a run's 64-byte row i holds, in 16-bit lane L = 2c + h, nibble j at bits 4j:
 // q[16t + c][32r + 8i + 2j + h] (t the tile, r the run). `(lane >> 4j) & 15` is then one k-pair of 16 channels, the
@@ -21,18 +22,15 @@ enum { G = 32, BLOCK = 64, ROWS = 6, PREFETCH = 4096 };
 static int split(int threads, long parts) { return threads < 1 ? 1 : threads > parts ? (int)parts : threads; }
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512bf16")))
 #define AVX2 __attribute__((target("avx2,fma")))
-
 // The bfloat16 of i - 8 at index i (and i + 16): the table _mm512_permutexvar_epi16 converts nibbles with.
 AVX512 static inline __m512i q_minus_8(void) {
     return _mm512_set_epi16(0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0, 0xbf80, 0xc000, 0xc040, 0xc080,
                             0xc0a0, 0xc0c0, 0xc0e0, 0xc100, 0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0,
                             0xbf80, 0xc000, 0xc040, 0xc080, 0xc0a0, 0xc0c0, 0xc0e0, 0xc100);
 }
-
 AVX512 static inline __m512 bf16x16(const uint16_t *p) {  // 16 bfloat16 -> float32
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
-
 AVX2 static inline __m256 bf16x8(const uint16_t *p) {  // 8 bfloat16 -> float32
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
 }
@@ -44,10 +42,7 @@ int llama_flat_kernels_isa(void) {
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? 1 : 0;
 }
 
-typedef struct {
-    const uint16_t *x; const uint8_t *w; float *y; const float *xs;
-    long M, N, K, gs, b0, b1;
-} job_t;
+typedef struct { const uint16_t *x; const uint8_t *w; float *y; const float *xs; long M, N, K, gs, b0, b1; } job_t;
 
 // Tiles 4b..4b+3 (channels n0 + 16c + 0-15), run r of group g, converted: wv[p][c] holds, for k-pair p (k = 2p, 2p + 1)
 // and the 16 channels of tile c, the bfloat16 pairs (q[n][2p] - 8, q[n][2p + 1] - 8) (wb: the first tile's run;
@@ -454,5 +449,52 @@ int llama_flat_int8_words_mm_avx2(const float *x, const int32_t *w, const float 
             for (long m = 0; m < M; m += 2)
                 (M - m == 1 ? words16_1 : words16_2)(xi + m * K, d + m * runs, xoff + m * runs, w, s, y + m * N, N,
                                                      K, t);
+    return 0;
+}
+
+// -------------------------------------------------------------------------------------------- AVX2 + FMA: bfloat16
+// bfloat16 weights as nn.Linear stores them, w [N][K], where oneDNN has no bfloat16 products (AVX2 without AVX-512;
+// ATen's bfloat16 product there: ~11 GFLOP/s at any length; this: 19 GB/s at 1 row, 50-54 GFLOP/s from 8, MKL's float32
+// rate, 2 threads). A 32-bit lane of 16 loaded weights holds a k-pair: lane << 16 is the even k's float32, lane &
+// 0xffff0000 the odd one's; x is split alike once per call (per 16 k: 8 even, 8 odd). Four channels per pass, rows in
+// pairs (the channels' 8 K bytes stay in L2 while the rows pass): y is the float32 product of the bfloat16 operands.
+#define BF16ROWS(MR)                                                                                               \
+AVX2 static void bf16rows_##MR(const float *xs, const uint16_t *w, float *y, long N, long K, long n) {             \
+    const __m256i odd = _mm256_set1_epi32((int)0xffff0000);                                                        \
+    __m256 a[MR][4];                                                                                               \
+    for (int m = 0; m < MR; m++) for (int c = 0; c < 4; c++) a[m][c] = _mm256_setzero_ps();                        \
+    for (long k = 0; k < K; k += 16) {                                                                             \
+        for (int c = 0; c < 4; c++) {                                                                              \
+            const uint16_t *wc = w + (n + c) * K + k;                                                              \
+            _mm_prefetch((const char *)wc + PREFETCH, _MM_HINT_T0);                                                \
+            const __m256i v = _mm256_loadu_si256((const __m256i *)wc);                                             \
+            const __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));                                       \
+            const __m256 wo = _mm256_castsi256_ps(_mm256_and_si256(v, odd));                                      \
+            for (int m = 0; m < MR; m++)                                                                           \
+                a[m][c] = _mm256_fmadd_ps(wo, _mm256_loadu_ps(xs + m * K + k + 8),                                 \
+                                          _mm256_fmadd_ps(we, _mm256_loadu_ps(xs + m * K + k), a[m][c]));          \
+        }                                                                                                          \
+    }                                                                                                              \
+    for (int m = 0; m < MR; m++) {  /* four horizontal sums at once (per 128-bit half), y[m][n..n+3] */            \
+        const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a[m][0], a[m][1]), _mm256_hadd_ps(a[m][2], a[m][3]));       \
+        _mm_storeu_ps(y + m * N + n, _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1)));          \
+    }                                                                                                              \
+}
+BF16ROWS(1) BF16ROWS(2)
+
+// x [M][K] float32 @ w [N][K] bfloat16 -> y [M][N] float32; scratch: M K float32. N % 4 == 0, K % 16 == 0; 1 for any
+// other shape or without AVX2 + FMA.
+int llama_flat_bf16_mm_avx2(const float *x, const uint16_t *w, float *y, float *xs, long M, long N, long K,
+                            int threads) {
+    if (!llama_flat_kernels_isa() || M < 1 || N < 4 || N % 4 || K < 16 || K % 16) return 1;
+    for (long i = 0; i < M * K; i++)  // (K % 16 == 0: a run of 16 never spans two rows)
+        xs[i / 16 * 16 + i % 2 * 8 + i % 16 / 2] = x[i];
+    const long n4 = N / 4;
+    threads = split(threads, n4);
+#pragma omp parallel for num_threads(threads) schedule(static, 1)
+    for (int p = 0; p < threads; p++)
+        for (long q = n4 * p / threads; q < n4 * (p + 1) / threads; q++)
+            for (long m = 0; m < M; m += 2)
+                (M - m == 1 ? bf16rows_1 : bf16rows_2)(xs + m * K, w, y + m * N, N, K, 4 * q);
     return 0;
 }

@@ -5,7 +5,8 @@
 # calls its ops through the dispatcher, packages through the C shims: aoti_shims; no Python):
 #   llama_flat::int4_tiles_mm  by this file's tiles (make_tiles), the one int4 layout fast_cpu_quant and packages keep
 #                              where the kernels run, read at every length;
-#   llama_flat::int8_words_mm  by fast_cpu_quant's int8 word layout, in place (decode; AVX2: every length).
+#   llama_flat::int8_words_mm  by fast_cpu_quant's int8 word layout, in place (decode; AVX2: every length);
+#   llama_flat::bf16_mm        by bfloat16 weights as stored (fast_cpu.Bf16Linear: AVX2, where oneDNN has none).
 # The kernels run on torch's own OpenMP threads: built with -fopenmp, the library binds to the libgomp.so.1 torch has
 # loaded (threads of its own fought torch's spinning workers for the cores). Where they cannot run (no AVX2, no
 # compiler, a failed self-test, or LLAMA_FLAT_KERNELS=0), available() is False and
@@ -82,7 +83,7 @@ def make_tiles(q: torch.Tensor, s: torch.Tensor, z: torch.Tensor, groupsize: int
 
 
 def _self_test() -> bool:
-    """The ops against float64: int4 on tiles, int8 on words."""
+    """The ops against float64: int4 on tiles, int8 on words, AVX2's bfloat16 on a bfloat16 weight."""
     g = torch.Generator().manual_seed(0)
     N, K, G = 128, 128, 64
     q = torch.randint(0, 16, (N, K), generator=g, dtype=torch.int32)
@@ -92,11 +93,13 @@ def _self_test() -> bool:
     q8 = torch.randint(-127, 128, (N, K), generator=g, dtype=torch.int32)  # int8 words (fast_cpu_quant._make_words)
     b = (q8.view(N // 16, 16, 4, K // 4) + torch.tensor([128, 128, 128, 0]).view(4, 1)) & 255
     words = (b[:, :, 0] | b[:, :, 1] << 8 | b[:, :, 2] << 16 | b[:, :, 3] << 24).int().transpose(1, 2).unsqueeze(1)
+    wb = torch.randn(N, K, generator=g).to(torch.bfloat16)
     for M in (1, 7):
         x = torch.randn(M, K, generator=g).to(torch.bfloat16)
         for y, ref in ((torch.ops.llama_flat.int4_tiles_mm(x, tiles, G), x.double() @ ((q - 8) * s + z).t()),
                        (torch.ops.llama_flat.int8_words_mm(x.float(), words.contiguous(), s[:, 0].float()),
-                        x.double() @ (q8 * s[:, :1]).t())):
+                        x.double() @ (q8 * s[:, :1]).t()),
+                       *(((torch.ops.llama_flat.bf16_mm(x, wb), x.double() @ wb.double().t()),) if ISA == 1 else ())):
             tol = 1e-5 if ISA == 2 else 1e-4  # (AVX2's int4: x as int16 per run of 32, 2e-5 of its largest)
             if not torch.allclose(y.double(), ref, rtol=tol, atol=tol * ref.abs().max().item()):
                 return False
@@ -164,9 +167,11 @@ def aoti_shims() -> dict:
 _OPS = torch.library.Library("llama_flat", "FRAGMENT")
 if not (_wanted() and _load()) and not hasattr(torch.ops.llama_flat, "int4_tiles_mm"):
     _OPS.define("int4_tiles_mm(Tensor x, Tensor w, int groupsize) -> Tensor")  # (never called: no tiles are made)
-    _OPS.define("int8_words_mm(Tensor x, Tensor w, Tensor s) -> Tensor")  # (nor this)
+    _OPS.define("int8_words_mm(Tensor x, Tensor w, Tensor s) -> Tensor")  # (nor these)
+    _OPS.define("bf16_mm(Tensor x, Tensor w) -> Tensor")
 for _name, _fake in (("int4_tiles_mm", lambda x, w, gs: x.new_empty((x.shape[0], 16 * w.shape[0]), dtype=torch.float)),
-                     ("int8_words_mm", lambda x, w, s: x.new_empty((x.shape[0], 16 * w.shape[0])))):
+                     ("int8_words_mm", lambda x, w, s: x.new_empty((x.shape[0], 16 * w.shape[0]))),
+                     ("bf16_mm", lambda x, w: x.new_empty((x.shape[0], w.shape[0]), dtype=torch.float))):
     try:
         torch.library.register_fake(f"llama_flat::{_name}", lib=_OPS)(_fake)
     except RuntimeError:  # (registered already: this file imported again, under another name)
@@ -189,20 +194,23 @@ def _main() -> None:
             f()
             times.append(time.perf_counter() - start) if i >= 3 else None
         return sorted(times)[4] * 1e3 / n
-    print(f"threads {torch.get_num_threads()}; ms per product: tiles / ATen's int4 / oneDNN bfloat16")
+    print(f"threads {torch.get_num_threads()}; ms per product: tiles / ATen's int4 / oneDNN bfloat16 (ATen's where"
+          f" oneDNN has none) / AVX2's bfloat16 kernel on w as stored")
     for N, K in ((8192, 2048), (2048, 8192), (2048, 2048)):
         q = torch.randint(0, 16, (N, K), dtype=torch.int32)
         sz = torch.randn(K // 32, N, 2).bfloat16()
         w = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
-        tiles, w16 = make_tiles(q, sz[..., 0].t(), sz[..., 1].t(), 32), torch.randn(K, N).bfloat16()
+        tiles, w16 = make_tiles(q, sz[..., 0].t(), sz[..., 1].t(), 32), torch.randn(N, K).bfloat16()
         for M in (1, 2, 8, 128):
             n = 24 if M == 1 else 1
             x, copies = torch.randn(M, K).bfloat16(), [(tiles.clone(), w.clone(), sz.clone(), w16.clone())
                                                        for _ in range(n)]
             run = lambda f: ms(lambda: [f(*c) for c in copies], n)
             aten = torch.ops.aten._weight_int4pack_mm_for_cpu
+            bf16 = run(lambda t, w, s, w16: torch.ops.llama_flat.bf16_mm(x, w16)) if ISA == 1 else float("nan")
             print(f"{N}x{K} {M:4d} rows: {run(lambda t, w, s, w16: torch.ops.llama_flat.int4_tiles_mm(x, t, 32)):6.3f}"
-                  f" / {run(lambda t, w, s, w16: aten(x, w, 32, s)):6.3f} / {run(lambda t, w, s, w16: x @ w16):6.3f}")
+                  f" / {run(lambda t, w, s, w16: aten(x, w, 32, s)):6.3f} / {run(lambda t, w, s, w16: x @ w16.t()):6.3f}"
+                  f" / {bf16:6.3f}")
 
 
 if __name__ == "__main__":

@@ -1,9 +1,9 @@
-// kernel_ops.cpp: the torch ops of ../fast_cpu_kernels.c: llama_flat::int4_tiles_mm (fast_cpu_kernels.py's tiles) and
-// llama_flat::int8_words_mm (fast_cpu_quant's int8 words), and their C shims, which AOT Inductor packages call
-// directly (fast_cpu_kernels.aoti_shims). fast_cpu_kernels.py builds it with the kernels into the library that Python
-// runs load (compiled code calls the ops through the dispatcher, no Python); the runner links it (and exports the
-// shims). The kernels run where the build has them (LLAMA_FLAT_KERNELS) and the CPU has AVX2; elsewhere the ops
-// refuse (their layouts are made only where the kernels run).
+// kernel_ops.cpp: the torch ops of ../fast_cpu_kernels.c: llama_flat::int4_tiles_mm (fast_cpu_kernels.py's tiles),
+// llama_flat::int8_words_mm (fast_cpu_quant's int8 words), llama_flat::bf16_mm (bfloat16 weights as stored, AVX2), and
+// C shims of the first two, which AOT Inductor packages call directly (fast_cpu_kernels.aoti_shims).
+// fast_cpu_kernels.py builds it with the kernels into the library that Python runs load (compiled code calls the ops
+// through the dispatcher, no Python); the runner links it (and exports the shims). The kernels run where the build
+// has them (LLAMA_FLAT_KERNELS) and the CPU has AVX2; elsewhere the ops refuse (callers use them only where they run).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/mm.h>
@@ -23,6 +23,8 @@ extern "C" int llama_flat_int4_tiles_unpack_avx2(const uint8_t *w, float *wt, lo
                                                  int threads);
 extern "C" int llama_flat_int8_words_mm_avx2(const float *x, const int32_t *w, const float *s, float *y, void *scratch,
                                              long M, long N, long K, int threads);
+extern "C" int llama_flat_bf16_mm_avx2(const float *x, const uint16_t *w, float *y, float *xs, long M, long N, long K,
+                                       int threads);
 extern "C" int llama_flat_kernels_isa(void);
 extern "C" int llama_flat_int8_words_mm(const float *x, const int32_t *w, const float *s, float *y, float *off, long M,
                                         long N, long K, int threads);
@@ -113,6 +115,27 @@ at::Tensor int8_words_mm_op(const at::Tensor &x, const at::Tensor &w, const at::
 #endif
   TORCH_CHECK(false, "llama_flat::int8_words_mm: the kernel does not run on this CPU or build");
 }
+
+// x [M, K] (any float type) @ w.T for w [N, K] bfloat16 as stored -> float32 [M, N], on CPUs without oneDNN's bfloat16
+// products, by the AVX2 kernel at every length (2 threads: 1 row at 19 GB/s, from 8 rows 50-54 GFLOP/s: MKL's float32
+// GEMM's rate here, without a float32 copy of w; `python fast_cpu_kernels.py`).
+at::Tensor bf16_mm_op(const at::Tensor &x, const at::Tensor &w) {
+  TORCH_CHECK(x.is_cpu() && x.dim() == 2 && at::isFloatingType(x.scalar_type()) && w.scalar_type() == at::kBFloat16 &&
+                  w.dim() == 2 && w.size(1) == x.size(1) && w.size(0) % 4 == 0 && w.size(1) % 16 == 0,
+              "llama_flat::bf16_mm: unexpected operands");
+#ifdef LLAMA_FLAT_KERNELS
+  if (isa() >= 1) {
+    at::Tensor xf = x.to(at::kFloat).contiguous(), wc = w.contiguous();
+    const int64_t M = xf.size(0), K = xf.size(1), N = wc.size(0);
+    at::Tensor y = at::empty({M, N}, xf.options()), xs = at::empty({M, K}, xf.options());
+    TORCH_CHECK(!M || !llama_flat_bf16_mm_avx2(xf.data_ptr<float>(), static_cast<const uint16_t *>(wc.data_ptr()),
+                                               y.data_ptr<float>(), xs.data_ptr<float>(), M, N, K, at::get_num_threads()),
+                "llama_flat::bf16_mm: unsupported shape ", M, "x", K, " @ ", N, "x", K);
+    return y;
+  }
+#endif
+  TORCH_CHECK(false, "llama_flat::bf16_mm: the kernel does not run on this CPU or build");
+}
 }  // namespace
 
 // C shims: AOT Inductor packages call these directly (aoti_export.py names them in aot_inductor.custom_ops_to_c_shims;
@@ -141,4 +164,6 @@ TORCH_LIBRARY_FRAGMENT(llama_flat, m) {
   m.impl("int4_tiles_mm", c10::DispatchKey::CPU, TORCH_FN(int4_tiles_mm_op));
   m.def("int8_words_mm(Tensor x, Tensor w, Tensor s) -> Tensor");
   m.impl("int8_words_mm", c10::DispatchKey::CPU, TORCH_FN(int8_words_mm_op));
+  m.def("bf16_mm(Tensor x, Tensor w) -> Tensor");
+  m.impl("bf16_mm", c10::DispatchKey::CPU, TORCH_FN(bf16_mm_op));
 }

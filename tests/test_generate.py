@@ -166,6 +166,36 @@ def test_bfloat16_weights_held_once_packed(tiny_checkpoint, cpu, monkeypatch):
         assert torch.equal(got.argmax(-1), ref.argmax(-1))
 
 
+@pytest.mark.skipif(not TI.cpu_has("avx2"), reason="this CPU has no AVX2: fast_cpu_kernels does not run")
+def test_bfloat16_without_onednn_runs_the_stored_weights(tiny_checkpoint, cpu, monkeypatch):
+    """Where oneDNN has no bfloat16 products (AVX2 without AVX-512; forced here, so every CPU with AVX2 runs the test),
+    a bfloat16 model's linears are fast_cpu.Bf16Linear over the weights as loaded (no packed or float32 copy),
+    eager and compiled: the logits of the model as written within bfloat16's rounding, and its tokens."""
+    d, _ = tiny_checkpoint
+    ids = torch.randint(0, 300, (1, 9), generator=torch.Generator().manual_seed(1))
+
+    def plain(dtype):  # the model as written: no fast_cpu modules
+        m = load_model(d / "model.pth", dtype=dtype)
+        m.setup_caches(1, 48)
+        with torch.inference_mode():
+            return prompt_then_step(m, ids).float()
+
+    ref, written = plain(torch.float32), plain(torch.bfloat16)
+    monkeypatch.setattr(TI, "onednn_bf16", lambda: False)
+    for compile in (False, True):
+        model = load_model(d / "model.pth", dtype=torch.bfloat16)
+        stored = {p.data_ptr() for p in model.parameters() if p.dim() == 2}
+        b = engine.TorchBackend(model, 1, 48, compile=compile)
+        lins = [m for m in b.model.modules() if isinstance(m, fast_cpu.Bf16Linear)]
+        assert len(lins) == 5 * len(b.model.layers) + 1  # wqkv, wo, w1, w2, w3; output
+        assert not any(type(m) in (torch.nn.Linear, fast_cpu.PackedLinear) for m in b.model.modules())
+        assert all(m.weight.dtype == torch.bfloat16 and m.weight.data_ptr() in stored for m in lins)
+        got = prompt_then_step(b.forward, ids).float()
+        err, err_written = (got - ref).abs().max().item(), (written - ref).abs().max().item()
+        assert err <= 2 * err_written and err_written < 0.05 * ref.abs().max().item()
+        assert torch.equal(got.argmax(-1), ref.argmax(-1))
+
+
 @pytest.mark.skipif(not fast_cpu.ONEDNN, reason="PyTorch built without oneDNN")
 def test_large_float32_weights_held_once_packed(tiny_checkpoint, cpu, monkeypatch):
     """From FLOAT32_PACKED_FROM bytes of float32 linear weights (here: any), a compiled model holds them packed once,

@@ -335,6 +335,25 @@ def test_int8_words_kernel_matches_the_generated_reduction(M):
         torch.ops.llama_flat.int8_words_mm(x[:, :256], fast.int8_words, lin.qweight.scales.float())
 
 
+@needs_int4_kernel
+@pytest.mark.parametrize("M", [1, 2, 3, 17])
+@pytest.mark.parametrize("N,K", [(4, 16), (12, 48), (64, 576), (96, 2048)])
+def test_bf16_kernel_matches_float64(M, N, K):
+    """llama_flat::bf16_mm (AVX2's kernel, which fast_cpu.Bf16Linear runs where oneDNN has no bfloat16 products; it
+    runs on any CPU with AVX2) on a bfloat16 weight as stored: float64's product of the operands (x float32 or
+    bfloat16) up to float32 rounding; operands it does not read are refused by name."""
+    g = torch.Generator().manual_seed(M * N + K)
+    w = torch.randn(N, K, generator=g).to(torch.bfloat16)
+    for x in (torch.randn(M, K, generator=g), torch.randn(M, K, generator=g).to(torch.bfloat16)):
+        ref = x.double() @ w.double().t()
+        y = torch.ops.llama_flat.bf16_mm(x, w)
+        assert y.dtype == torch.float32 and y.shape == (M, N)
+        torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    for bad in (w[:N - 1], w.float(), w[:, :K - 8]):  # 4k channels, bfloat16, K % 16 == 0 (and x's K)
+        with pytest.raises(RuntimeError, match="llama_flat::bf16_mm: unexpected operands"):
+            torch.ops.llama_flat.bf16_mm(x, bad)
+
+
 def test_int4_kernel_build_is_atomic(monkeypatch, tmp_path, capsys):
     """A failed build says so in one line and leaves nothing in the cache; a good one leaves its library alone."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
