@@ -1,7 +1,7 @@
 # fast_cpu.py: the CPU accelerator. speed_up(model) assigns faster modules at model.py's swap points (oneDNN products,
-# bfloat16 weights held packed or, without oneDNN bfloat16, fast_cpu_kernels' bfloat16 kernel, attention over the filled cache slots only, float32 attention for half-precision
-# models) and, for torch.compile, compiled per-layer prompt callers with oneDNN-packed prompt weights; it owns every
-# Inductor setting.
+# bfloat16 weights held packed or, without oneDNN bfloat16, fast_cpu_kernels' bfloat16 kernel, attention over the
+# filled cache slots only, float32 attention for half-precision models) and, for torch.compile, compiled per-layer
+# prompt callers with oneDNN-packed prompt weights; it owns every Inductor setting.
 # engine.py and aoti_export.py call it. Delete this file and everything still runs: the same tokens, slower.
 import contextlib
 import ctypes
@@ -354,7 +354,7 @@ def speed_up(model: Transformer, compile: bool = False, export: bool = False) ->
             if type(child) is not nn.Linear or not (ONEDNN or bf16_kernel_takes(child)):
                 continue
             if ONEDNN and ((child.weight.dtype == torch.bfloat16 and TI.onednn_bf16()) or (
-                    compile and float32 >= FLOAT32_PACKED_FROM)):
+                    compile and child.weight.dtype == torch.float32 and float32 >= FLOAT32_PACKED_FROM)):
                 replace_module(parent, name, PackedLinear(child))
                 release_pages(child.weight)  # where it maps its checkpoint (loaded without a cast), pages too
                 child.weight = None  # (freed now, not when the loop ends; a tied output's stays the embedding's)

@@ -1,11 +1,11 @@
 // fast_cpu_kernels.c: y = x @ w.T for quantized (and AVX2's bfloat16) weights in two instruction sets (each kernel
-// names its own, the file none; llama_flat_kernels_isa says which run here). Built by fast_cpu_kernels.py and runner-aoti's CMakeLists.txt
-// with kernel_ops.cpp, which registers them as torch ops. Plain C (and OpenMP), no torch headers.
+// names its own, the file none; llama_flat_kernels_isa says which run here). Built by fast_cpu_kernels.py and
+// runner-aoti's CMakeLists.txt with kernel_ops.cpp, which registers them as torch ops. Plain C (and OpenMP).
 //   AVX-512 + BF16 (bfloat16 x; vdpbf16ps: exact products, float32 sums): int4 on the tiles (llama_flat_int4_tiles_mm),
 //     int8 on the words, one row (llama_flat_int8_words_mm).
-//   AVX2 + FMA (x as int16 per run of 32, d = max |x| / 32767: 2e-5 of its largest |x|; vpmaddwd: exact int32 sums):
-//     int4 on the tiles, int8 on the words (llama_flat_*_avx2), any number of rows, each weight read once per 2 rows;
-//     bfloat16 weights as stored (float32 products), where oneDNN has no bfloat16 products.
+//   AVX2 + FMA (llama_flat_*_avx2), any number of rows, each weight read once per 2 rows: int4 on the tiles and int8 on
+//     the words with x as int16 per run of 32 (d = max |x| / 32767: 2e-5 of its largest |x|; vpmaddwd: exact int32
+//     sums); bfloat16 weights as stored, float32 x and FMAs (where oneDNN has no bfloat16 products).
 // The tiles: [N/16][K/gs][gs/32 runs of 256 bytes, then s and z, 16 bfloat16 each] (one stream per 16 channels,
 // scales beside their weights); a run's 64-byte row i holds, in 16-bit lane L = 2c + h, nibble j at bits 4j:
 // q[16t + c][32r + 8i + 2j + h] (t the tile, r the run). `(lane >> 4j) & 15` is then one k-pair of 16 channels, the
@@ -35,7 +35,7 @@ AVX2 static inline __m256 bf16x8(const uint16_t *p) {  // 8 bfloat16 -> float32
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
 }
 
-// Which kernels run here: 2 the AVX-512 ones (AVX512-BF16), 1 the AVX2 + FMA ones (int4 tiles, int8 words), 0 none.
+// Which kernels run here: 2 the AVX-512 ones (AVX512-BF16; the AVX2 ones too), 1 the AVX2 + FMA ones, 0 none.
 int llama_flat_kernels_isa(void) {
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512bf16"))
         return 2;
@@ -168,8 +168,8 @@ AVX512 static void gemv(const uint16_t *x, const uint8_t *w, float *y, const flo
 }
 
 // x [M][K] bfloat16 @ the tiles w [N/16][K/gs][gs / 32 * 256 + 64] (scales and offsets inside) -> y [M][N] float32;
-// xs [M][K/32] scratch; N % 64 == 0, gs % 32 == 0, K % gs == 0 (1 for any other shape). One row: gemv over tiles of
-// 16 channels; more: blocks of 64 channels split over `threads` OpenMP threads (torch's own pool: fast_cpu_kernels.py).
+// xs [M][K/32] scratch; N % 64 == 0, gs % 32 == 0, K % gs == 0 (1 for any other, or no AVX512-BF16). One row: gemv over
+// tiles of 16 channels; more: blocks of 64 channels split over `threads` OpenMP threads (torch's pool: see the .py).
 int llama_flat_int4_tiles_mm(const uint16_t *x, const uint8_t *w, float *y, float *xs, long M, long N, long K,
                              long gs, int threads) {
     if (M < 1 || N < BLOCK || K < G || gs < G || N % BLOCK || gs % G || K % gs || llama_flat_kernels_isa() != 2)
@@ -466,7 +466,7 @@ AVX2 static void bf16rows_##MR(const float *xs, const uint16_t *w, float *y, lon
     for (long k = 0; k < K; k += 16) {                                                                             \
         for (int c = 0; c < 4; c++) {                                                                              \
             const uint16_t *wc = w + (n + c) * K + k;                                                              \
-            _mm_prefetch((const char *)wc + PREFETCH, _MM_HINT_T0);                                                \
+            _mm_prefetch((const char *)(wc + 4 * K), _MM_HINT_T0);  /* the next pass's (+5% at one row) */         \
             const __m256i v = _mm256_loadu_si256((const __m256i *)wc);                                             \
             const __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));                                       \
             const __m256 wo = _mm256_castsi256_ps(_mm256_and_si256(v, odd));                                      \

@@ -1,17 +1,17 @@
-# fast_cpu_kernels.py: quantized products at the memory's rate (one row) and at the speed of dot products (prompts).
-# Builds fast_cpu_kernels.c (AVX-512 + BF16 and AVX2 + FMA kernels; ISA says which run here) and
-# runner-aoti/kernel_ops.cpp (its torch ops and C shims) with the system compilers (cc and c++, or $CC and $CXX; the
-# toolchain torch.compile needs anyway) once per machine into ~/.cache/llama-flat and loads the library (compiled code
-# calls its ops through the dispatcher, packages through the C shims: aoti_shims; no Python):
+# fast_cpu_kernels.py: quantized (and AVX2's bfloat16) products at the memory's rate (one row) and at the speed of dot
+# products (prompts). Builds fast_cpu_kernels.c (AVX-512 + BF16 and AVX2 + FMA kernels; ISA says which run here) and
+# runner-aoti/kernel_ops.cpp (its torch ops and int4's C shim) with the system compilers (cc and c++, or $CC and $CXX;
+# the toolchain torch.compile needs anyway) once per machine into ~/.cache/llama-flat and loads the library (compiled
+# code calls its ops through the dispatcher, packages int4's through a C shim: aoti_shims; no Python):
 #   llama_flat::int4_tiles_mm  by this file's tiles (make_tiles), the one int4 layout fast_cpu_quant and packages keep
 #                              where the kernels run, read at every length;
 #   llama_flat::int8_words_mm  by fast_cpu_quant's int8 word layout, in place (decode; AVX2: every length);
 #   llama_flat::bf16_mm        by bfloat16 weights as stored (fast_cpu.Bf16Linear: AVX2, where oneDNN has none).
 # The kernels run on torch's own OpenMP threads: built with -fopenmp, the library binds to the libgomp.so.1 torch has
 # loaded (threads of its own fought torch's spinning workers for the cores). Where they cannot run (no AVX2, no
-# compiler, a failed self-test, or LLAMA_FLAT_KERNELS=0), available() is False and
-# fast_cpu_quant keeps ATen's layouts and kernels and Inductor's word kernels. Delete both files (and kernel_ops.cpp
-# from runner-aoti's CMakeLists.txt): those kernels, slower, equal up to float rounding.
+# compiler, a failed self-test, or LLAMA_FLAT_KERNELS=0), available() is False, fast_cpu_quant keeps ATen's layouts
+# and kernels and Inductor's word kernels, and bfloat16 linears F.linear. Delete both files (and kernel_ops.cpp from
+# runner-aoti's CMakeLists.txt): those kernels, slower, equal up to float rounding.
 import ctypes
 import hashlib
 import os
@@ -99,7 +99,7 @@ def _self_test() -> bool:
         for y, ref in ((torch.ops.llama_flat.int4_tiles_mm(x, tiles, G), x.double() @ ((q - 8) * s + z).t()),
                        (torch.ops.llama_flat.int8_words_mm(x.float(), words.contiguous(), s[:, 0].float()),
                         x.double() @ (q8 * s[:, :1]).t()),
-                       *(((torch.ops.llama_flat.bf16_mm(x, wb), x.double() @ wb.double().t()),) if ISA == 1 else ())):
+                       (torch.ops.llama_flat.bf16_mm(x, wb), x.double() @ wb.double().t())):
             tol = 1e-5 if ISA == 2 else 1e-4  # (AVX2's int4: x as int16 per run of 32, 2e-5 of its largest)
             if not torch.allclose(y.double(), ref, rtol=tol, atol=tol * ref.abs().max().item()):
                 return False
@@ -152,16 +152,15 @@ def available() -> bool:
 
 
 def aoti_shims() -> dict:
-    """AOT Inductor settings under which a package calls int4_tiles_mm and int8_words_mm through kernel_ops.cpp's C
-    shims, as it calls ATen's ops (no proxy executor: ~18 us a call, 2 ms of a 1B decode step). The package's library
-    then needs the symbols at load: this library (loaded globally) or runner-aoti (which exports them). Empty where the
-    kernels do not run (no tiles are made there)."""
+    """AOT Inductor settings under which a package calls int4_tiles_mm through kernel_ops.cpp's C shim, as it calls
+    ATen's ops (no proxy executor: ~18 us a call, 2 ms of a 1B decode step; its int8 products stay Inductor's
+    reduction, fast_cpu_quant.fused_linear). The package's library then needs the symbol at load: this library
+    (loaded globally) or runner-aoti (which exports it). Empty where the kernels do not run (no tiles are made)."""
     if not available():
         return {}
     ops, t = torch.ops.llama_flat, "AtenTensorHandle"
     return {"aot_inductor.custom_ops_to_c_shims": {
-        ops.int4_tiles_mm.default: [f"AOTITorchError aoti_torch_cpu_int4_tiles_mm({t}, {t}, int64_t, {t}*)"],
-        ops.int8_words_mm.default: [f"AOTITorchError aoti_torch_cpu_int8_words_mm({t}, {t}, {t}, {t}*)"]}}
+        ops.int4_tiles_mm.default: [f"AOTITorchError aoti_torch_cpu_int4_tiles_mm({t}, {t}, int64_t, {t}*)"]}}
 
 
 _OPS = torch.library.Library("llama_flat", "FRAGMENT")
@@ -206,11 +205,10 @@ def _main() -> None:
             x, copies = torch.randn(M, K).bfloat16(), [(tiles.clone(), w.clone(), sz.clone(), w16.clone())
                                                        for _ in range(n)]
             run = lambda f: ms(lambda: [f(*c) for c in copies], n)
-            aten = torch.ops.aten._weight_int4pack_mm_for_cpu
-            bf16 = run(lambda t, w, s, w16: torch.ops.llama_flat.bf16_mm(x, w16)) if ISA == 1 else float("nan")
-            print(f"{N}x{K} {M:4d} rows: {run(lambda t, w, s, w16: torch.ops.llama_flat.int4_tiles_mm(x, t, 32)):6.3f}"
-                  f" / {run(lambda t, w, s, w16: aten(x, w, 32, s)):6.3f} / {run(lambda t, w, s, w16: x @ w16.t()):6.3f}"
-                  f" / {bf16:6.3f}")
+            aten, ops = torch.ops.aten._weight_int4pack_mm_for_cpu, torch.ops.llama_flat
+            onednn, bf16 = run(lambda t, w, s, w16: x @ w16.t()), run(lambda t, w, s, w16: ops.bf16_mm(x, w16))
+            print(f"{N}x{K} {M:4d} rows: {run(lambda t, w, s, w16: ops.int4_tiles_mm(x, t, 32)):6.3f}"
+                  f" / {run(lambda t, w, s, w16: aten(x, w, 32, s)):6.3f} / {onednn:6.3f} / {bf16:6.3f}")
 
 
 if __name__ == "__main__":

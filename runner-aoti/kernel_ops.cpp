@@ -1,8 +1,9 @@
 // kernel_ops.cpp: the torch ops of ../fast_cpu_kernels.c: llama_flat::int4_tiles_mm (fast_cpu_kernels.py's tiles),
 // llama_flat::int8_words_mm (fast_cpu_quant's int8 words), llama_flat::bf16_mm (bfloat16 weights as stored, AVX2), and
-// C shims of the first two, which AOT Inductor packages call directly (fast_cpu_kernels.aoti_shims).
+// a C shim of the first, which AOT Inductor packages call directly (fast_cpu_kernels.aoti_shims; packages keep
+// Inductor's own int8 reduction and bfloat16 products).
 // fast_cpu_kernels.py builds it with the kernels into the library that Python runs load (compiled code calls the ops
-// through the dispatcher, no Python); the runner links it (and exports the shims). The kernels run where the build
+// through the dispatcher, no Python); the runner links it (and exports the shim). The kernels run where the build
 // has them (LLAMA_FLAT_KERNELS) and the CPU has AVX2; elsewhere the ops refuse (callers use them only where they run).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -120,8 +121,9 @@ at::Tensor int8_words_mm_op(const at::Tensor &x, const at::Tensor &w, const at::
 // products, by the AVX2 kernel at every length (2 threads: 1 row at 19 GB/s, from 8 rows 50-54 GFLOP/s: MKL's float32
 // GEMM's rate here, without a float32 copy of w; `python fast_cpu_kernels.py`).
 at::Tensor bf16_mm_op(const at::Tensor &x, const at::Tensor &w) {
-  TORCH_CHECK(x.is_cpu() && x.dim() == 2 && at::isFloatingType(x.scalar_type()) && w.scalar_type() == at::kBFloat16 &&
-                  w.dim() == 2 && w.size(1) == x.size(1) && w.size(0) % 4 == 0 && w.size(1) % 16 == 0,
+  TORCH_CHECK(x.is_cpu() && w.is_cpu() && x.dim() == 2 && at::isFloatingType(x.scalar_type()) &&
+                  w.scalar_type() == at::kBFloat16 && w.dim() == 2 && w.size(1) == x.size(1) && w.size(0) % 4 == 0 &&
+                  w.size(1) % 16 == 0,
               "llama_flat::bf16_mm: unexpected operands");
 #ifdef LLAMA_FLAT_KERNELS
   if (isa() >= 1) {
@@ -129,7 +131,8 @@ at::Tensor bf16_mm_op(const at::Tensor &x, const at::Tensor &w) {
     const int64_t M = xf.size(0), K = xf.size(1), N = wc.size(0);
     at::Tensor y = at::empty({M, N}, xf.options()), xs = at::empty({M, K}, xf.options());
     TORCH_CHECK(!M || !llama_flat_bf16_mm_avx2(xf.data_ptr<float>(), static_cast<const uint16_t *>(wc.data_ptr()),
-                                               y.data_ptr<float>(), xs.data_ptr<float>(), M, N, K, at::get_num_threads()),
+                                               y.data_ptr<float>(), xs.data_ptr<float>(), M, N, K,
+                                               at::get_num_threads()),
                 "llama_flat::bf16_mm: unsupported shape ", M, "x", K, " @ ", N, "x", K);
     return y;
   }
@@ -138,24 +141,15 @@ at::Tensor bf16_mm_op(const at::Tensor &x, const at::Tensor &w) {
 }
 }  // namespace
 
-// C shims: AOT Inductor packages call these directly (aoti_export.py names them in aot_inductor.custom_ops_to_c_shims;
+// The C shim: AOT Inductor packages call it directly (aoti_export.py names it in aot_inductor.custom_ops_to_c_shims;
 // the name is aoti_torch_cpu_ + the op's name), not through the proxy executor (~18 us a call, 2 ms of a 1B step).
-// The runner exports them (ENABLE_EXPORTS); Python loads this library with RTLD_GLOBAL (fast_cpu_kernels._load).
+// The runner exports it (ENABLE_EXPORTS); Python loads this library with RTLD_GLOBAL (fast_cpu_kernels._load).
 extern "C" AOTITorchError aoti_torch_cpu_int4_tiles_mm(AtenTensorHandle x, AtenTensorHandle w, int64_t groupsize,
                                                        AtenTensorHandle *ret0) {
   using namespace torch::aot_inductor;
   AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
     *ret0 = new_tensor_handle(
         int4_tiles_mm_op(*tensor_handle_to_tensor_pointer(x), *tensor_handle_to_tensor_pointer(w), groupsize));
-  });
-}
-
-extern "C" AOTITorchError aoti_torch_cpu_int8_words_mm(AtenTensorHandle x, AtenTensorHandle w, AtenTensorHandle s,
-                                                       AtenTensorHandle *ret0) {
-  using namespace torch::aot_inductor;
-  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
-    *ret0 = new_tensor_handle(int8_words_mm_op(*tensor_handle_to_tensor_pointer(x), *tensor_handle_to_tensor_pointer(w),
-                                               *tensor_handle_to_tensor_pointer(s)));
   });
 }
 
