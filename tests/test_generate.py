@@ -135,6 +135,22 @@ def prompt_then_step(forward, ids):
     return torch.cat([forward(ids[:, :8], torch.arange(8)), forward(ids[:, 8:], torch.tensor([8]))], 1)
 
 
+def written_logits(d, ids, dtype):
+    """prompt_then_step's logits of the model as written (no fast_cpu modules) at dtype, float32."""
+    m = load_model(d / "model.pth", dtype=dtype)
+    m.setup_caches(1, 48)
+    with torch.inference_mode():
+        return prompt_then_step(m, ids).float()
+
+
+def assert_within_bfloat16(got, ref, written):
+    """got (bfloat16 with fast_cpu's modules) is no further from float32's ref than the model as written in
+    bfloat16 is, and picks float32's tokens."""
+    err, err_written = (got - ref).abs().max().item(), (written - ref).abs().max().item()
+    assert err <= 2 * err_written and err_written < 0.05 * ref.abs().max().item()
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))
+
+
 @pytest.mark.skipif(not TI.onednn_bf16(), reason="no oneDNN bfloat16 products on this CPU (AVX2): plain linears")
 def test_bfloat16_weights_held_once_packed(tiny_checkpoint, cpu, monkeypatch):
     """A bfloat16 model on CPU holds each linear weight once, in oneDNN's packed layout (fast_cpu.PackedLinear): the
@@ -143,14 +159,7 @@ def test_bfloat16_weights_held_once_packed(tiny_checkpoint, cpu, monkeypatch):
     bfloat16's rounding (measured against float32: no further than the model as written is)."""
     d, _ = tiny_checkpoint
     ids = torch.randint(0, 300, (1, 9), generator=torch.Generator().manual_seed(1))
-
-    def plain(dtype):  # the model as written: no fast_cpu modules
-        m = load_model(d / "model.pth", dtype=dtype)
-        m.setup_caches(1, 48)
-        with torch.inference_mode():
-            return prompt_then_step(m, ids).float()
-
-    ref, written = plain(torch.float32), plain(torch.bfloat16)
+    ref, written = written_logits(d, ids, torch.float32), written_logits(d, ids, torch.bfloat16)
     looked_up = count_packed_lookups(monkeypatch)
     for compile in (False, True):
         b = engine.TorchBackend(load_model(d / "model.pth", dtype=torch.bfloat16), 1, 48, compile=compile)
@@ -161,9 +170,7 @@ def test_bfloat16_weights_held_once_packed(tiny_checkpoint, cpu, monkeypatch):
         looked_up.clear()
         got = prompt_then_step(b.forward, ids).float()
         assert sorted(looked_up) == (sorted(2 * [int(m.key) for m in packed]) if compile else [])
-        err, err_written = (got - ref).abs().max().item(), (written - ref).abs().max().item()
-        assert err <= 2 * err_written and err_written < 0.05 * ref.abs().max().item()
-        assert torch.equal(got.argmax(-1), ref.argmax(-1))
+        assert_within_bfloat16(got, ref, written)
 
 
 @pytest.mark.skipif(not TI.cpu_has("avx2"), reason="this CPU has no AVX2: fast_cpu_kernels does not run")
@@ -173,14 +180,7 @@ def test_bfloat16_without_onednn_runs_the_stored_weights(tiny_checkpoint, cpu, m
     eager and compiled: the logits of the model as written within bfloat16's rounding, and its tokens."""
     d, _ = tiny_checkpoint
     ids = torch.randint(0, 300, (1, 9), generator=torch.Generator().manual_seed(1))
-
-    def plain(dtype):  # the model as written: no fast_cpu modules
-        m = load_model(d / "model.pth", dtype=dtype)
-        m.setup_caches(1, 48)
-        with torch.inference_mode():
-            return prompt_then_step(m, ids).float()
-
-    ref, written = plain(torch.float32), plain(torch.bfloat16)
+    ref, written = written_logits(d, ids, torch.float32), written_logits(d, ids, torch.bfloat16)
     monkeypatch.setattr(TI, "onednn_bf16", lambda: False)
     for compile in (False, True):
         model = load_model(d / "model.pth", dtype=torch.bfloat16)
@@ -191,9 +191,7 @@ def test_bfloat16_without_onednn_runs_the_stored_weights(tiny_checkpoint, cpu, m
         assert not any(type(m) in (torch.nn.Linear, fast_cpu.PackedLinear) for m in b.model.modules())
         assert all(m.weight.dtype == torch.bfloat16 and m.weight.data_ptr() in stored for m in lins)
         got = prompt_then_step(b.forward, ids).float()
-        err, err_written = (got - ref).abs().max().item(), (written - ref).abs().max().item()
-        assert err <= 2 * err_written and err_written < 0.05 * ref.abs().max().item()
-        assert torch.equal(got.argmax(-1), ref.argmax(-1))
+        assert_within_bfloat16(got, ref, written)
 
 
 @pytest.mark.skipif(not fast_cpu.ONEDNN, reason="PyTorch built without oneDNN")
