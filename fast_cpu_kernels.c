@@ -20,6 +20,7 @@
 
 enum { G = 32, BLOCK = 64, ROWS = 6, PREFETCH = 4096 };
 static int split(int threads, long parts) { return threads < 1 ? 1 : threads > parts ? (int)parts : threads; }
+static inline float top_abs(float top, float v) { return fabsf(v) > top || v != v ? fabsf(v) : top; }  // (NaN sticks)
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512bf16")))
 #define AVX2 __attribute__((target("avx2,fma")))
 // The bfloat16 of i - 8 at index i (and i + 16): the table _mm512_permutexvar_epi16 converts nibbles with.
@@ -344,7 +345,7 @@ int llama_flat_int4_tiles_mm_avx2(const float *x, const uint8_t *w, float *y, vo
     for (long run = 0; run < M * (K / G); run++) {  // (K % 32 == 0: a run never spans two rows)
         const float *xr = x + run * G;
         float top = 0;
-        for (int i = 0; i < G; i++) top = fmaxf(top, fabsf(xr[i]));
+        for (int i = 0; i < G; i++) top = top_abs(top, xr[i]);  // (NaN or inf: d and y's row not finite)
         const float inv = top > 0 ? 32767.f / top : 0.f;
         int32_t sum = 0;
         for (int i = 0; i < G; i++) sum += xi[run * G + i] = (int16_t)lrintf(xr[i] * inv);
@@ -431,7 +432,7 @@ int llama_flat_int8_words_mm_avx2(const float *x, const int32_t *w, const float 
             const long i0 = r * G, i1 = K4 < (r + 1) * G ? K4 : (r + 1) * G;
             float top = 0;
             for (long i = i0; i < i1; i++)
-                for (int j = 0; j < 4; j++) top = fmaxf(top, fabsf(xm[j * K4 + i]));
+                for (int j = 0; j < 4; j++) top = top_abs(top, xm[j * K4 + i]);
             const float inv = top > 0 ? 32767.f / top : 0.f;
             static const int lane[4] = {0, 2, 1, 3};  // byte j's x in the word's pairs; bytes 0-2 hold q + 128
             int32_t off = 0;
@@ -489,11 +490,10 @@ int llama_flat_bf16_mm_avx2(const float *x, const uint16_t *w, float *y, float *
     if (!llama_flat_kernels_isa() || M < 1 || N < 4 || N % 4 || K < 16 || K % 16) return 1;
     for (long i = 0; i < M * K; i++)  // (K % 16 == 0: a run of 16 never spans two rows)
         xs[i / 16 * 16 + i % 2 * 8 + i % 16 / 2] = x[i];
-    const long n4 = N / 4;
-    threads = split(threads, n4);
+    threads = split(threads, N / 4);
 #pragma omp parallel for num_threads(threads) schedule(static, 1)
     for (int p = 0; p < threads; p++)
-        for (long q = n4 * p / threads; q < n4 * (p + 1) / threads; q++)
+        for (long q = N / 4 * p / threads; q < N / 4 * (p + 1) / threads; q++)
             for (long m = 0; m < M; m += 2)
                 (M - m == 1 ? bf16rows_1 : bf16rows_2)(xs + m * K, w, y + m * N, N, K, 4 * q);
     return 0;

@@ -354,6 +354,33 @@ def test_bf16_kernel_matches_float64(M, N, K):
             torch.ops.llama_flat.bf16_mm(x, bad)
 
 
+@needs_int4_kernel
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_kernels_keep_a_non_finite_activation(bad):
+    """A NaN or inf in x leaves its row of y not finite and the other rows as they were, in every kernel (AVX2's take
+    x as int16 with a scale per run: a NaN there must not become zeros)."""
+    g = torch.Generator().manual_seed(5)
+    q = torch.randint(0, 16, (64, 128), generator=g, dtype=torch.int32)
+    sz = (torch.randn(2, 64, 2, generator=g) * 0.1).to(torch.bfloat16)
+    tiles = fast_cpu_kernels.make_tiles(q, sz[..., 0].t(), sz[..., 1].t(), 64)
+    _, lin = _linear("int8", N=64, K=128)
+    words = FQ.FastQuantizedLinear(lin).int8_words
+    w16 = torch.randn(64, 128, generator=g).to(torch.bfloat16)
+    ops = (lambda x: torch.ops.llama_flat.int4_tiles_mm(x.bfloat16(), tiles, 64),
+           lambda x: torch.ops.llama_flat.int8_words_mm(x, words, lin.qweight.scales.float()),
+           lambda x: torch.ops.llama_flat.bf16_mm(x, w16))
+    for M, row in ((1, 0), (3, 1)):
+        x = torch.randn(M, 128, generator=g)
+        for op in ops:
+            clean = op(x)
+            x[row, 37] = bad
+            y = op(x)
+            x[row, 37] = 0.5
+            assert not torch.isfinite(y[row]).any()
+            others = [r for r in range(M) if r != row]
+            torch.testing.assert_close(y[others], clean[others])
+
+
 def test_int4_kernel_build_is_atomic(monkeypatch, tmp_path, capsys):
     """A failed build says so in one line and leaves nothing in the cache; a good one leaves its library alone."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
