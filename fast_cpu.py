@@ -351,18 +351,23 @@ def speed_up(model: Transformer, compile: bool = False, export: bool = False) ->
                   if type(m) is nn.Linear and m.weight.dtype == torch.float32)
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is not nn.Linear or not (ONEDNN or bf16_kernel_takes(child)):
+            if type(child) is not nn.Linear:
                 continue
-            if ONEDNN and ((child.weight.dtype == torch.bfloat16 and TI.onednn_bf16()) or (
-                    compile and child.weight.dtype == torch.float32 and float32 >= FLOAT32_PACKED_FROM)):
+            if bf16_kernel_takes(child):
+                cls = Bf16Linear
+            elif not ONEDNN:
+                continue
+            elif (child.weight.dtype == torch.bfloat16 and TI.onednn_bf16()) or (
+                    compile and child.weight.dtype == torch.float32 and float32 >= FLOAT32_PACKED_FROM):
                 replace_module(parent, name, PackedLinear(child))
                 release_pages(child.weight)  # where it maps its checkpoint (loaded without a cast), pages too
                 child.weight = None  # (freed now, not when the loop ends; a tied output's stays the embedding's)
+                continue
             else:
-                cls = Bf16Linear if bf16_kernel_takes(child) else OneDNNLinear
-                fast = cls(child.in_features, child.out_features, bias=child.bias is not None, device="meta")
-                fast.weight, fast.bias = child.weight, child.bias
-                replace_module(parent, name, fast)
+                cls = OneDNNLinear
+            fast = cls(child.in_features, child.out_features, bias=child.bias is not None, device="meta")
+            fast.weight, fast.bias = child.weight, child.bias
+            replace_module(parent, name, fast)
     if compile and not isinstance(model.output, CompiledPrompt):
         configure_inductor()
         run = torch.compile(_call, dynamic=True, fullgraph=True)

@@ -179,8 +179,9 @@ for _name, _fake in (("int4_tiles_mm", lambda x, w, gs: x.new_empty((x.shape[0],
 
 def _main() -> None:
     """`python fast_cpu_kernels.py [threads]`: per product of Llama-3.2-1B's shapes (ms, median of 9), the kernel on the
-    tiles, ATen's int4 kernel (on its own layout), oneDNN's bfloat16 GEMM on a bfloat16 copy; one row streams 24
-    copies of the weight from memory (as decode reads a model's weights), more rows repeat one (prompts)."""
+    tiles, ATen's int4 kernel (on its own layout), oneDNN's bfloat16 GEMM on a bfloat16 copy (ATen's where oneDNN
+    has none), AVX2's bfloat16 kernel on that copy as stored; one row streams 24 copies of the weight from memory
+    (as decode reads a model's weights), more rows repeat one (prompts)."""
     import time
     torch.set_num_threads(int(sys.argv[1]) if len(sys.argv) > 1 else 2)
     if not available():

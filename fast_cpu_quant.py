@@ -338,8 +338,8 @@ class FastQuantizedLinear(QuantizedLinear):
         return y.reshape(*x.shape[:-1], qw.out_features)
 
     def int4_cpu_mm(self, x2: Tensor) -> Tensor:
-        """x2 [M, K] bfloat16 @ w.T, float32 or bfloat16: fast_cpu_kernels' tiles and
-        kernel at every length, else ATen's blocked layout and kernel."""
+        """x2 [M, K] bfloat16 @ w.T, float32 or bfloat16: fast_cpu_kernels' tiles and kernel at every length, else
+        ATen's blocked layout and kernel."""
         packed, sz = self.int4_cpu
         if sz is None:
             return torch.ops.llama_flat.int4_tiles_mm(x2, packed, self.qweight.groupsize)
