@@ -48,12 +48,14 @@ S256, J = ("--max_seq_length", "256"), ("--threads", "{j}")
 
 
 def export(name) -> list:
-    """The export command of {art}/name, read off the name: PRECISION[.g32][.fp][.s256|.modes][.j{j}].pte|.pt2. fp:
-    --fast_prefill; s256: a 256-token context (else 1024); modes: -M modes, chunks of 128; j{j}: the bench's threads."""
+    """The export command of {art}/name, read off the name: PRECISION[.g32][.x86][.fp][.s256|.modes][.j{j}].pte|.pt2.
+    x86: --x86_kernels; fp: --fast_prefill; s256: a 256-token context (else 1024); modes: -M modes, chunks of 128;
+    j{j}: the bench's threads."""
     p = name.split(".")
     ck = {"fp32": "model.pth", "int8": "model_int8.pth", "8da8w": "model_8da8w.pth"}.get(p[0], f"model_{p[0]}.g32.pth")
     extra = [*(S256 if "s256" in p else ()), *(("--prefill_chunk", "128", "--lookahead") if "modes" in p else ()),
-             *(J if "j{j}" in p else ()), *(("--fast_prefill",) if "fp" in p else ())]
+             *(J if "j{j}" in p else ()), *(("--fast_prefill",) if "fp" in p else ()),
+             *(("--x86_kernels",) if "x86" in p else ())]
     return [PY, "aoti_export.py" if name.endswith(".pt2") else "et_export.py", "--checkpoint_path", f"{{ck}}/{ck}",
             "--output_path", f"{{art}}/{name}", *extra]
 
@@ -64,8 +66,8 @@ BUILD = {
     "{ck}/model_8da4w.g32.pth": [PY, *Q, "8da4w", "--groupsize", "32"],
     "{ck}/model_8da8w.pth": [PY, *Q, "8da8w"],
     **{f"{{art}}/{name}": export(name) for name in (
-        "fp32.s256.pte", "fp32.fp.s256.pte", "8da4w.g32.s256.pte", "8da4w.g32.fp.s256.pte", "8da8w.s256.pte",
-        "fp32.pte", "8da4w.g32.pte", "fp32.modes.pte", "fp32.s256.j{j}.pt2", "fp32.fp.s256.j{j}.pt2",
+        "fp32.s256.pte", "fp32.fp.s256.pte", "8da4w.g32.s256.pte", "8da4w.g32.fp.s256.pte", "8da4w.g32.x86.s256.pte",
+        "8da8w.s256.pte", "fp32.pte", "8da4w.g32.pte", "fp32.modes.pte", "fp32.s256.j{j}.pt2", "fp32.fp.s256.j{j}.pt2",
         "int8.s256.j{j}.pt2", "int8.fp.s256.j{j}.pt2", "int4.g32.s256.j{j}.pt2", "int4.g32.j{j}.pt2",
         "int4.g32.fp.s256.j{j}.pt2", "8da4w.g32.s256.j{j}.pt2", "8da4w.g32.fp.s256.j{j}.pt2", "8da8w.fp.s256.j{j}.pt2",
         "fp32.modes.j{j}.pt2")},
@@ -146,6 +148,7 @@ ROWS = {
     "runner-et fp32": runner(RE, "{art}/fp32.s256.pte", FP, vs="pte fp32", peer=F32),
     "runner-et fp32 fast_prefill": runner(RE, "{art}/fp32.fp.s256.pte", FP, vs="runner-et fp32", peer=F32),
     "runner-et 8da4w g32": runner(RE, "{art}/8da4w.g32.s256.pte", D4, vs="runner-et fp32", peer=Q4),
+    "runner-et 8da4w g32 x86": runner(RE, "{art}/8da4w.g32.x86.s256.pte", D4, vs="runner-et 8da4w g32", peer=Q4),
     "runner-et 8da4w g32 fast_prefill": runner(RE, "{art}/8da4w.g32.fp.s256.pte", D4, "runner-et 8da4w g32", Q4),
     "runner-et 8da8w": runner(RE, "{art}/8da8w.s256.pte", D8, vs="runner-et fp32", peer=Q8),
     "runner-et fp32 ctx1024": runner(RE, "{art}/fp32.pte", FP, vs="runner-et fp32"),  # a .pte reads its whole cache
@@ -169,17 +172,20 @@ GROUPS = {  # --rows shorthands
                "pte fp32", "pte 8da4w g32", "runner-et fp32", "runner-et 8da4w g32", "runner-et fp32 ctx1024",
                "runner-et 8da4w g32 ctx1024", "onnx fp32"],
     "et": ["compile int4 g32", "pte fp32", "pte 8da4w g32", "runner-et fp32", "runner-et 8da4w g32",
+           "runner-et 8da4w g32 x86",
            "runner-et fp32 ctx1024", "runner-et 8da4w g32 ctx1024"],
     "modes": ["compile fp32", "compile spec int4 k5", "compile spec int8 k6", "eager fp32 code", "eager lookahead code",
               "compile fp32 code", "eager fp32", "eager fp32 cb4", "compile fp32 cb4",
               *(name for name, row in ROWS.items() if row.get("mode"))],  # the runners' -M modes
     "peer": [F32, "compile fp32", "aoti fp32", "runner-aoti fp32", "runner-aoti fp32 fast_prefill", "runner-et fp32",
-             F16, "compile bf16", Q8, "compile int8", Q4, Q41, "compile int4 g32", "runner-et 8da4w g32"],
+             F16, "compile bf16", Q8, "compile int8", Q4, Q41, "compile int4 g32", "runner-et 8da4w g32",
+             "runner-et 8da4w g32 x86"],
     "prefill": [F32, "compile fp32", "runner-aoti fp32", "runner-aoti fp32 fast_prefill", "runner-et fp32", Q8,
                 "compile int8", "runner-aoti int8 fast_prefill", "compile 8da8w", "runner-aoti 8da8w fast_prefill",
-                "runner-et 8da8w", Q4, "compile int4 g32", "runner-aoti int4 g32 fast_prefill", "runner-et 8da4w g32"],
+                "runner-et 8da8w", Q4, "compile int4 g32", "runner-aoti int4 g32 fast_prefill", "runner-et 8da4w g32",
+                "runner-et 8da4w g32 x86"],
     "big": ["compile bf16", F16, "compile int8", Q8, "compile int4 g32", "runner-aoti int4 g32 fast_prefill",
-            "runner-et 8da4w g32", Q41, Q4],
+            "runner-et 8da4w g32", "runner-et 8da4w g32 x86", Q41, Q4],
     "all": list(ROWS), "server": ["compile fp32"],  # server: + server.py under 1, 4 and 8 clients (bench_server.py)
 }
 SERVER_ARGS = ["--compile", "--full_batch_size", "8", "--max_seq_length", "512"]

@@ -77,36 +77,6 @@ class _RotaryLinear(nn.Module):
         return x * cos + torch.nn.functional.linear(x, self.weight.to(x.dtype)) * sin
 
 
-class _QuantizedEmbeddingET(nn.Module):
-    """qops.py's QuantizedEmbedding through ExecuTorch's quantized_decomposed::embedding_byte / embedding_4bit
-    kernels (their unpacking with shifts has no ExecuTorch kernel, and gathering first keeps the table packed), from
-    a copy of the table in their layout: w = (q - zp) * s; 4-bit values stored as q + 8, two per byte, even element
-    in the high nibble."""
-
-    def __init__(self, qw):
-        super().__init__()
-        self.bits, zp = qw.bits, None
-        if qw.bits == 8:
-            w = qw.qdata.to(torch.int8)
-        else:
-            q = qw.int_values().to(torch.int32)                       # [N, K] in [0, 15]
-            w = ((q[:, 0::2] << 4) | q[:, 1::2]).to(torch.uint8)      # [N, K/2]
-            if qw.zeros is not None:  # asymmetric: w = q * s + z = (q - 8 - zp) * s, zp = -8 - z / s (float zero points)
-                s = qw.scales
-                zp = torch.where(s != 0, -8.0 - qw.zeros / torch.where(s != 0, s, torch.ones_like(s)),
-                                 torch.zeros_like(s)).to(s.dtype)
-        self.register_buffer("weight", w, persistent=False)
-        self.register_buffer("scales", qw.scales, persistent=False)
-        self.register_buffer("zeros", zp, persistent=False)
-
-    def forward(self, idx: Tensor) -> Tensor:
-        import executorch.exir.passes._quant_patterns_and_replacements  # noqa: F401 - defines quantized_decomposed ops
-        ops = torch.ops.quantized_decomposed
-        if self.bits == 8:
-            return ops.embedding_byte.default(self.weight, self.scales, self.zeros, -128, 127, idx)
-        return ops.embedding_4bit.default(self.weight, self.scales, self.zeros, -8, 7, idx)
-
-
 def _linear_kind(m) -> Optional[str]:
     """qops.py's QuantizedLinear -> "8da4w" | "int8" | "int4" (weight-only asymmetric: no ExecuTorch kernel)."""
     if not isinstance(m, qops.QuantizedLinear):
@@ -116,18 +86,18 @@ def _linear_kind(m) -> Optional[str]:
     return "8da4w" if m.act == "int8" and (m.qweight.symmetric or m.qweight.xnnpack) else "int4"
 
 
-def export_swaps(model, int8_dynamic: bool = True):
+def export_swaps(model, int8_dynamic: bool = True, x86_kernels: bool = False):
     """Assign export-friendly modules at model.py's swap points (and in place of qops.py's modules) while
     exporting; the originals are put back afterwards.
       * each KVCache -> _DirectCache over the same buffers (the cache write is reinplaced, not copied);
       * each RMSNorm -> _RMSNorm4D and each Rotary -> one shared _RotaryLinear, so both stay inside the XNNPACK
         delegate (same arithmetic);
-      * qops.py's QuantizedEmbedding -> _QuantizedEmbeddingET (ExecuTorch's quantized embedding kernels);
+      * qops.py's QuantizedEmbedding -> qexport.ETEmbedding (ExecuTorch's quantized embedding kernels);
       * QuantizedLinears with int8 activations (8da4w, 8da8w) -> qexport.XnnpackLinear (the pattern XNNPACK lowers);
         with int8_dynamic, int8 weight-only ones too: XNNPACK has no float x int8 weight-only GEMM, so the .pte
         quantizes activations per token too (qd8-f32-qc8w), which differs from eager int8 by that rounding only;
         without it portable kernels would dequantize every weight on every call. For the portable backend they stay
-        weight-only."""
+        weight-only. x86_kernels: 8da4w ones -> qexport.X86Linear (this repository's AVX2 kernel) where it takes them."""
     import model as model_py
     rope = _RotaryLinear(model.config.head_dim, model.norm.weight.device, model.config.rotary_dim)
 
@@ -139,7 +109,9 @@ def export_swaps(model, int8_dynamic: bool = True):
         if isinstance(m, model_py.Rotary):
             return rope
         if isinstance(m, qops.QuantizedEmbedding):
-            return _QuantizedEmbeddingET(m.qweight)
+            return qexport.ETEmbedding(m.qweight)
+        if x86_kernels and qexport.X86Linear.takes(m):
+            return qexport.X86Linear(m)
         if qexport.xnnpack_kind(m) and (m.act == "int8" or (int8_dynamic and _linear_kind(m) == "int8")):
             return qexport.XnnpackLinear(m)
         return None
@@ -149,7 +121,7 @@ def export_swaps(model, int8_dynamic: bool = True):
 
 # ------------------------------------------------------------------------------------------------ export
 def export_programs(model, prefill_chunk: Optional[int] = None, backend: str = "xnnpack",
-                    lookahead: bool = False, fast_prefill: bool = False) -> dict:
+                    lookahead: bool = False, fast_prefill: bool = False, x86_kernels: bool = False) -> dict:
     """torch.export the model (caches set up) as forward(tokens [1, T], input_pos [T]) -> logits [1, T, V]:
     {"forward": dynamic T} (+ "prefill": T = prefill_chunk, "decode": T = 1) (+ "lookahead": dynamic T with a mask,
     speculative.py's contract) (+ "prompt": T >= 2 and logits_at, the last position's logits only). All share one
@@ -157,7 +129,7 @@ def export_programs(model, prefill_chunk: Optional[int] = None, backend: str = "
     from torch.export import Dim, export
     S = model.max_seq_length
     progs = {}
-    with torch.no_grad(), export_swaps(model, int8_dynamic=backend == "xnnpack"):
+    with torch.no_grad(), export_swaps(model, backend == "xnnpack", x86_kernels):
         seq = Dim("seq", min=1, max=S)
         T = min(4, S)
         ex = (torch.zeros(1, T, dtype=torch.long), torch.arange(T))
@@ -331,7 +303,8 @@ def _token_ids(tok, bos_id, eos_ids):
 
 def export_pte(model, output_path, max_seq_length: int = DEFAULT_MAX_SEQ_LENGTH, backend: str = "xnnpack",
                bos_id: int = 1, eos_ids=(2,), prefill_chunk: Optional[int] = None, verbose: bool = True,
-               lookahead: bool = False, fast_prefill: bool = False, vocab_fingerprint: Optional[int] = None) -> dict:
+               lookahead: bool = False, fast_prefill: bool = False, vocab_fingerprint: Optional[int] = None,
+               x86_kernels: bool = False) -> dict:
     """Lower a model.py Transformer (float, or quantized by quantize.py: model.quantization names the recipe) to a
     .pte at output_path, written atomically. Returns info: size, method names, op summary, times. The .pte contract
     (generate.py, eval.py and the C++ runner rely on it):
@@ -344,7 +317,8 @@ def export_pte(model, output_path, max_seq_length: int = DEFAULT_MAX_SEQ_LENGTH,
         given: the tokenizer.bin the runners then take (runner-common/README.md); main() passes the checkpoint's
         tokenizer's, and no fingerprint when the checkpoint has no tokenizer (the runners check the size only);
       * standard ATen / quantized_decomposed ops and the XNNPACK delegate only, no llama:: custom ops, so a standalone
-        C++ runner loads it; an operator without an ExecuTorch kernel is refused at export, by name;
+        C++ runner loads it; an operator without an ExecuTorch kernel is refused at export, by name; x86_kernels:
+        8da4w linears as llama_flat::q8a4w_mm, whose kernel runner-et and pte_backend.py register (AVX2 CPUs);
       * prefill_chunk N (the hybrid mode's AR-N program): `prefill` (tokens [1, N], fixed; runners pad the last chunk
         with positions after the prompt) and `decode` (tokens [1, 1]), sharing weights and cache; get_prefill_chunk;
       * fast_prefill: `prompt(tokens, input_pos, logits_at int64[1] = T - 1) -> [1, 1, V]`, T in [2, max_seq_len], the
@@ -357,10 +331,13 @@ def export_pte(model, output_path, max_seq_length: int = DEFAULT_MAX_SEQ_LENGTH,
     log = (lambda *a: print(*a, file=sys.stderr)) if verbose else (lambda *a: None)
     output_path = Path(output_path)
     _backend_partitioners(backend)  # fail fast, before the slow export, on a backend that cannot work here
+    if x86_kernels:
+        import fast_cpu_kernels
+        fast_cpu_kernels.load_et_kernels()  # (its kernel registered: _ops_without_kernel asks the runtime)
     if any(_linear_kind(m) == "int4" for m in model.modules()):
         raise ValueError("int4 / int4-gptq weights (asymmetric, weight-only) have no ExecuTorch kernel; quantize with "
                          "--quantize 8da4w (or int8) for ExecuTorch")
-    if backend == "xnnpack" and _scales_not_bf16(model):
+    if backend == "xnnpack" and not x86_kernels and qexport.scales_not_bf16(model):
         log("note: XNNPACK stores 4-bit group scales as bfloat16; this model's scales are not bf16 values, so the .pte's "
             "logits differ slightly from the eager quantized model's")
     t0 = time.perf_counter()
@@ -372,7 +349,7 @@ def export_pte(model, output_path, max_seq_length: int = DEFAULT_MAX_SEQ_LENGTH,
     methods = (["forward"] + ["prefill", "decode"] * bool(prefill_chunk) + ["lookahead"] * lookahead
                + ["prompt"] * fast_prefill)
     log(f"exporting {', '.join(methods)} with torch.export ...")
-    progs = export_programs(model, prefill_chunk, backend, lookahead, fast_prefill)
+    progs = export_programs(model, prefill_chunk, backend, lookahead, fast_prefill, x86_kernels)
     t1 = time.perf_counter()
     cfg = model.config
     constant_methods = {
@@ -445,6 +422,8 @@ def parse_args(argv=None):
     p.add_argument("--fast_prefill", action="store_true",
                    help="also add the `prompt` method (the last position's logits: faster prompts, a second copy of "
                         "the packed weights in a runner's memory)")
+    p.add_argument("--x86_kernels", action="store_true",
+                   help="8da4w linears through this repository's AVX2 kernel, not XNNPACK's (x86: runner-et, --pte)")
     p.add_argument("--tokenizer_path", type=Path, default=None, help="bos/eos ids, vocabulary fingerprint (default: checkpoint directory)")
     p.add_argument("--bos_id", type=int, default=None, rule=at_least(0))
     p.add_argument("--eos_ids", type=int, nargs="+", default=None, rule=at_least(0))
@@ -456,6 +435,11 @@ def main(argv=None):
     from quantize import load_model
     if args.max_seq_length < 2:
         raise ValueError("--max_seq_length must be at least 2")
+    if args.x86_kernels:
+        if args.backend not in ("xnnpack", "portable"):
+            raise ValueError(f"--x86_kernels runs on a CPU: --backend xnnpack or portable, not {args.backend}")
+        import fast_cpu_kernels
+        fast_cpu_kernels.load_et_kernels()  # (no AVX2 or no compiler: one line, before loading)
     _backend_partitioners(args.backend)  # a missing vendor SDK is reported before the checkpoint is even read
     dtype = DTYPES[args.dtype]
     if dtype != torch.float32:
@@ -483,17 +467,8 @@ def main(argv=None):
         raise ValueError(f"token id {beyond[0]} (--bos_id / --eos_ids or the tokenizer's) is beyond the vocabulary of "
                          f"{args.checkpoint_path} ({model.config.vocab_size} tokens)")
     export_pte(model, args.output_path, args.max_seq_length, args.backend, bos, eos, args.prefill_chunk,
-               lookahead=args.lookahead, fast_prefill=args.fast_prefill, vocab_fingerprint=vocab_fingerprint(tok))
-
-
-def _scales_not_bf16(model) -> bool:
-    """True when an 8da4w weight (4-bit, XNNPACK's pattern) has scales that bfloat16 cannot hold exactly."""
-    for m in model.modules():
-        if isinstance(m, qops.QuantizedLinear) and m.qweight.bits == 4 and qexport.xnnpack_kind(m):
-            s = m.qweight.scales.float()
-            if not torch.equal(s, s.to(torch.bfloat16).float()):
-                return True
-    return False
+               lookahead=args.lookahead, fast_prefill=args.fast_prefill, vocab_fingerprint=vocab_fingerprint(tok),
+               x86_kernels=args.x86_kernels)
 
 
 if __name__ == "__main__":

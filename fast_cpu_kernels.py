@@ -19,17 +19,21 @@ import subprocess
 import sys
 from pathlib import Path
 
+from typing import Optional
+
 import torch
 
 import torch_internals as TI
 from common import atomic_path
 
 SOURCE = Path(__file__).with_suffix(".c")
+SOURCE_8DA4W = Path(__file__).with_name("fast_cpu_8da4w.c")  # (8da4w's kernel: its torch op, ExecuTorch's)
 OPS = Path(__file__).parent / "runner-aoti" / "kernel_ops.cpp"
 FLAGS = ["-O3", "-fPIC", "-fopenmp", "-pipe"]  # (each kernel names its ISA: AVX-512 + BF16 or AVX2 + FMA)
 _LIB = None  # True once the library is built, loaded and checked (available)
 _TRIED = False
 _LOADED = None  # whether the library's ops are registered (_load: tried once per process)
+_ET = None  # ExecuTorch's kernel library, once loaded (load_et_kernels)
 ISA = 0  # which kernels the loaded library runs here: 2 AVX-512 (+ BF16), 1 AVX2 (+ FMA), 0 none
 
 
@@ -46,17 +50,18 @@ def _build():
     cxxflags = ["-O2", "-std=c++17", "-fPIC", "-DLLAMA_FLAT_KERNELS", "-w",
                 f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}",
                 f"-I{tdir / 'include'}", f"-I{tdir / 'include' / 'torch' / 'csrc' / 'api' / 'include'}"]
-    key = hashlib.sha256(SOURCE.read_bytes() + OPS.read_bytes()
+    key = hashlib.sha256(SOURCE.read_bytes() + SOURCE_8DA4W.read_bytes() + OPS.read_bytes()
                          + " ".join([cc, cxx, *FLAGS, *cxxflags, torch.__version__]).encode()).hexdigest()[:16]
     lib = _cache_dir() / f"fast_cpu_kernels-{key}.so"
     if not lib.exists():
         print("building the CPU kernels (fast_cpu_kernels.c, once per machine) ...", file=sys.stderr, flush=True)
         try:
             with atomic_path(lib) as tmp:
-                c, cpp = tmp.with_suffix(".c.o"), tmp.with_suffix(".cpp.o")
+                c, c8, cpp = tmp.with_suffix(".c.o"), tmp.with_suffix(".8da4w.o"), tmp.with_suffix(".cpp.o")
                 for cmd in ([cc, *FLAGS, "-c", str(SOURCE), "-o", str(c)],
+                            [cc, *FLAGS, "-c", str(SOURCE_8DA4W), "-o", str(c8)],
                             [cxx, *cxxflags, "-c", str(OPS), "-o", str(cpp)],
-                            [cxx, "-shared", "-fopenmp", str(c), str(cpp), "-o", str(tmp), f"-L{tdir / 'lib'}",
+                            [cxx, "-shared", "-fopenmp", str(c), str(c8), str(cpp), "-o", str(tmp), f"-L{tdir / 'lib'}",
                              "-lc10", "-ltorch_cpu"]):
                     subprocess.run(cmd, check=True, capture_output=True, timeout=300)
         except (OSError, subprocess.SubprocessError) as e:
@@ -71,6 +76,46 @@ def _build():
     return lib
 
 
+def load_et_kernels() -> None:
+    """Registers ExecuTorch's kernel of llama_flat::q8a4w_mm (runner-et/kernel_ops.cpp over fast_cpu_8da4w.c: the
+    8da4w linears of et_export.py --x86_kernels) with the ExecuTorch runtime Python runs, building the library once
+    per machine into the cache (runner-et links the same two files). RuntimeError, one line, where it cannot."""
+    global _ET
+    if _ET is not None:
+        return
+    if not (sys.platform == "linux" and TI.cpu_has("avx2")):
+        raise RuntimeError("the x86 kernels of this .pte need a Linux x86 CPU with AVX2")
+    import executorch
+    from executorch.extension.pybindings import portable_lib  # noqa: F401 - loads libexecutorch.so first
+    et = Path(list(executorch.__path__)[0])
+    cc, cxx = os.environ.get("CC", "cc"), os.environ.get("CXX", "c++")
+    ops = OPS.parent.parent / "runner-et" / "kernel_ops.cpp"
+    cxxflags = ["-O2", "-std=c++17", "-fPIC", "-w", "-DC10_USING_CUSTOM_GENERATED_MACROS", "-DET_USE_THREADPOOL",
+                f"-I{et / 'include'}", f"-I{et / 'include/executorch/runtime/core/portable_type/c10'}"]
+    key = hashlib.sha256(SOURCE_8DA4W.read_bytes() + ops.read_bytes() + " ".join([cc, cxx, *cxxflags, str(et)])
+                         .encode()).hexdigest()[:16]
+    lib = _cache_dir() / f"fast_cpu_et-{key}.so"
+    if not lib.exists():
+        print("building ExecuTorch's x86 kernel (runner-et/kernel_ops.cpp, once per machine) ...", file=sys.stderr,
+              flush=True)
+        try:
+            with atomic_path(lib) as tmp:
+                c, cpp = tmp.with_suffix(".c.o"), tmp.with_suffix(".cpp.o")
+                for cmd in ([cc, "-O3", "-fPIC", "-c", str(SOURCE_8DA4W), "-o", str(c)],
+                            [cxx, *cxxflags, "-c", str(ops), "-o", str(cpp)],
+                            [cxx, "-shared", str(c), str(cpp), "-o", str(tmp), f"-L{et / 'lib'}", "-lexecutorch",
+                             "-lexecutorch_threadpool", f"-Wl,-rpath,{et / 'lib'}"]):
+                    subprocess.run(cmd, check=True, capture_output=True, timeout=300)
+        except (OSError, subprocess.SubprocessError) as e:
+            said = (getattr(e, "stderr", b"") or b"").decode(errors="replace").splitlines()
+            said = [line for line in said if "error" in line] or said or [str(e)]
+            raise RuntimeError(f"building runner-et/kernel_ops.cpp failed ({said[0].strip()})") from None
+        for old in lib.parent.glob("fast_cpu_et-*.so"):
+            if old != lib:
+                old.unlink(missing_ok=True)
+    _ET = ctypes.CDLL(str(lib), mode=os.RTLD_GLOBAL)
+
+
 def make_tiles(q: torch.Tensor, s: torch.Tensor, z: torch.Tensor, groupsize: int) -> torch.Tensor:
     """The tiles of fast_cpu_kernels.c (its header) from q [N, K] (integers in [0, 15]) and s, z [N, K/groupsize]
     (w = (q - 8) s + z, rounded to bfloat16): uint8 [N/16, K/groupsize, groupsize / 32 * 256 + 64]; N % 16 == 0,
@@ -80,6 +125,20 @@ def make_tiles(q: torch.Tensor, s: torch.Tensor, z: torch.Tensor, groupsize: int
     lanes = (t[..., 0] | (t[..., 1] << 4) | (t[..., 2] << 8) | (t[..., 3] << 12)).to(torch.int16)  # [t, g, r, i, c, h]
     tile = lambda v: v.to(torch.bfloat16).view(N // 16, 16, G).transpose(1, 2).contiguous().view(torch.uint8)
     return torch.cat([lanes.contiguous().view(torch.uint8).view(N // 16, G, R * 256), tile(s), tile(z)], -1)
+
+
+def make_8da4w_records(q: torch.Tensor, s: torch.Tensor, z8: Optional[torch.Tensor], groupsize: int):
+    """fast_cpu_8da4w.c's weight from 8da4w's q [N, K] (integers in [0, 15]), s [N, K/groupsize] (on the bfloat16
+    grid) and z8 = z + 8 s (float32, asymmetric weights; None for symmetric ones): (records uint8 [N/16, K/groupsize,
+    groupsize / 32 * 256 + 32 (+ 64)], wsum float32 [N] = sum_k (q - 8) s). N % 16 == 0, groupsize % 32 == 0."""
+    N, G = q.shape[0], q.shape[1] // groupsize
+    if s.to(torch.bfloat16).float().ne(s.float()).any():
+        raise ValueError("8da4w's kernel takes scales on the bfloat16 grid (quantize.py's 8da4w)")
+    lanes = make_tiles(q, s, torch.zeros_like(s), groupsize)[..., :groupsize // 32 * 256]
+    tile = lambda v, dt: v.to(dt).view(N // 16, 16, G).transpose(1, 2).contiguous().view(torch.uint8)
+    parts = [lanes, tile(s, torch.bfloat16)] + ([tile(z8, torch.float32)] if z8 is not None else [])
+    wsum = ((q.float() - 8).view(N, G, groupsize).sum(-1) * s.float()).sum(-1)
+    return torch.cat(parts, -1).contiguous(), wsum.contiguous()
 
 
 def _self_test() -> bool:
@@ -168,9 +227,13 @@ if not (_wanted() and _load()) and not hasattr(torch.ops.llama_flat, "int4_tiles
     _OPS.define("int4_tiles_mm(Tensor x, Tensor w, int groupsize) -> Tensor")  # (never called: no tiles are made)
     _OPS.define("int8_words_mm(Tensor x, Tensor w, Tensor s) -> Tensor")  # (nor these)
     _OPS.define("bf16_mm(Tensor x, Tensor w) -> Tensor")
+    _OPS.define("q8a4w_mm(Tensor x, Tensor w, Tensor wsum, int groupsize) -> Tensor")  # (an export's .pte names it)
+    _OPS.define("q8a4w_mm.out(Tensor x, Tensor w, Tensor wsum, int groupsize, *, Tensor(a!) out) -> Tensor(a!)")
 for _name, _fake in (("int4_tiles_mm", lambda x, w, gs: x.new_empty((x.shape[0], 16 * w.shape[0]), dtype=torch.float)),
                      ("int8_words_mm", lambda x, w, s: x.new_empty((x.shape[0], 16 * w.shape[0]))),
-                     ("bf16_mm", lambda x, w: x.new_empty((x.shape[0], w.shape[0]), dtype=torch.float))):
+                     ("bf16_mm", lambda x, w: x.new_empty((x.shape[0], w.shape[0]), dtype=torch.float)),
+                     ("q8a4w_mm", lambda x, w, ws, gs: x.new_empty((*x.shape[:-1], 16 * w.shape[0]),
+                                                                     dtype=torch.float))):
     try:
         torch.library.register_fake(f"llama_flat::{_name}", lib=_OPS)(_fake)
     except RuntimeError:  # (registered already: this file imported again, under another name)

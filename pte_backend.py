@@ -27,6 +27,16 @@ def _check_pte_file(path: Path):
             raise ValueError(f"{path} is truncated: {size} bytes, the program says {need} (re-run et_export.py)")
 
 
+def _needs_x86_kernels(path: Path) -> bool:
+    """Whether the program calls llama_flat::q8a4w_mm (et_export.py --x86_kernels): its operator table names it, in
+    the flatbuffer before the weights' segments (the extended header's program size)."""
+    with open(path, "rb") as f:
+        head = f.read(64)
+        size = int.from_bytes(head[16:24], "little") if head[8:12] == b"eh00" else 64 << 20
+        f.seek(0)
+        return b"llama_flat::q8a4w_mm" in f.read(min(size, 64 << 20))
+
+
 # what each decoding mode loads from a .pte, and the export flag that writes it (the runners say the same)
 MODE_METHODS = {"kv": ("forward", None), "hybrid": ("prefill", "--prefill_chunk N"),
                 "lookahead": ("lookahead", "--lookahead")}
@@ -47,6 +57,12 @@ class PTEBackend:
     def __init__(self, path, method: str = "forward", mode: str = "kv"):
         path = Path(path)
         _check_pte_file(path)
+        if _needs_x86_kernels(path):
+            import fast_cpu_kernels
+            try:
+                fast_cpu_kernels.load_et_kernels()
+            except RuntimeError as e:
+                raise ValueError(f"{path} was exported with --x86_kernels: {e}") from None
         try:
             import executorch.kernels.quantized  # noqa: F401 - registers quantized_decomposed kernels (embeddings)
         except Exception:  # noqa: BLE001 - only quantized programs need them; loading says so if they do

@@ -1,7 +1,8 @@
-# qexport.py: the export forms of qops.py's quantized modules, swapped in by the exporters while they trace:
-# XnnpackLinear (torchao's dynamic-activation pattern that ExecuTorch's XNNPACK partitioner lowers; et_export.py) and
-# for AOT Inductor (aoti_export.py) fast_cpu_quant's kernels fixed per exported model (aoti_forms) plus
-# ExportEmbedding. Plain QuantizedLinear modules export as dequantize + F.linear (ExecuTorch's portable kernels).
+# qexport.py: the export forms of qops.py's quantized modules, swapped in by the exporters while they trace. For
+# et_export.py: XnnpackLinear (torchao's dynamic-activation pattern that ExecuTorch's XNNPACK partitioner lowers),
+# X86Linear (8da4w through this repository's AVX2 kernel: --x86_kernels), ETEmbedding (ExecuTorch's quantized
+# embedding kernels). For AOT Inductor (aoti_export.py): fast_cpu_quant's kernels fixed per exported model
+# (aoti_forms) plus ExportEmbedding. Plain QuantizedLinear modules export as dequantize + F.linear (ExecuTorch's portable kernels).
 import contextlib
 import logging
 from typing import Optional
@@ -78,6 +79,74 @@ class XnnpackLinear(QuantizedLinear):
                                       x.dtype)
         y = F.linear(x, w, self.bias)
         return y if zt is None else y + zt
+
+
+class X86Linear(QuantizedLinear):
+    """An 8da4w QuantizedLinear as one call of llama_flat::q8a4w_mm (fast_cpu_8da4w.c, AVX2; ExecuTorch's kernel in
+    runner-et/kernel_ops.cpp): et_export.py --x86_kernels. The eager module's arithmetic (x's per-token int8 values
+    times (q - 8) s, plus x's group sums times z + 8 s) up to float rounding. takes(lin): the shapes it multiplies."""
+
+    def __init__(self, lin: QuantizedLinear):
+        import fast_cpu_kernels
+        super().__init__(lin.qweight, None, "int8")
+        self.bias = lin.bias
+        qw = lin.qweight
+        z8 = (qw.zeros + 8 * qw.scales).float() if qw.zeros is not None else None
+        rec, wsum = fast_cpu_kernels.make_8da4w_records(unpack_int4(qw.qdata, qw.groupsize), qw.scales.float(), z8,
+                                                        qw.groupsize)
+        self.register_buffer("records", rec, persistent=False)
+        self.register_buffer("wsum", wsum, persistent=False)
+
+    @staticmethod
+    def takes(lin) -> bool:
+        qw = getattr(lin, "qweight", None)
+        return (isinstance(lin, QuantizedLinear) and lin.act == "int8" and qw.bits == 4 and qw.groupsize % 32 == 0
+                and qw.out_features % 16 == 0 and (qw.symmetric or qw.xnnpack)
+                and qw.scales.to(torch.bfloat16).float().equal(qw.scales.float()))
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = torch.ops.llama_flat.q8a4w_mm(x.float(), self.records, self.wsum, self.qweight.groupsize).to(x.dtype)
+        return y + self.bias if self.bias is not None else y
+
+
+def scales_not_bf16(model) -> bool:
+    """True when an 8da4w weight (4-bit, XNNPACK's pattern) has scales that bfloat16 cannot hold exactly."""
+    for m in model.modules():
+        if isinstance(m, QuantizedLinear) and m.qweight.bits == 4 and xnnpack_kind(m):
+            s = m.qweight.scales.float()
+            if not torch.equal(s, s.to(torch.bfloat16).float()):
+                return True
+    return False
+
+
+class ETEmbedding(nn.Module):
+    """QuantizedEmbedding through ExecuTorch's quantized_decomposed::embedding_byte / embedding_4bit
+    kernels (their unpacking with shifts has no ExecuTorch kernel, and gathering first keeps the table packed), from
+    a copy of the table in their layout: w = (q - zp) * s; 4-bit values stored as q + 8, two per byte, even element
+    in the high nibble."""
+
+    def __init__(self, qw):
+        super().__init__()
+        self.bits, zp = qw.bits, None
+        if qw.bits == 8:
+            w = qw.qdata.to(torch.int8)
+        else:
+            q = qw.int_values().to(torch.int32)                       # [N, K] in [0, 15]
+            w = ((q[:, 0::2] << 4) | q[:, 1::2]).to(torch.uint8)      # [N, K/2]
+            if qw.zeros is not None:  # asymmetric: w = q * s + z = (q - 8 - zp) * s, zp = -8 - z / s (float zero points)
+                s = qw.scales
+                zp = torch.where(s != 0, -8.0 - qw.zeros / torch.where(s != 0, s, torch.ones_like(s)),
+                                 torch.zeros_like(s)).to(s.dtype)
+        self.register_buffer("weight", w, persistent=False)
+        self.register_buffer("scales", qw.scales, persistent=False)
+        self.register_buffer("zeros", zp, persistent=False)
+
+    def forward(self, idx: Tensor) -> Tensor:
+        import executorch.exir.passes._quant_patterns_and_replacements  # noqa: F401 - defines quantized_decomposed ops
+        ops = torch.ops.quantized_decomposed
+        if self.bits == 8:
+            return ops.embedding_byte.default(self.weight, self.scales, self.zeros, -128, 127, idx)
+        return ops.embedding_4bit.default(self.weight, self.scales, self.zeros, -8, 7, idx)
 
 
 class ExportEmbedding(QuantizedEmbedding):

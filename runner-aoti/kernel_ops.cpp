@@ -29,6 +29,11 @@ extern "C" int llama_flat_bf16_mm_avx2(const float *x, const uint16_t *w, float 
 extern "C" int llama_flat_kernels_isa(void);
 extern "C" int llama_flat_int8_words_mm(const float *x, const int32_t *w, const float *s, float *y, float *off, long M,
                                         long N, long K, int threads);
+extern "C" long llama_flat_8da4w_row_bytes(long K, long gs);
+extern "C" long llama_flat_8da4w_record_bytes(long gs, int zeros);
+extern "C" int llama_flat_8da4w_prepare(const float *x, uint8_t *xp, long M, long K, long gs);
+extern "C" int llama_flat_8da4w_mm(const uint8_t *xp, const uint8_t *w, const float *wsum, float *y, long M, long N,
+                                   long K, long gs, int zeros, long t0, long t1);
 static int isa() {  // (asked once: every product asks)
   static const int v = llama_flat_kernels_isa();
   return v;
@@ -139,6 +144,44 @@ at::Tensor bf16_mm_op(const at::Tensor &x, const at::Tensor &w) {
 #endif
   TORCH_CHECK(false, "llama_flat::bf16_mm: the kernel does not run on this CPU or build");
 }
+// 8da4w: x [..., K] float32, w ../fast_cpu_8da4w.c's records [N/16, K/gs, record], wsum [N] -> out [..., N] float32
+// (the .pte's op, runner-et/kernel_ops.cpp; here for eager checks and export's tracing). AVX2, any number of rows.
+at::Tensor &q8a4w_mm_out(const at::Tensor &x, const at::Tensor &w, const at::Tensor &wsum, int64_t groupsize,
+                         at::Tensor &out) {
+  const int64_t K = x.dim() ? x.size(-1) : 0, N = w.dim() == 3 ? w.size(0) * 16 : 0;
+  TORCH_CHECK(x.is_cpu() && w.is_cpu() && wsum.is_cpu() && x.dim() >= 1 && x.scalar_type() == at::kFloat &&
+                  w.scalar_type() == at::kByte && w.dim() == 3 && groupsize >= 32 && groupsize % 32 == 0 &&
+                  K % groupsize == 0 && w.size(1) == K / groupsize && wsum.scalar_type() == at::kFloat &&
+                  wsum.numel() == N && out.scalar_type() == at::kFloat,
+              "llama_flat::q8a4w_mm: unexpected operands");
+#ifdef LLAMA_FLAT_KERNELS
+  const int zeros = w.size(2) == llama_flat_8da4w_record_bytes(groupsize, 1);
+  TORCH_CHECK(isa() >= 1, "llama_flat::q8a4w_mm: the kernel does not run on this CPU or build");
+  TORCH_CHECK(zeros || w.size(2) == llama_flat_8da4w_record_bytes(groupsize, 0), "llama_flat::q8a4w_mm: w's records");
+  std::vector<int64_t> shape = x.sizes().vec();
+  shape.back() = N;
+  out.resize_(shape);
+  at::Tensor xc = x.contiguous(), wc = w.contiguous(), sc = wsum.contiguous();
+  at::Tensor y = out.is_contiguous() ? out : out.contiguous();
+  const int64_t M = xc.numel() / std::max<int64_t>(K, 1);
+  at::Tensor xp = at::empty({M * llama_flat_8da4w_row_bytes(K, groupsize)}, xc.options().dtype(at::kByte));
+  TORCH_CHECK(!llama_flat_8da4w_prepare(xc.data_ptr<float>(), xp.data_ptr<uint8_t>(), M, K, groupsize),
+              "llama_flat::q8a4w_mm: unsupported shape");
+  at::parallel_for(0, N / 16, 1, [&](int64_t t0, int64_t t1) {
+    TORCH_CHECK(!llama_flat_8da4w_mm(xp.data_ptr<uint8_t>(), wc.data_ptr<uint8_t>(), sc.data_ptr<float>(),
+                                     y.data_ptr<float>(), M, N, K, groupsize, zeros, t0, t1),
+                "llama_flat::q8a4w_mm: unsupported shape ", M, "x", K, " @ ", N, "x", K);
+  });
+  if (!y.is_same(out)) out.copy_(y);
+  return out;
+#else
+  TORCH_CHECK(false, "llama_flat::q8a4w_mm: the kernel does not run on this CPU or build");
+#endif
+}
+at::Tensor q8a4w_mm_op(const at::Tensor &x, const at::Tensor &w, const at::Tensor &wsum, int64_t groupsize) {
+  at::Tensor out = at::empty({0}, x.options().dtype(at::kFloat));
+  return q8a4w_mm_out(x, w, wsum, groupsize, out);
+}
 }  // namespace
 
 // The C shim: AOT Inductor packages call it directly (aoti_export.py names it in aot_inductor.custom_ops_to_c_shims;
@@ -160,4 +203,8 @@ TORCH_LIBRARY_FRAGMENT(llama_flat, m) {
   m.impl("int8_words_mm", c10::DispatchKey::CPU, TORCH_FN(int8_words_mm_op));
   m.def("bf16_mm(Tensor x, Tensor w) -> Tensor");
   m.impl("bf16_mm", c10::DispatchKey::CPU, TORCH_FN(bf16_mm_op));
+  m.def("q8a4w_mm(Tensor x, Tensor w, Tensor wsum, int groupsize) -> Tensor");
+  m.impl("q8a4w_mm", c10::DispatchKey::CPU, TORCH_FN(q8a4w_mm_op));
+  m.def("q8a4w_mm.out(Tensor x, Tensor w, Tensor wsum, int groupsize, *, Tensor(a!) out) -> Tensor(a!)");
+  m.impl("q8a4w_mm.out", c10::DispatchKey::CPU, TORCH_FN(q8a4w_mm_out));
 }

@@ -91,6 +91,22 @@ def test_runner_8da4w(env, runner):
         compare(runner, pte, env["bpe"], env["bins"]["bpe"], prompt, 24)
 
 
+def test_runner_8da4w_x86_kernels(env, runner):
+    """et_export.py --x86_kernels (8da4w linears as llama_flat::q8a4w_mm, fast_cpu_8da4w.c): the runner, which links
+    the kernel, prints what generate.py --pte prints (ExecuTorch's Python runtime with the kernel pte_backend.py
+    builds), for both tokenizers' prompts; without AVX2 the export refuses in one line."""
+    import torch_internals as TI
+    pte = env["root"] / "tiny_8da4w_x86.pte"
+    r = run([sys.executable, REPO / "et_export.py", "--checkpoint_path", env["ckpt"], "--output_path", pte,
+             "--max_seq_length", MAX_SEQ, "--quantize", "8da4w", "--groupsize", 32, "--x86_kernels"])
+    if not TI.cpu_has("avx2"):
+        assert r.returncode == 1 and r.stderr.strip().splitlines()[-1].startswith("error: ") and not pte.exists()
+        return
+    assert r.returncode == 0, r.stderr[-3000:]
+    for prompt in PROMPTS:
+        compare(runner, pte, env["bpe"], env["bins"]["bpe"], prompt, 24)
+
+
 def test_fast_prefill_prompt_method(env, runner):
     """et_export.py --fast_prefill adds `prompt` (the last position's logits only): it equals `forward`'s last row,
     generate.py --pte and the runner take it for prompts, and both print what the plain program prints."""
