@@ -1,6 +1,8 @@
 # Graph passes and checks for lowering model.py's exported programs to ExecuTorch (used by et_export.py): explicit
 # grouped-query attention in place of SDPA, -1 for the dynamic length in reshapes, dropping state the graph never
-# reads, whether the cache writes may be reinplaced, and the op summary et_export prints. Imports nothing from this repo.
+# reads, whether the cache writes may be reinplaced, the op summary et_export prints, and XNNPACK's pass list without
+# its image passes while lowering. Imports nothing from this repo.
+import contextlib
 import copy
 import math
 
@@ -154,3 +156,40 @@ def reinplace_is_safe(edge) -> bool:
                 if any("view" in str(u.target) for u in node.users):
                     return False
     return True
+
+
+# XNNPACK's own passes over each subgraph it is handed (XNNPACKPassManager's list when the backend passes none) that
+# rewrite ops a language model's graph does not have: upsampling, batch norm, padding's quantization, conv1d, PReLU.
+# Each still walks every subgraph (each ~2-4% of a 1B model's lowering); without them the .pte is the same bytes
+# (tests/test_et_export.py checks it). (ChannelsLastTaggedReshapePass stays: the float32 programs' 4-D norms need it.)
+IMAGE_PASSES = ("ConvertToUpsampleBilinear2d", "FuseBatchNormPass", "DecomposeBatchNorm", "InsertPadQDQPass",
+                "Conv1dUnsqueezePass", "PReLUReshapePass")
+
+
+@contextlib.contextmanager
+def xnnpack_without_image_passes(graph_ops: set):
+    """While lowering, XNNPACK's preprocess runs its default pass list less IMAGE_PASSES, when graph_ops (the
+    programs' op names) holds none of the ops they rewrite; unchanged where ExecuTorch's names differ."""
+    import executorch.backends.xnnpack.xnnpack_preprocess as prep
+    image_ops = ("conv", "batch_norm", "upsample", "prelu", "pad", "max_pool", "avg_pool")
+    base = prep.XNNPACKPassManager
+    probe = base.__new__(base)
+    try:
+        base.__init__(probe, None)
+        passes = list(probe.passes)
+    except Exception:  # noqa: BLE001 - another ExecuTorch: leave it be
+        passes = []
+    keep = [p for p in passes if p.__name__ not in IMAGE_PASSES]
+    if len(passes) - len(keep) != len(IMAGE_PASSES) or any(o in name for name in graph_ops for o in image_ops):
+        yield
+        return
+
+    class Trimmed(base):
+        def __init__(self, exported_program, passes=None):
+            super().__init__(exported_program, passes or keep)
+
+    prep.XNNPACKPassManager = Trimmed
+    try:
+        yield
+    finally:
+        prep.XNNPACKPassManager = base
