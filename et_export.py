@@ -336,10 +336,13 @@ def export_pte(model, output_path, max_seq_length: int = DEFAULT_MAX_SEQ_LENGTH,
     if x86_kernels:
         import fast_cpu_kernels
         fast_cpu_kernels.load_et_kernels()  # (its kernel registered: _ops_without_kernel asks the runtime)
+        if not any(qexport.X86Linear.takes(m) for m in model.modules()):
+            raise ValueError("--x86_kernels: the model has no 8da4w linears (groups of 32k, 16k channels) for the x86 "
+                             "kernel; quantize it with --quantize 8da4w")
     if any(_linear_kind(m) == "int4" for m in model.modules()):
         raise ValueError("int4 / int4-gptq weights (asymmetric, weight-only) have no ExecuTorch kernel; quantize with "
                          "--quantize 8da4w (or int8) for ExecuTorch")
-    if backend == "xnnpack" and not x86_kernels and qexport.scales_not_bf16(model):
+    if backend == "xnnpack" and qexport.scales_not_bf16(model):
         log("note: XNNPACK stores 4-bit group scales as bfloat16; this model's scales are not bf16 values, so the .pte's "
             "logits differ slightly from the eager quantized model's")
     t0 = time.perf_counter()

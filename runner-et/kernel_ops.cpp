@@ -26,7 +26,7 @@ using executorch::runtime::KernelRuntimeContext;
 Tensor &q8a4w_mm_out(KernelRuntimeContext &ctx, const Tensor &x, const Tensor &w, const Tensor &wsum,
                      int64_t groupsize, Tensor &out) {
   const int64_t K = x.dim() ? x.size(x.dim() - 1) : 0, N = w.dim() == 3 ? w.size(0) * 16 : 0;
-  const bool shapes = x.dim() >= 1 && w.dim() == 3 && groupsize >= 32 && groupsize % 32 == 0 && K % groupsize == 0 &&
+  const bool shapes = x.dim() >= 1 && K >= 32 && w.dim() == 3 && groupsize >= 32 && groupsize % 32 == 0 && K % groupsize == 0 &&
                       w.size(1) == K / groupsize && wsum.numel() == N;
   const int zeros = shapes && w.size(2) == llama_flat_8da4w_record_bytes(groupsize, 1);
   ET_KERNEL_CHECK_MSG(ctx, shapes && x.scalar_type() == ScalarType::Float && w.scalar_type() == ScalarType::Byte &&

@@ -145,9 +145,9 @@ def one_thread():
 # The quick tier (`python -m pytest -q tests -m quick`, a few minutes on 2 cores): model, tokenizer, generate,
 # quantize and convert on tiny models, without torch.compile, exports or the default model's download.
 QUICK_FILES = ("test_model.py", "test_tokenizer.py", "test_generate.py", "test_quantize.py", "test_qkernels.py",
-               "test_convert.py")
+               "test_convert.py", "test_x86_8da4w.py")
 NOT_QUICK = ("compile", "accelerator", "xnnpack", "gptq_model", "prepare_default", "real_smollm2", "speed",
-             "bad_input_gives", "cli_errors")
+             "bad_input_gives", "cli_errors", "x86_kernels")
 
 
 def pytest_configure(config):
