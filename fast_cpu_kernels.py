@@ -34,6 +34,7 @@ _LIB = None  # True once the library is built, loaded and checked (available)
 _TRIED = False
 _LOADED = None  # whether the library's ops are registered (_load: tried once per process)
 _ET = None  # ExecuTorch's kernel library, once loaded (load_et_kernels)
+_CDLL = None  # this library, loaded (_load)
 ISA = 0  # which kernels the loaded library runs here: 2 AVX-512 (+ BF16), 1 AVX2 (+ FMA), 0 none
 
 
@@ -177,14 +178,15 @@ def _wanted() -> bool:
 
 def _load() -> bool:
     """Loads the library (its ops), building it first where the cache lacks it; False where it cannot be."""
-    global _LOADED, ISA
+    global _LOADED, ISA, _CDLL
     if _LOADED is None:
         _LOADED = False
         try:
             lib = _build()
             if lib is not None:
-                ISA = ctypes.CDLL(str(lib), mode=os.RTLD_GLOBAL).llama_flat_kernels_isa()  # (global: packages' C
-                torch.ops.load_library(str(lib))                                          # shims, kernel_ops.cpp)
+                _CDLL = ctypes.CDLL(str(lib), mode=os.RTLD_GLOBAL)  # (global: packages' C shims, kernel_ops.cpp)
+                ISA = _CDLL.llama_flat_kernels_isa()
+                torch.ops.load_library(str(lib))
                 _LOADED = True
         except Exception as e:  # (a missing source, a noexec cache, a library that does not load)
             print(f"note: quantized products use slower kernels: fast_cpu_kernels does not load ({e})",
@@ -208,6 +210,12 @@ def available() -> bool:
                       file=sys.stderr)
                 _LIB = None
     return _LIB is not None
+
+
+def isa_8da4w() -> int:
+    """Which 8da4w kernel llama_flat::q8a4w_mm runs here: 2 AVX-512 VNNI (kept only if it gave the AVX2 kernel's bits
+    on fast_cpu_8da4w.c's own check), 1 AVX2, 0 none."""
+    return _CDLL.llama_flat_8da4w_isa() if available() else 0
 
 
 def aoti_shims() -> dict:

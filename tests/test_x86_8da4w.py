@@ -22,6 +22,12 @@ def _linear(N, K, G, symmetric, bias=False, seed=0):
     return qops.QuantizedLinear(qw, torch.randn(N) if bias else None, "int8")
 
 
+def test_vnni_kernel_runs_where_the_cpu_has_it():
+    """fast_cpu_8da4w.c keeps its AVX-512 VNNI kernel only when it gives the AVX2 kernel's bits on its own check: on a
+    CPU with AVX-512 VNNI the check must pass (else this fails: a bug in the VNNI kernel, never a wrong product)."""
+    assert fast_cpu_kernels.isa_8da4w() == (2 if TI.cpu_has("avx512") and TI.cpu_has("vnni") else 1)
+
+
 @pytest.mark.parametrize("symmetric", [False, True])
 @pytest.mark.parametrize("N,K,G", [(64, 64, 32), (192, 576, 32), (128, 256, 64), (48, 512, 128)])
 def test_kernel_matches_the_eager_8da4w_module(N, K, G, symmetric):
