@@ -6,12 +6,15 @@
 #   llama_flat::int4_tiles_mm  by this file's tiles (make_tiles), the one int4 layout fast_cpu_quant and packages keep
 #                              where the kernels run, read at every length;
 #   llama_flat::int8_words_mm  by fast_cpu_quant's int8 word layout, in place (decode; AVX2: every length);
-#   llama_flat::bf16_mm        by bfloat16 weights as stored (fast_cpu.Bf16Linear: AVX2, where oneDNN has none).
+#   llama_flat::bf16_mm        by bfloat16 weights as stored (fast_cpu.Bf16Linear: AVX2, where oneDNN has none);
+#   llama_flat::q8a4w_mm       8da4w by fast_cpu_8da4w.c's records (make_8da4w_records; qexport.X86Linear), the op
+#                              of et_export.py --x86_kernels, whose ExecuTorch kernel load_et_kernels builds.
 # The kernels run on torch's own OpenMP threads: built with -fopenmp, the library binds to the libgomp.so.1 torch has
 # loaded (threads of its own fought torch's spinning workers for the cores). Where they cannot run (no AVX2, no
 # compiler, a failed self-test, or LLAMA_FLAT_KERNELS=0), available() is False, fast_cpu_quant keeps ATen's layouts
-# and kernels and Inductor's word kernels, and bfloat16 linears F.linear. Delete both files (and kernel_ops.cpp from
-# runner-aoti's CMakeLists.txt): those kernels, slower, equal up to float rounding.
+# and kernels and Inductor's word kernels, and bfloat16 linears F.linear. Delete both files and fast_cpu_8da4w.c (and
+# kernel_ops.cpp from runner-aoti's CMakeLists.txt): those kernels, slower, equal up to float rounding; runner-et then
+# builds without its x86 kernel, and et_export.py --x86_kernels says it cannot.
 import ctypes
 import hashlib
 import os
