@@ -337,8 +337,8 @@ def export_pte(model, output_path, max_seq_length: int = DEFAULT_MAX_SEQ_LENGTH,
         import fast_cpu_kernels
         fast_cpu_kernels.load_et_kernels()  # (its kernel registered: _ops_without_kernel asks the runtime)
         if not any(qexport.X86Linear.takes(m) for m in model.modules()):
-            raise ValueError("--x86_kernels: the model has no 8da4w linears (groups of 32k, 16k channels) for the x86 "
-                             "kernel; quantize it with --quantize 8da4w")
+            raise ValueError("--x86_kernels: the model has no 8da4w linears the x86 kernel takes (4-bit groups of 32k, "
+                             "16k channels, scales on the bfloat16 grid: what --quantize 8da4w makes)")
     if any(_linear_kind(m) == "int4" for m in model.modules()):
         raise ValueError("int4 / int4-gptq weights (asymmetric, weight-only) have no ExecuTorch kernel; quantize with "
                          "--quantize 8da4w (or int8) for ExecuTorch")

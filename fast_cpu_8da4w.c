@@ -14,6 +14,7 @@
 #include <immintrin.h>
 #include <float.h>
 #include <math.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -187,7 +188,7 @@ AVX512VNNI static void vnni_##MR(const uint8_t *xp, long rb, const uint8_t *w, c
 }
 ROWS512(1) ROWS512(2) ROWS512(4)
 
-static int VNNI = -1;  // 1: the VNNI kernel runs here and gave AVX2's bits on a check (decided once, in _isa)
+static int VNNI;  // 1: the VNNI kernel runs here and gave AVX2's bits on decide's check
 
 static void tiles(int vnni, const uint8_t *xp, const uint8_t *w, const float *wsum, float *y, long M, long N, long K,
                   long gs, int zeros, long t0, long t1) {
@@ -203,39 +204,44 @@ static void tiles(int vnni, const uint8_t *xp, const uint8_t *w, const float *ws
         }
 }
 
-// Which kernel runs: 2 AVX-512 VNNI, 1 AVX2, 0 none. The first call (callers make it before their threads start)
-// runs both on a small product of each record form and keeps VNNI only if its y is AVX2's, bit for bit.
-int llama_flat_8da4w_isa(void) {
-    if (!runs_here()) return 0;
-    if (VNNI < 0) {
-        VNNI = 0;
-        if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-            __builtin_cpu_supports("avx512vnni")) {
-            enum { M = 5, N = 32, K = 256 };
-            static float x[M * K], ws[N], y[2][M * N];
-            static uint8_t xp[M * (K + 8 * 8 + 8)], w[N / 16 * (K / 32) * 352];
-            uint32_t r = 12345;
-            int same = 1;
-            for (int i = 0; i < M * K; i++) x[i] = (float)((r = r * 1664525u + 1013904223u) >> 8) / (1 << 20) - 8.f;
-            for (int i = 0; i < (int)sizeof w; i++) w[i] = (uint8_t)((r = r * 1664525u + 1013904223u) >> 24);
-            for (int i = 0; i < N; i++) ws[i] = (float)(i % 7) - 3.f;
-            for (int zeros = 0; zeros < 2; zeros++)
-                for (long gs = 32; gs <= 64; gs += 32) {
-                    const long gb = llama_flat_8da4w_record_bytes(gs, zeros);
-                    for (long rec = 0; rec < N / 16 * (K / gs); rec++)  // (scales and z8: small finite floats)
-                        for (int c = 0; c < 16; c++) {
-                            uint16_t *sp = (uint16_t *)(w + rec * gb + gs / 32 * 256);
-                            sp[c] = (uint16_t)(0x3c00 + ((rec * 16 + c) % 64));
-                            if (zeros) ((float *)(w + rec * gb + gs / 32 * 256 + 32))[c] = 0.01f * (float)(c - 8);
-                        }
-                    prepare(x, xp, M, K, gs);
-                    tiles(0, xp, w, ws, y[0], M, N, K, gs, zeros, 0, N / 16);
-                    tiles(1, xp, w, ws, y[1], M, N, K, gs, zeros, 0, N / 16);
-                    same &= !memcmp(y[0], y[1], sizeof y[0]);
+// Runs both kernels on a small product of each record form (rows in 4 + 2 + 1) and keeps VNNI only if its y is
+// AVX2's, bit for bit.
+static void decide(void) {
+    VNNI = 0;
+    if (!(__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+          __builtin_cpu_supports("avx512vnni")))
+        return;
+    enum { M = 7, N = 32, K = 256 };
+    static float x[M * K], ws[N], y[2][M * N];
+    static uint8_t xp[M * (K + 8 * 8 + 8)], w[N / 16 * (K / 32) * 352];
+    uint32_t r = 12345;
+    int same = 1;
+    for (int i = 0; i < M * K; i++) x[i] = (float)((r = r * 1664525u + 1013904223u) >> 8) / (1 << 20) - 8.f;
+    for (int i = 0; i < (int)sizeof w; i++) w[i] = (uint8_t)((r = r * 1664525u + 1013904223u) >> 24);
+    for (int i = 0; i < N; i++) ws[i] = (float)(i % 7) - 3.f;
+    for (int zeros = 0; zeros < 2; zeros++)
+        for (long gs = 32; gs <= 64; gs += 32) {
+            const long gb = llama_flat_8da4w_record_bytes(gs, zeros);
+            for (long rec = 0; rec < N / 16 * (K / gs); rec++)  // (scales and z8: small finite floats)
+                for (int c = 0; c < 16; c++) {
+                    const uint16_t sc = (uint16_t)(0x3c00 + ((rec * 16 + c) % 64));
+                    const float z8 = 0.01f * (float)(c - 8);
+                    memcpy(w + rec * gb + gs / 32 * 256 + 2 * c, &sc, 2);
+                    if (zeros) memcpy(w + rec * gb + gs / 32 * 256 + 32 + 4 * c, &z8, 4);
                 }
-            VNNI = same;
+            prepare(x, xp, M, K, gs);
+            tiles(0, xp, w, ws, y[0], M, N, K, gs, zeros, 0, N / 16);
+            tiles(1, xp, w, ws, y[1], M, N, K, gs, zeros, 0, N / 16);
+            same &= !memcmp(y[0], y[1], sizeof y[0]);
         }
-    }
+    VNNI = same;
+}
+
+// Which kernel runs: 2 AVX-512 VNNI (where it passed decide's check, made once), 1 AVX2, 0 none.
+int llama_flat_8da4w_isa(void) {
+    static pthread_once_t once = PTHREAD_ONCE_INIT;
+    if (!runs_here()) return 0;
+    pthread_once(&once, decide);
     return VNNI ? 2 : 1;
 }
 

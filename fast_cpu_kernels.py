@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 
 import torch_internals as TI
-from common import atomic_path
+from common import atomic_path, first_line
 
 SOURCE = Path(__file__).with_suffix(".c")
 SOURCE_8DA4W = Path(__file__).with_name("fast_cpu_8da4w.c")  # (8da4w's kernel: its torch op, ExecuTorch's)
@@ -89,14 +89,18 @@ def load_et_kernels() -> None:
         return
     if not (sys.platform == "linux" and TI.cpu_has("avx2")):
         raise RuntimeError("the x86 kernels of this .pte need a Linux x86 CPU with AVX2")
-    import executorch
-    from executorch.extension.pybindings import portable_lib  # noqa: F401 - loads libexecutorch.so first
-    et = Path(list(executorch.__path__)[0])
+    try:
+        import executorch
+        from executorch.extension.pybindings import portable_lib  # noqa: F401 - loads libexecutorch.so first
+        from importlib.metadata import version
+        et, et_version = Path(list(executorch.__path__)[0]), version("executorch")
+    except Exception as e:  # noqa: BLE001 - no executorch, or one that does not load
+        raise RuntimeError(f"ExecuTorch's runtime does not load ({type(e).__name__}: {first_line(e)})") from None
     cc, cxx = os.environ.get("CC", "cc"), os.environ.get("CXX", "c++")
     ops = OPS.parent.parent / "runner-et" / "kernel_ops.cpp"
     cxxflags = ["-O2", "-std=c++17", "-fPIC", "-w", "-DC10_USING_CUSTOM_GENERATED_MACROS", "-DET_USE_THREADPOOL",
                 f"-I{et / 'include'}", f"-I{et / 'include/executorch/runtime/core/portable_type/c10'}"]
-    key = hashlib.sha256(SOURCE_8DA4W.read_bytes() + ops.read_bytes() + " ".join([cc, cxx, *cxxflags, str(et)])
+    key = hashlib.sha256(SOURCE_8DA4W.read_bytes() + ops.read_bytes() + " ".join([cc, cxx, *cxxflags, str(et), et_version])
                          .encode()).hexdigest()[:16]
     lib = _cache_dir() / f"fast_cpu_et-{key}.so"
     if not lib.exists():
@@ -117,7 +121,10 @@ def load_et_kernels() -> None:
         for old in lib.parent.glob("fast_cpu_et-*.so"):
             if old != lib:
                 old.unlink(missing_ok=True)
-    _ET = ctypes.CDLL(str(lib), mode=os.RTLD_GLOBAL)
+    try:
+        _ET = ctypes.CDLL(str(lib), mode=os.RTLD_GLOBAL)
+    except OSError as e:
+        raise RuntimeError(f"the x86 kernel's library does not load ({first_line(e)})") from None
 
 
 def make_tiles(q: torch.Tensor, s: torch.Tensor, z: torch.Tensor, groupsize: int) -> torch.Tensor:

@@ -8,6 +8,7 @@
 #include <executorch/runtime/kernel/kernel_includes.h>
 #include <executorch/runtime/kernel/thread_parallel_interface.h>
 
+#include <atomic>
 #include <cstdint>
 #include <vector>
 
@@ -44,14 +45,14 @@ Tensor &q8a4w_mm_out(KernelRuntimeContext &ctx, const Tensor &x, const Tensor &w
   xp.resize(M * llama_flat_8da4w_row_bytes(K, groupsize));
   ET_KERNEL_CHECK_MSG(ctx, !llama_flat_8da4w_prepare(x.const_data_ptr<float>(), xp.data(), M, K, groupsize),
                       NotSupported, out, "llama_flat::q8a4w_mm: the kernel needs AVX2 + FMA");
-  bool ok = true;
+  std::atomic<bool> ok{true};
   const uint8_t *rows = xp.data();  // (the caller's buffer: a worker's thread_local is its own)
   executorch::extension::parallel_for(0, N / 16, 1, [&](int64_t t0, int64_t t1) {
     if (llama_flat_8da4w_mm(rows, w.const_data_ptr<uint8_t>(), wsum.const_data_ptr<float>(),
                             out.mutable_data_ptr<float>(), M, N, K, groupsize, zeros, t0, t1))
-      ok = false;
+      ok.store(false);
   });
-  ET_KERNEL_CHECK_MSG(ctx, ok, NotSupported, out, "llama_flat::q8a4w_mm: unsupported shape");
+  ET_KERNEL_CHECK_MSG(ctx, ok.load(), NotSupported, out, "llama_flat::q8a4w_mm: unsupported shape");
   return out;
 }
 }  // namespace

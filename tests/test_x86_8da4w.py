@@ -105,6 +105,7 @@ def test_x86_kernels_flag_is_checked_before_loading(tmp_path):
     assert r.returncode != 0 and r.stderr.strip().splitlines() == [
         "error: --x86_kernels runs on a CPU: --backend xnnpack or portable, not coreml"], r.stderr
     assert not (tmp_path / "x.pte").exists()
+    pytest.importorskip("executorch")
     from test_aoti import tiny_checkpoint  # a float checkpoint: nothing for the kernel, said before exporting
     r = subprocess.run([sys.executable, REPO / "et_export.py", "--checkpoint_path", tiny_checkpoint(tmp_path / "f.pth"),
                         "--output_path", tmp_path / "x.pte", "--x86_kernels"], capture_output=True, text=True)
