@@ -192,23 +192,16 @@ def test_8da4w_pte_matches_eager_8da4w(pte_8da4w, tmp_path):
 def test_partitioner_without_decomposition_filter_writes_the_same_pte(pte_8da4w, float_ckpt, float_pte, tmp_path,
                                                                       monkeypatch):
     """et_export's XNNPACK partitioner drops XnnpackPartitioner's per-node decomposition filter (two fewer retraces of
-    the whole program) and XNNPACK's image passes (et_passes.IMAGE_PASSES); the stock partitioner with its whole pass
-    list gives the very same bytes (an 8da4w model: linears and quant ops; a float32 one)."""
+    the whole program) and XNNPACK's image passes (et_passes.IMAGE_PASSES, which stand aside for a graph with a
+    convolution); the stock partitioner with its whole pass list gives the very same bytes (an 8da4w model: linears
+    and quant ops; a float32 one)."""
     import et_passes
+    import executorch.backends.xnnpack.xnnpack_preprocess as prep
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
-    trimmed = []
-    real = et_passes.xnnpack_without_image_passes
-
-    @contextlib.contextmanager
-    def spy(ops):
-        import executorch.backends.xnnpack.xnnpack_preprocess as prep
-        with real(ops):
-            trimmed.append(prep.XNNPACKPassManager.__name__ == "Trimmed")
-            yield
-    monkeypatch.setattr(et_passes, "xnnpack_without_image_passes", spy)
-    et_export.main(["--checkpoint_path", str(pte_8da4w[0]), "--output_path", str(tmp_path / "again.pte"),
-                    *_8DA4W_ARGS])
-    assert trimmed == [True] and (tmp_path / "again.pte").read_bytes() == pte_8da4w[1].read_bytes()
+    for ops, trimmed in (({"aten.linear.default", "aten.mul.Tensor"}, True), ({"aten.convolution.default"}, False)):
+        with et_passes.xnnpack_without_image_passes(ops):
+            assert (prep.XNNPACKPassManager.__name__ == "Trimmed") == trimmed
+        assert prep.XNNPACKPassManager.__name__ != "Trimmed"
     monkeypatch.setattr(et_export, "_backend_partitioners", lambda backend, log=None: [XnnpackPartitioner()])
     monkeypatch.setattr(et_passes, "xnnpack_without_image_passes", lambda ops: contextlib.nullcontext())
     for (ckpt, ours), args in (((pte_8da4w[0], pte_8da4w[1]), _8DA4W_ARGS), ((float_ckpt, float_pte),
