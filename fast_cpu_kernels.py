@@ -21,7 +21,6 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-
 from typing import Optional
 
 import torch
@@ -45,39 +44,50 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "llama-flat"
 
 
+def _cached_library(name: str, what: str, sources: list, build, older: tuple = ()) -> Path:
+    """~/.cache/llama-flat/{name}-{key}.so, keyed by the sources' bytes and `what` (compilers, flags, versions), built
+    on first use by the commands build(tmp) returns (common.atomic_path: a killed build leaves no library
+    half-written) and the other versions' libraries (and those named older-*.so) removed. RuntimeError with a
+    compiler's first error line."""
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in sources) + what.encode()).hexdigest()[:16]
+    lib = _cache_dir() / f"{name}-{key}.so"
+    if not lib.exists():
+        try:
+            with atomic_path(lib) as tmp:
+                for cmd in build(tmp):
+                    subprocess.run(cmd, check=True, capture_output=True, timeout=300)
+        except (OSError, subprocess.SubprocessError) as e:
+            said = (getattr(e, "stderr", b"") or b"").decode(errors="replace").splitlines()
+            said = [line for line in said if "error" in line] or said or [str(e)]
+            raise RuntimeError(said[0].strip()) from None
+        for old in (p for n in (name, *older) for p in lib.parent.glob(f"{n}-*.so")):
+            if old != lib:
+                old.unlink(missing_ok=True)
+    return lib
+
+
 def _build():
-    """The library's path, compiled on first use into the cache (common.atomic_path: a killed build leaves no
-    library half-written; libraries of other versions of the sources are removed), or None with one line on stderr
+    """The library's path, compiled on first use into the cache (_cached_library), or None with one line on stderr
     where a compiler fails."""
     tdir = Path(torch.__file__).parent
     cc, cxx = os.environ.get("CC", "cc"), os.environ.get("CXX", "c++")
     cxxflags = ["-O2", "-std=c++17", "-fPIC", "-DLLAMA_FLAT_KERNELS", "-w",
                 f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}",
                 f"-I{tdir / 'include'}", f"-I{tdir / 'include' / 'torch' / 'csrc' / 'api' / 'include'}"]
-    key = hashlib.sha256(SOURCE.read_bytes() + SOURCE_8DA4W.read_bytes() + OPS.read_bytes()
-                         + " ".join([cc, cxx, *FLAGS, *cxxflags, torch.__version__]).encode()).hexdigest()[:16]
-    lib = _cache_dir() / f"fast_cpu_kernels-{key}.so"
-    if not lib.exists():
+
+    def commands(tmp):
         print("building the CPU kernels (fast_cpu_kernels.c, once per machine) ...", file=sys.stderr, flush=True)
-        try:
-            with atomic_path(lib) as tmp:
-                c, c8, cpp = tmp.with_suffix(".c.o"), tmp.with_suffix(".8da4w.o"), tmp.with_suffix(".cpp.o")
-                for cmd in ([cc, *FLAGS, "-c", str(SOURCE), "-o", str(c)],
-                            [cc, *FLAGS, "-c", str(SOURCE_8DA4W), "-o", str(c8)],
-                            [cxx, *cxxflags, "-c", str(OPS), "-o", str(cpp)],
-                            [cxx, "-shared", "-fopenmp", str(c), str(c8), str(cpp), "-o", str(tmp), f"-L{tdir / 'lib'}",
-                             "-lc10", "-ltorch_cpu"]):
-                    subprocess.run(cmd, check=True, capture_output=True, timeout=300)
-        except (OSError, subprocess.SubprocessError) as e:
-            said = (getattr(e, "stderr", b"") or b"").decode(errors="replace").splitlines()
-            said = [line for line in said if "error" in line] or said or [str(e)]
-            print(f"note: quantized products use slower kernels: building {SOURCE.name} failed ({said[0].strip()})",
-                  file=sys.stderr)
-            return None
-        for old in [*lib.parent.glob("fast_cpu_kernels-*.so"), *lib.parent.glob("fast_cpu_int4-*.so")]:
-            if old != lib:
-                old.unlink(missing_ok=True)
-    return lib
+        c, c8, cpp = tmp.with_suffix(".c.o"), tmp.with_suffix(".8da4w.o"), tmp.with_suffix(".cpp.o")
+        return ([cc, *FLAGS, "-c", str(SOURCE), "-o", str(c)], [cc, *FLAGS, "-c", str(SOURCE_8DA4W), "-o", str(c8)],
+                [cxx, *cxxflags, "-c", str(OPS), "-o", str(cpp)],
+                [cxx, "-shared", "-fopenmp", str(c), str(c8), str(cpp), "-o", str(tmp), f"-L{tdir / 'lib'}", "-lc10",
+                 "-ltorch_cpu"])
+    try:
+        return _cached_library("fast_cpu_kernels", " ".join([cc, cxx, *FLAGS, *cxxflags, torch.__version__]),
+                               [SOURCE, SOURCE_8DA4W, OPS], commands, older=("fast_cpu_int4",))
+    except RuntimeError as e:
+        print(f"note: quantized products use slower kernels: building {SOURCE.name} failed ({e})", file=sys.stderr)
+        return None
 
 
 def load_et_kernels() -> None:
@@ -100,27 +110,20 @@ def load_et_kernels() -> None:
     ops = OPS.parent.parent / "runner-et" / "kernel_ops.cpp"
     cxxflags = ["-O2", "-std=c++17", "-fPIC", "-w", "-DC10_USING_CUSTOM_GENERATED_MACROS", "-DET_USE_THREADPOOL",
                 f"-I{et / 'include'}", f"-I{et / 'include/executorch/runtime/core/portable_type/c10'}"]
-    key = hashlib.sha256(SOURCE_8DA4W.read_bytes() + ops.read_bytes() + " ".join([cc, cxx, *cxxflags, str(et), et_version])
-                         .encode()).hexdigest()[:16]
-    lib = _cache_dir() / f"fast_cpu_et-{key}.so"
-    if not lib.exists():
+
+    def commands(tmp):
         print("building ExecuTorch's x86 kernel (runner-et/kernel_ops.cpp, once per machine) ...", file=sys.stderr,
               flush=True)
-        try:
-            with atomic_path(lib) as tmp:
-                c, cpp = tmp.with_suffix(".c.o"), tmp.with_suffix(".cpp.o")
-                for cmd in ([cc, "-O3", "-fPIC", "-c", str(SOURCE_8DA4W), "-o", str(c)],
-                            [cxx, *cxxflags, "-c", str(ops), "-o", str(cpp)],
-                            [cxx, "-shared", str(c), str(cpp), "-o", str(tmp), f"-L{et / 'lib'}", "-lexecutorch",
-                             "-lexecutorch_threadpool", f"-Wl,-rpath,{et / 'lib'}"]):
-                    subprocess.run(cmd, check=True, capture_output=True, timeout=300)
-        except (OSError, subprocess.SubprocessError) as e:
-            said = (getattr(e, "stderr", b"") or b"").decode(errors="replace").splitlines()
-            said = [line for line in said if "error" in line] or said or [str(e)]
-            raise RuntimeError(f"building runner-et/kernel_ops.cpp failed ({said[0].strip()})") from None
-        for old in lib.parent.glob("fast_cpu_et-*.so"):
-            if old != lib:
-                old.unlink(missing_ok=True)
+        c, cpp = tmp.with_suffix(".c.o"), tmp.with_suffix(".cpp.o")
+        return ([cc, "-O3", "-fPIC", "-c", str(SOURCE_8DA4W), "-o", str(c)],
+                [cxx, *cxxflags, "-c", str(ops), "-o", str(cpp)],
+                [cxx, "-shared", str(c), str(cpp), "-o", str(tmp), f"-L{et / 'lib'}", "-lexecutorch",
+                 "-lexecutorch_threadpool", f"-Wl,-rpath,{et / 'lib'}"])
+    try:
+        lib = _cached_library("fast_cpu_et", " ".join([cc, cxx, *cxxflags, str(et), et_version]), [SOURCE_8DA4W, ops],
+                              commands)
+    except RuntimeError as e:
+        raise RuntimeError(f"building runner-et/kernel_ops.cpp failed ({e})") from None
     try:
         _ET = ctypes.CDLL(str(lib), mode=os.RTLD_GLOBAL)
     except OSError as e:
