@@ -8,7 +8,11 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+if os.environ.get("PYTEST_XDIST_WORKER"):  # `pytest -n 2`: one thread per worker (two spinning teams on 2 cores
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # collapse), for the scripts the tests start too
+    torch.set_num_threads(1)
+else:
+    torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 
 def tiny_hf(arch: str, seed: int = 0, vocab_size: int = 256, tie: bool = False, **overrides):

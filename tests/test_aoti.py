@@ -6,6 +6,7 @@
 # errors.
 # The runner is built once into runner-aoti/build (incremental afterwards); tests that need it skip only when
 # cmake or a C++ compiler is missing.
+import fcntl
 import json
 import os
 import re
@@ -58,11 +59,14 @@ def build_runner(src=RUNNER_DIR, binary=RUNNER, what="runner-aoti"):
     if shutil.which("c++") is None and shutil.which("g++") is None:
         pytest.skip("no C++ compiler: cannot build " + what)
     build = src / "build"
-    if not (build / "CMakeCache.txt").exists():
-        r = run(["cmake", "-S", src, "-B", build, f"-DPYTHON_EXECUTABLE={sys.executable}"])
+    build.mkdir(exist_ok=True)
+    with open(build / "test.lock", "w") as lock:  # test files run in parallel (pytest -n 2): one build at a time
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (build / "CMakeCache.txt").exists():
+            r = run(["cmake", "-S", src, "-B", build, f"-DPYTHON_EXECUTABLE={sys.executable}"])
+            assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        r = run(["cmake", "--build", build, "-j2"])
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    r = run(["cmake", "--build", build, "-j2"])
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return binary
 
 
