@@ -261,11 +261,12 @@ def test_kernels_run_where_the_cpu_has_avx2():
 
 
 @needs_int4_kernel
-@pytest.mark.parametrize("M", [1, 4, 5, 6, 8, 13])
+@pytest.mark.parametrize("M", [1, 4, 5, 6, 8, 13, 70])
 @pytest.mark.parametrize("N,K,G", [(64, 64, 32), (192, 512, 32), (64, 576, 32), (128, 256, 64), (64, 256, 128),
                                    (64, 512, 256)])
 def test_int4_kernel_matches_float64_and_atens_kernel(M, N, K, G):
-    """llama_flat::int4_tiles_mm on a weight's tiles (fast_cpu_kernels.make_tiles; one row: its own decode loop):
+    """llama_flat::int4_tiles_mm on a weight's tiles (fast_cpu_kernels.make_tiles; one row: its own decode loop; on
+    AVX2 70 rows are at::mm on float32 pieces of 96 channels: N 128 and 192 end in a partial piece and a whole one):
     float64's product of the dequantized weight up to float32 rounding (AVX2's tiles: x as int16 per run of 32, 2e-5
     of the run's largest |x|), and ATen's own kernel on its packed layout (bfloat16 output) up to its rounding."""
     g = torch.Generator().manual_seed(M * N + K + G)
