@@ -44,8 +44,8 @@ static int isa() { return 0; }
 
 namespace {
 constexpr int64_t AVX2_GEMM_ROWS = 64;  // AVX2 int4 from this many rows: at::mm on float32 pieces of w.T
-// of this many output channels (128 rows, 2 threads, Zen 1: 8192x2048 69 ms against 80 for the 4 MB pieces before,
-// 2048x8192 77-81 against 80-87: MKL copies each piece into its panels, and a small one is still in the cache)
+// of this many output channels (128 rows, 2 threads, Zen 1, medians: 8192x2048 71.5 ms against 88.9 for 4 MB pieces,
+// 2048x8192 79.0 against 84.4: MKL copies each piece into its panels, and a small one is still in the cache)
 constexpr int64_t AVX2_GEMM_PIECE = 96;
 
 at::Tensor int4_tiles_mm_op(const at::Tensor &x, const at::Tensor &w, int64_t groupsize) {
