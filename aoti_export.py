@@ -49,8 +49,7 @@ def package_metadata(model, tok, device: str, dtype: torch.dtype, checkpoint_pat
         "llm_export_version": METADATA_VERSION,
         "model_type": "llama-family-transformer",
         "vocab_size": str(cfg.vocab_size),
-        "max_seq_len": str(model.max_seq_length),
-        "max_batch_size": "1",
+        "max_seq_len": str(model.max_seq_length), "max_batch_size": "1",
         "dtype": str(dtype).replace("torch.", ""),
         "device": device,
         "n_layer": str(cfg.n_layer),
@@ -109,6 +108,7 @@ def export(checkpoint_path, output_path, max_seq_length: int = 1024, dtype: Opti
     with torch.device(device):
         model.setup_caches(1, max_seq_length)
     if fast_cpu is not None:  # CPU: the layers read the filled cache slots only (fast_cpu.FilledSlots)
+        fast_cpu_quant.compile_setup()
         fast_cpu.speed_up(model, export=True)
     S = model.max_seq_length
     if S < max_seq_length:

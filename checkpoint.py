@@ -1,6 +1,7 @@
 # checkpoint.py: reading and writing model.py's checkpoints safely. Loads with torch.load(weights_only=True, mmap=True)
 # and trusts nothing before validation.py has checked it (config, sizes, names, shapes, finiteness, CRC32s); saves
 # atomically (common.atomic_path) with every tensor's checksum. quantize.load_model wraps load_model for quantized files.
+import contextlib
 import json
 from dataclasses import asdict
 from typing import Callable, Optional
@@ -22,6 +23,21 @@ def checkpoint_config(sd: dict, path) -> ModelArgs:
         cfg = json_object((path.parent / "config.json").read_bytes(), "config.json", path)
         return checked(lambda: ModelArgs.from_dict(cfg), path, "config.json")
     return ModelArgs.from_name(path.parent.name)
+
+
+@contextlib.contextmanager
+def no_init():
+    """torch.nn.init's functions as no-ops (as transformers' no_init_weights): a model built on the meta device has no
+    values to initialize, and meta's normal_ imports Dynamo (1.5 s of every script's start that loads a model)."""
+    names = ("normal_", "uniform_", "kaiming_uniform_", "trunc_normal_", "ones_", "zeros_", "constant_")
+    saved = {n: getattr(torch.nn.init, n) for n in names}
+    try:
+        for n in names:
+            setattr(torch.nn.init, n, lambda t, *a, **k: t)
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(torch.nn.init, n, f)
 
 
 def load_model(checkpoint_path, device="cpu", dtype: Optional[torch.dtype] = None,
@@ -54,7 +70,7 @@ def load_model(checkpoint_path, device="cpu", dtype: Optional[torch.dtype] = Non
     check_sizes(sd, args, path)
     recipe = sd.pop("_quantization", None)
     recipe = None if recipe is None else json_object(recipe, "_quantization", path)
-    with torch.device("meta"):
+    with torch.device("meta"), no_init():
         model = Transformer(args)
     if recipe:  # quantized(model, recipe) swaps in the quantized modules (quantize.load_model passes its own)
         if quantized is None:

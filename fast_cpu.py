@@ -81,6 +81,7 @@ def configure_inductor() -> None:
     """Settings for torch.compile on CPU: INDUCTOR_CPU, the C++ launcher (less Python per decode step), a cache entry
     per compiled model (a process that builds a draft and a target, or the tests, would hit Dynamo's default of 8),
     and scalar outputs captured (FilledSlots' number of filled slots is a data-dependent size)."""
+    fast_cpu_quant.compile_setup()
     TI.set_inductor({**INDUCTOR_CPU, "fx_graph_cache": True, "cpp_wrapper": True})
     TI.dynamo_config.recompile_limit = max(TI.dynamo_config.recompile_limit, 64)
     TI.dynamo_config.capture_scalar_outputs = True
@@ -339,6 +340,8 @@ def speed_up(model: Transformer, compile: bool = False, export: bool = False) ->
     if model.norm.weight.device.type != "cpu":
         return model
     fixed_mmap_threshold()
+    if compile:  # (first: the layouts made below are marked static for it)
+        configure_inductor()
     if not isinstance(model.cache_len, FilledSlots):
         model.cache_len = FilledSlots()
     for attn in (m for m in model.modules() if isinstance(m, Attention)):
@@ -369,7 +372,6 @@ def speed_up(model: Transformer, compile: bool = False, export: bool = False) ->
             fast.weight, fast.bias = child.weight, child.bias
             replace_module(parent, name, fast)
     if compile and not isinstance(model.output, CompiledPrompt):
-        configure_inductor()
         run = torch.compile(_call, dynamic=True, fullgraph=True)
         model.layers = nn.ModuleList(CompiledPrompt(layer, run) for layer in model.layers)
         model.output = CompiledPrompt(model.output, run)

@@ -18,13 +18,18 @@ try:  # kernels of our own (int4_cpu_mm, fused_linear); without them, ATen's and
 except ImportError:
     fast_cpu_kernels = None
 
-# Under torch.compile with freezing, Inductor folds every computation that depends only on weights into a new constant.
-# The nibble unpacking (>> 4, & 15) must stay in the kernel, or the packed int4 weights would be folded into two bytes
-# per value (the last two: words_bf16_t's shifts).
-TI.dont_constant_fold(*(getattr(getattr(torch.ops.aten, op.split(".")[0]), op.split(".")[1]) for op in (
-    "bitwise_right_shift.Tensor_Scalar", "__rshift__.Scalar", "bitwise_and.Scalar", "__and__.Scalar",
-    "bitwise_right_shift.Tensor", "__rshift__.Tensor")))
-_FORCE_STRIDE = TI.force_stride_order()  # materializes its input in a buffer of its own: see fused_linear
+_FORCE_STRIDE = None  # Inductor's prim that materializes its input in a buffer of its own (see fused_linear)
+
+
+def compile_setup() -> None:
+    """Before torch.compile or an export: the compiler's modules (TI.compiler), _FORCE_STRIDE, and freezing told to
+    keep the nibble unpacking (>> 4, & 15; words_bf16_t's shifts) in the kernels, not folded into constants."""
+    global _FORCE_STRIDE
+    TI.compiler()
+    TI.dont_constant_fold("bitwise_right_shift.Tensor_Scalar", "__rshift__.Scalar", "bitwise_and.Scalar",
+                          "__and__.Scalar", "bitwise_right_shift.Tensor", "__rshift__.Tensor")
+    _FORCE_STRIDE = TI.force_stride_order()
+
 
 def packed_copy(w):
     """w's packed copy (keep_packed_copy) while w has not changed in place since, else None. A copy in oneDNN's
@@ -74,9 +79,8 @@ BF16_ROWS = 32
 # Compiled weight-only int8 prompts below this many rows without packed copies (fast_cpu.PROMPT_COPIES_MAX) run the
 # word kernels row by row, not every weight to bfloat16 (1B shape, 2 threads, 15 tokens: 143 against 785 ms).
 INT8_WORD_ROWS = 64
-# Compiled prompts convert word layouts to bfloat16 piece by piece, each piece's GEMM right after it (4 MB at a time,
-# read back from the caches): int8, 128 tokens, 2 threads, scripts/profile_step.py, 1B: 614-642 -> 508-531 ms.
-WORD_PIECE_BYTES = 4 << 20
+# Compiled prompts convert word layouts to bfloat16 piece by piece, each piece's GEMM right after it (read back from
+WORD_PIECE_BYTES = 4 << 20  # the caches): int8, 128 tokens, 2 threads, profile_step.py, 1B: 614-642 -> 508-531 ms
 _SHIFTS = {8: torch.tensor([0, 8, 16, 24], dtype=torch.int32).view(4, 1, 1, 1),
            4: torch.arange(0, 32, 4, dtype=torch.int32).view(8, 1, 1, 1, 1, 1),
            2: torch.tensor([4, 0], dtype=torch.uint8).view(1, 1, 2, 1)}  # qdata's high, then low nibbles
@@ -130,11 +134,9 @@ class FastQuantizedLinear(QuantizedLinear):
 
     def _make_layouts(self, words: bool = True):
         """The kernels' layouts from qdata, scales and zeros (plain attributes: not saved, not moved); words: also the
-        word layouts, which only compiled code reads (an eager 1B int8 model would hold 1 GB more for nothing).
-        int4_cpu: (fast_cpu_kernels' tiles, None) where its kernels run, else (ATen's blocked layout, its scales and
-        offsets)."""
-        qw, static = self.qweight, TI.mark_static
-        N = qw.out_features
+        word layouts, which only compiled code reads (an eager 1B int8 model would hold 1 GB more for nothing);
+        int4_cpu: (fast_cpu_kernels' tiles, None) where its kernels run, else (ATen's blocked layout, its scales)."""
+        qw, static, N = self.qweight, TI.mark_static, self.qweight.out_features
         for name in LAYOUTS:
             setattr(self, name, None)
         if qw.bits == 8:  # unit bfloat16 scales for float32 activations (native_linear); per-channel sums of q

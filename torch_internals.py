@@ -12,14 +12,35 @@ if not torch.__version__.startswith(TESTED + "."):
     raise ImportError(f"torch_internals.py uses private APIs of torch {TESTED}; this is torch {torch.__version__} "
                       f"(pip install torch=={TESTED}.0, or check the names in torch_internals.py)")
 
-import torch._dynamo  # noqa: E402
-import torch._inductor.config as inductor_config  # noqa: E402
-from torch.fx.experimental.symbolic_shapes import statically_known_true  # noqa: E402,F401 (fast_cpu_quant)
-from torch.export.pt2_archive._package import PT2ArchiveWriter  # noqa: E402,F401  (aoti_export.package_shared)
+_COMPILER = ("dynamo_config", "inductor_config", "aot_compile", "aoti_compile_and_package", "statically_known_true",
+             "PT2ArchiveWriter")
 
-dynamo_config = torch._dynamo.config
-aot_compile = torch._inductor.aot_compile
-aoti_compile_and_package = torch._inductor.aoti_compile_and_package
+
+def compiler() -> None:
+    """Imports Dynamo's, Inductor's and torch.export's modules and binds the names in _COMPILER here (idempotent).
+    Not at import: they are half of a script's start (~1.5 of 3 s), which eager generation, the servers and every
+    error line would pay for nothing. Code that compiles or exports calls it first (fast_cpu_quant.compile_setup);
+    reading one of the names (TI.aot_compile) calls it too."""
+    global dynamo_config, inductor_config, aot_compile, aoti_compile_and_package, statically_known_true
+    global PT2ArchiveWriter
+    if "PT2ArchiveWriter" in globals():
+        return
+    import torch._dynamo
+    import torch._inductor.config as inductor_config
+    from torch.fx.experimental.symbolic_shapes import statically_known_true  # (fast_cpu_quant)
+    from torch.export.pt2_archive._package import PT2ArchiveWriter  # (aoti_export.package_shared)
+    dynamo_config = torch._dynamo.config
+    aot_compile = torch._inductor.aot_compile
+    aoti_compile_and_package = torch._inductor.aoti_compile_and_package
+
+
+def __getattr__(name):  # (PEP 562: a name of _COMPILER read before compiler() ran)
+    if name in _COMPILER:
+        compiler()
+        return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 PyTorchFileReader = torch._C.PyTorchFileReader
 
 
@@ -39,21 +60,24 @@ def freezing() -> bool:
 
 def no_freezing():
     """A context in which torch.compile traces and compiles with the weights as graph inputs."""
+    compiler()
     return inductor_config.patch(freezing=False)
 
 
 def mark_static(t):
-    """Marks a plain tensor attribute's sizes static for torch.compile (returns it)."""
-    torch._dynamo.mark_static(t)
+    """Marks a plain tensor attribute's sizes static for torch.compile (returns it). Only compiled code reads the mark:
+    before compiler() has run (eager generation) it is left off."""
+    if "PT2ArchiveWriter" in globals():
+        torch._dynamo.mark_static(t)
     return t
 
 
-def dont_constant_fold(*ops) -> None:
-    """Keeps Inductor's freezing from folding these ATen ops (e.g. nibble shifts) into new constants."""
+def dont_constant_fold(*ops: str) -> None:
+    """Keeps Inductor's freezing from folding these ATen ops ("name.overload", e.g. nibble shifts) into constants."""
     with contextlib.suppress(ImportError, AttributeError):
         from torch._inductor.constant_folding import add_dont_constant_fold
         for op in ops:
-            add_dont_constant_fold(op)
+            add_dont_constant_fold(getattr(getattr(torch.ops.aten, op.split(".")[0]), op.split(".")[1]))
 
 
 def force_stride_order():

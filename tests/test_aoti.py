@@ -34,11 +34,11 @@ PROMPTS = ["Once upon a time", "Hello", " x  y\n\nz 123 café 🤖"]  # generate
 SPECIAL_PROMPT = "<|im_start|>user\nhi<|im_end|>\n"
 
 
-def tiny_checkpoint(path: Path, seed=0, vocab=VOCAB):
+def tiny_checkpoint(path: Path, seed=0, vocab=VOCAB, n_layer=2):
     from checkpoint import checkpoint_state, save_checkpoint
     from model import ModelArgs, Transformer
     torch.manual_seed(seed)
-    args = ModelArgs(n_layer=2, n_head=4, n_local_heads=2, dim=64, intermediate_size=128, vocab_size=vocab,
+    args = ModelArgs(n_layer=n_layer, n_head=4, n_local_heads=2, dim=64, intermediate_size=128, vocab_size=vocab,
                      block_size=256)
     m = Transformer(args)
     with torch.no_grad():
@@ -99,7 +99,8 @@ def env(tmp_path_factory):
     sp, bpe = make_sp_dir(root / "sp"), make_bpe_dir(root / "bpe")
     ckpt = tiny_checkpoint(bpe / "model.pth")  # beside the BPE tokenizer: its facts go into the package metadata
     pt2 = export_pt2(ckpt, root / "tiny.pt2", "--fast_prefill")
-    return dict(root=root, sp=sp, bpe=bpe, ckpt=ckpt, pt2=pt2,
+    one_layer = tiny_checkpoint(root / "one_layer.pth", n_layer=1)  # (for the other packages: see `quantized`)
+    return dict(root=root, sp=sp, bpe=bpe, ckpt=ckpt, pt2=pt2, one_layer=one_layer,
                 bins={"sp": export_bin(sp, root / "sp.bin"), "bpe": export_bin(bpe, root / "bpe.bin")})
 
 
@@ -160,7 +161,8 @@ def test_fast_prefill_prompt_model(env):
 @pytest.mark.parametrize("kind", ["bpe", "sp"])
 def test_runner_matches_generate_py(env, runner, kind):
     # the package records its tokenizer's vocabulary fingerprint: the SentencePiece run gets one exported with it
-    pt2 = env["pt2"] if kind == "bpe" else export_pt2(env["ckpt"], env["root"] / "tiny_sp.pt2", "--tokenizer_path", env["sp"])
+    pt2 = env["pt2"] if kind == "bpe" else export_pt2(env["one_layer"], env["root"] / "tiny_sp.pt2", "--tokenizer_path",
+                                                      env["sp"])
     for prompt, n in [(p, 24) for p in PROMPTS] + [("Once upon a time", 500)]:  # 500: clamped to the context
         want = generate_py(["--aoti_package", pt2], env[kind], prompt, n)
         r = run([runner, pt2, "-z", env["bins"][kind], "-i", prompt, "-n", n, "-t", 0])
@@ -246,10 +248,11 @@ def test_vocabulary_fingerprint(env, runner, tmp_path):
 @pytest.fixture(scope="module")
 def quantized(env):
     """quantized(mode) -> (checkpoint, package), made once per mode for the tests below: `quantize.py --mode M
-    --groupsize 32` on env's checkpoint, then `aoti_export.export(..., fast_prefill=True)` with fast_cpu_quant.BF16_GEMM
-    forced on (a weight-only one adds "long_prompt", see test_long_prompt_model; any CPU makes the same package but
-    for fast_cpu_kernels' kernel, which int4 and 8da4w "prompt" models call where it runs), and for "M-nokernel" with
-    the kernel off (as on a CPU where it does not run)."""
+    --groupsize 32` on a one-layer model like env's (an export's time goes by the graph's nodes: 83 s against 116 for
+    two layers, 8da4w), then `aoti_export.export(..., fast_prefill=True)` with fast_cpu_quant.BF16_GEMM forced on (a
+    weight-only one adds "long_prompt", see test_long_prompt_model; any CPU makes the same package but for
+    fast_cpu_kernels' kernel, which int4 and 8da4w "prompt" models call where it runs), and for "M-nokernel" with the
+    kernel off (as on a CPU where it does not run)."""
     import aoti_export
     import fast_cpu_kernels
     import fast_cpu_quant
@@ -260,7 +263,7 @@ def quantized(env):
             base = mode.removesuffix("-nokernel")
             q = env["root"] / f"model_{base}.pth"
             if not q.exists():
-                r = run([sys.executable, REPO / "quantize.py", "--checkpoint_path", env["ckpt"], "--mode", base,
+                r = run([sys.executable, REPO / "quantize.py", "--checkpoint_path", env["one_layer"], "--mode", base,
                          "--groupsize", "32", "--output", q])
                 assert r.returncode == 0, r.stderr[-2000:]
             with pytest.MonkeyPatch.context() as mp:
@@ -338,7 +341,8 @@ def test_quantized_package_keeps_integer_weights(env, quantized, mode):
     reader, index = package_index(pt2)
     stored = {row[2]: (row[3], reader.get_record_size(row[2])) for row in index}
     float32 = sum(n for dtype, n in stored.values() if dtype == "float32")
-    linears = sum(m.weight.numel() * 4 for m in load_model(env["ckpt"]).modules() if isinstance(m, torch.nn.Linear))
+    linears = sum(m.weight.numel() * 4 for m in load_model(env["one_layer"]).modules()
+                  if isinstance(m, torch.nn.Linear))
     assert float32 < linears / 4, (float32, linears)  # scales, zero terms, norms and the rope table only
     # the int8 embedding table is read from its word layout, the one a tied output projection reads: no int8 copy of
     # it; 8da8w's linears are stored twice (words for "model", qdata for "prompt's" torch._int_mm), 8da4w's once,
