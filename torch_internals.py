@@ -12,8 +12,8 @@ if not torch.__version__.startswith(TESTED + "."):
     raise ImportError(f"torch_internals.py uses private APIs of torch {TESTED}; this is torch {torch.__version__} "
                       f"(pip install torch=={TESTED}.0, or check the names in torch_internals.py)")
 
-_COMPILER = ("dynamo_config", "inductor_config", "aot_compile", "aoti_compile_and_package", "statically_known_true",
-             "PT2ArchiveWriter")
+_COMPILER = ("dynamo_config", "aot_compile", "aoti_compile_and_package", "statically_known_true", "PT2ArchiveWriter")
+inductor_config = None  # Inductor's config module once compiler() has run (freezing() reads it while Dynamo traces)
 
 
 def compiler() -> None:
@@ -23,7 +23,7 @@ def compiler() -> None:
     reading one of the names (TI.aot_compile) calls it too."""
     global dynamo_config, inductor_config, aot_compile, aoti_compile_and_package, statically_known_true
     global PT2ArchiveWriter
-    if "PT2ArchiveWriter" in globals():
+    if inductor_config is not None:
         return
     import torch._dynamo
     import torch._inductor.config as inductor_config
@@ -46,6 +46,7 @@ PyTorchFileReader = torch._C.PyTorchFileReader
 
 def set_inductor(settings: dict) -> None:
     """Assign Inductor settings (dotted names reach sub-configs: "cpp.enable_floating_point_contract_flag")."""
+    compiler()
     for name, value in settings.items():
         cfg, *path, last = [inductor_config, *name.split(".")]
         for part in path:
@@ -54,8 +55,9 @@ def set_inductor(settings: dict) -> None:
 
 
 def freezing() -> bool:
-    """Whether the graph being compiled takes its weights as constants (Inductor's freezing)."""
-    return bool(inductor_config.freezing)
+    """Whether the graph being compiled takes its weights as constants (Inductor's freezing; never where compiler()
+    has not run: a torch.compile of another backend than fast_cpu.configure_inductor's, tp.py's tests)."""
+    return inductor_config is not None and bool(inductor_config.freezing)
 
 
 def no_freezing():
@@ -67,7 +69,7 @@ def no_freezing():
 def mark_static(t):
     """Marks a plain tensor attribute's sizes static for torch.compile (returns it). Only compiled code reads the mark:
     before compiler() has run (eager generation) it is left off."""
-    if "PT2ArchiveWriter" in globals():
+    if inductor_config is not None:
         torch._dynamo.mark_static(t)
     return t
 
