@@ -79,8 +79,8 @@ BF16_ROWS = 32
 # Compiled weight-only int8 prompts below this many rows without packed copies (fast_cpu.PROMPT_COPIES_MAX) run the
 # word kernels row by row, not every weight to bfloat16 (1B shape, 2 threads, 15 tokens: 143 against 785 ms).
 INT8_WORD_ROWS = 64
-# Compiled prompts convert word layouts to bfloat16 piece by piece, each piece's GEMM right after it (read back from
-WORD_PIECE_BYTES = 4 << 20  # the caches): int8, 128 tokens, 2 threads, profile_step.py, 1B: 614-642 -> 508-531 ms
+# Compiled prompts convert word layouts to bfloat16 piece by piece, each piece's GEMM right after it (from the caches)
+WORD_PIECE_BYTES = 4 << 20  # int8, 128 tokens, 2 threads, scripts/profile_step.py, 1B: 614-642 -> 508-531 ms
 _SHIFTS = {8: torch.tensor([0, 8, 16, 24], dtype=torch.int32).view(4, 1, 1, 1),
            4: torch.arange(0, 32, 4, dtype=torch.int32).view(8, 1, 1, 1, 1, 1),
            2: torch.tensor([4, 0], dtype=torch.uint8).view(1, 1, 2, 1)}  # qdata's high, then low nibbles

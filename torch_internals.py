@@ -26,12 +26,13 @@ def compiler() -> None:
     if inductor_config is not None:
         return
     import torch._dynamo
-    import torch._inductor.config as inductor_config
+    import torch._inductor.config
     from torch.fx.experimental.symbolic_shapes import statically_known_true  # (fast_cpu_quant)
     from torch.export.pt2_archive._package import PT2ArchiveWriter  # (aoti_export.package_shared)
     dynamo_config = torch._dynamo.config
     aot_compile = torch._inductor.aot_compile
     aoti_compile_and_package = torch._inductor.aoti_compile_and_package
+    inductor_config = torch._inductor.config  # (last: the sign that every name is bound)
 
 
 def __getattr__(name):  # (PEP 562: a name of _COMPILER read before compiler() ran)
@@ -75,11 +76,14 @@ def mark_static(t):
 
 
 def dont_constant_fold(*ops: str) -> None:
-    """Keeps Inductor's freezing from folding these ATen ops ("name.overload", e.g. nibble shifts) into constants."""
+    """Keeps Inductor's freezing from folding these ATen ops ("name.overload", e.g. nibble shifts) into constants;
+    each op is added once, however often it is called (fast_cpu.configure_inductor runs for every compiled model)."""
     with contextlib.suppress(ImportError, AttributeError):
-        from torch._inductor.constant_folding import add_dont_constant_fold
-        for op in ops:
-            add_dont_constant_fold(getattr(getattr(torch.ops.aten, op.split(".")[0]), op.split(".")[1]))
+        from torch._inductor import constant_folding
+        for name, overload in (op.split(".") for op in ops):
+            op = getattr(getattr(torch.ops.aten, name), overload)
+            if op not in constant_folding._dont_constant_fold:
+                constant_folding.add_dont_constant_fold(op)
 
 
 def force_stride_order():
