@@ -37,6 +37,38 @@ def _needs_x86_kernels(path: Path) -> bool:
         return b"llama_flat::q8a4w_mm" in f.read(min(size, 64 << 20))
 
 
+class _Method:
+    def __init__(self, method):
+        self.execute = method  # execute(inputs) -> outputs, as executorch.runtime's Method
+
+
+class _Program:
+    """executorch.runtime's Program over its extension module, _C: method_names, load_method(name).execute(inputs)."""
+
+    def __init__(self, program):
+        self._program, self._methods = program, {}
+        self.method_names = {program.get_method_name(i) for i in range(program.num_methods())}
+
+    def load_method(self, name):
+        if name not in self._methods:
+            self._methods[name] = _Method(self._program.load_method(name))
+        return self._methods[name]
+
+
+def load_program(path: Path):
+    """executorch.runtime.Runtime.get().load_program(path), without that module's import: it imports the whole
+    exporter (executorch.exir, which parses a YAML of every edge op: ~7 of a `generate.py --pte` run's 15 s) for one
+    warning class. Its extension module is what it wraps; where that differs (another ExecuTorch), the runtime."""
+    try:
+        from executorch.extension.pybindings import _C
+        verify = _C.Verification.InternalConsistency  # (the runtime's default)
+    except (ImportError, AttributeError):
+        from executorch.runtime import Runtime
+        return Runtime.get().load_program(path)
+    return _Program(_C._load_program(str(path), enable_etdump=False, debug_buffer_size=0,
+                                     program_verification=verify, data_path=None))
+
+
 # what each decoding mode loads from a .pte, and the export flag that writes it (the runners say the same)
 MODE_METHODS = {"kv": ("forward", None), "hybrid": ("prefill", "--prefill_chunk N"),
                 "lookahead": ("lookahead", "--lookahead")}
@@ -67,9 +99,8 @@ class PTEBackend:
             import executorch.kernels.quantized  # noqa: F401 - registers quantized_decomposed kernels (embeddings)
         except Exception:  # noqa: BLE001 - only quantized programs need them; loading says so if they do
             pass
-        from executorch.runtime import Runtime
         try:
-            self.program = Runtime.get().load_program(path)
+            self.program = load_program(path)
             names = self.program.method_names
         except Exception as e:  # noqa: BLE001 - the runtime raises RuntimeError with multi-line details
             raise ValueError(f"cannot load {path}: not a valid ExecuTorch program, truncated or corrupt "

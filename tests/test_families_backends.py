@@ -115,9 +115,11 @@ def test_onnx_runtime_every_family(name, family, one_thread):
 
 
 def test_torch_compile(chimera, one_thread):
+    """One compiled model serves both prompts in turn (as the server's does: the second prompt overwrites the cache),
+    compiled once."""
     ckpt = chimera / "model.pth"
-    got = backend_tokens(lambda: TorchBackend(load_model(ckpt), 1, MAX_SEQ, compile=True))
-    assert got == eager_tokens(ckpt)
+    compiled = TorchBackend(load_model(ckpt), 1, MAX_SEQ, compile=True)
+    assert backend_tokens(lambda: compiled) == eager_tokens(ckpt)
 
 
 def test_chimera_eager_batch_matches_single_rows(chimera):
