@@ -101,7 +101,7 @@ def load_et_kernels() -> None:
         raise RuntimeError("the x86 kernels of this .pte need a Linux x86 CPU with AVX2")
     try:
         import executorch
-        from executorch.extension.pybindings import portable_lib  # noqa: F401 - loads libexecutorch.so first
+        from executorch.extension.pybindings import _C  # noqa: F401 - loads libexecutorch.so first (see pte_backend)
         from importlib.metadata import version
         et, et_version = Path(list(executorch.__path__)[0]), version("executorch")
     except Exception as e:  # noqa: BLE001 - no executorch, or one that does not load
