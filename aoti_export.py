@@ -360,7 +360,7 @@ class AOTIBackend:
             return
         if not zipfile.is_zipfile(path):
             raise ValueError(f"{path}: not an AOT Inductor package (not a .pt2 zip archive; truncated or wrong file?)")
-        with native_tmpdir():  # no extracted aotinductor_* folders left, whether the load fails or not
+        with native_tmpdir(compiles=False):  # no extracted aotinductor_* folders left, whether the load fails or not
             try:
                 meta = TI.package_metadata(str(path), "model")
                 models = (meta or {}).get("models", "model").split(",")

@@ -28,20 +28,26 @@ def _kill_users_of(d: Path) -> None:
         time.sleep(0.01)
 
 
-@contextlib.contextmanager
-def native_tmpdir():
-    """$TMPDIR, for the block, is a new private folder, so that the temporaries of native code run inside land there:
-    AOT Inductor's package loader extracts into $TMPDIR/aotinductor_* (and left two 3.6 MB folders per failed load),
-    the C++ compiler writes $TMPDIR/cc*.s. The folder is removed when the block ends; when it fails (an error,
-    Ctrl-C, SIGTERM under cli) the processes still writing there (an orphaned cc1plus) are killed first. A package
-    loaded inside keeps working: its libraries are mapped and its constants read by then (Linux keeps a removed
-    file's data while it is mapped), so nothing waits for this process's exit, which a signal may cut short."""
+def _pin_inductor_folders():
     with contextlib.suppress(ImportError):  # Inductor's cache stays put: its default is under $TMPDIR, pinned once
         from torch._inductor.runtime.cache_dir_utils import cache_dir
         cache_dir()
         # and its precompiled headers' folder, fixed from $TMPDIR when codecache is first imported: imported in
         # here, every later compile of the process re-created the removed folder for them (558 MB each)
         import torch._inductor.codecache  # noqa: F401
+
+
+@contextlib.contextmanager
+def native_tmpdir(compiles: bool = True):
+    """$TMPDIR, for the block, is a new private folder, so that the temporaries of native code run inside land there:
+    AOT Inductor's package loader extracts into $TMPDIR/aotinductor_* (and left two 3.6 MB folders per failed load),
+    the C++ compiler writes $TMPDIR/cc*.s. The folder is removed when the block ends; when it fails (an error,
+    Ctrl-C, SIGTERM under cli) the processes still writing there (an orphaned cc1plus) are killed first. A package
+    loaded inside keeps working: its libraries are mapped and its constants read by then (Linux keeps a removed
+    file's data while it is mapped), so nothing waits for this process's exit, which a signal may cut short.
+    compiles=False: nothing in the block imports Inductor (a package's load), so its folders need no pinning."""
+    if compiles:
+        _pin_inductor_folders()
     d = Path(tempfile.gettempdir()) / f"llama-flat-{secrets.token_hex(8)}"  # named before the try: see temp_dir
     saved = os.environ.get("TMPDIR")
     try:

@@ -95,9 +95,29 @@ def force_stride_order():
         return None
 
 
+class _PackagedModel:
+    """torch._inductor.package.load_package(path, model) without importing Inductor and Dynamo (~2 s of a script's
+    start): what its AOTICompiledModel does, over the same loader (.loader), called as the exported program."""
+
+    def __init__(self, path: str, model: str):
+        import torch.utils._pytree as pytree
+        self._pytree = pytree
+        self.loader = torch._C._aoti.AOTIModelPackageLoader(path, model, False, 1, -1)
+        spec = self.loader.get_call_spec()
+        self._in, self._out = pytree.treespec_loads(spec[0]), pytree.treespec_loads(spec[1])
+
+    def __call__(self, *args, **kwargs):
+        from torch.export._tree_utils import reorder_kwargs
+        flat = self._pytree.tree_flatten((args, reorder_kwargs(kwargs, self._in)))[0]
+        out = self.loader.boxed_run([x for x in flat if isinstance(x, torch.Tensor)])
+        return self._pytree.tree_unflatten(out, self._out)
+
+    def get_metadata(self) -> dict:
+        return self.loader.get_metadata()
+
+
 def load_package(path: str, model: str):
-    from torch._inductor.package import load_package as load
-    return load(path, model)
+    return _PackagedModel(path, model)
 
 
 def package_metadata(path: str, model: str) -> dict:
