@@ -109,6 +109,17 @@ def runner():
     return build_runner()
 
 
+def test_a_package_loads_and_runs_without_the_compiler(env):
+    """AOTIBackend loads a package (its "prompt" too) and runs it without importing Inductor or Dynamo: their import
+    was half of `generate.py --aoti_package`'s start."""
+    code = ("import sys, torch; sys.path.insert(0, sys.argv[1]); from aoti_export import AOTIBackend; "
+            "b = AOTIBackend(sys.argv[2]); b.forward(torch.tensor([[1, 5, 9]]), torch.arange(3), "
+            "logits_at=torch.tensor([2])); print(b.logits_at, sorted(m for m in sys.modules "
+            "if m.startswith(('torch._dynamo', 'torch._inductor'))))")
+    r = run([sys.executable, "-c", code, REPO, env["pt2"]])
+    assert r.returncode == 0 and r.stdout.strip() == "True []", r.stdout[-2000:] + r.stderr[-2000:]
+
+
 def test_metadata_and_atomic_write(env):
     from aoti_export import AOTIBackend
     b = AOTIBackend(env["pt2"])

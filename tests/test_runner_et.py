@@ -74,6 +74,16 @@ def test_runner_matches_generate_py(env, runner, kind):
     compare(runner, pte, env[kind], env["bins"][kind], "Once upon a time", 500)  # clamped to the context
 
 
+def test_a_program_loads_without_the_exporter(env):
+    """PTEBackend loads and runs a program without importing ExecuTorch's exporter (executorch.exir: it was ~7 s of
+    `generate.py --pte`'s 15)."""
+    code = ("import sys, torch; sys.path.insert(0, sys.argv[1]); from pte_backend import PTEBackend; "
+            "b = PTEBackend(sys.argv[2]); b.forward(torch.tensor([[1, 5, 9]]), torch.arange(3)); "
+            "print(sorted(m for m in sys.modules if m.startswith('executorch.exir')))")
+    r = run([sys.executable, "-c", code, REPO, env["pte"]])
+    assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout[-2000:] + r.stderr[-2000:]
+
+
 def test_ignore_stop_tokens(env, runner):
     """-x (runner) and --ignore_eos (generate.py) generate exactly -n tokens, the same ones, through stop tokens."""
     tok_bin = env["bins"]["bpe"]
