@@ -61,12 +61,11 @@ def load_program(path: Path):
     warning class. Its extension module is what it wraps; where that differs (another ExecuTorch), the runtime."""
     try:
         from executorch.extension.pybindings import _C
-        verify = _C.Verification.InternalConsistency  # (the runtime's default)
-    except (ImportError, AttributeError):
+        return _Program(_C._load_program(str(path), enable_etdump=False, debug_buffer_size=0,
+                                         program_verification=_C.Verification.InternalConsistency, data_path=None))
+    except (ImportError, AttributeError, TypeError):  # (TypeError: another signature; a bad file: RuntimeError)
         from executorch.runtime import Runtime
         return Runtime.get().load_program(path)
-    return _Program(_C._load_program(str(path), enable_etdump=False, debug_buffer_size=0,
-                                     program_verification=verify, data_path=None))
 
 
 # what each decoding mode loads from a .pte, and the export flag that writes it (the runners say the same)
