@@ -6,6 +6,8 @@ import re
 from pathlib import Path
 
 import torch
+import torch.utils._pytree as pytree
+from torch.export._tree_utils import reorder_kwargs
 
 TESTED = "2.13"
 if not torch.__version__.startswith(TESTED + "."):
@@ -100,17 +102,14 @@ class _PackagedModel:
     start): what its AOTICompiledModel does, over the same loader (.loader), called as the exported program."""
 
     def __init__(self, path: str, model: str):
-        import torch.utils._pytree as pytree
-        self._pytree = pytree
         self.loader = torch._C._aoti.AOTIModelPackageLoader(path, model, False, 1, -1)
         spec = self.loader.get_call_spec()
         self._in, self._out = pytree.treespec_loads(spec[0]), pytree.treespec_loads(spec[1])
 
     def __call__(self, *args, **kwargs):
-        from torch.export._tree_utils import reorder_kwargs
-        flat = self._pytree.tree_flatten((args, reorder_kwargs(kwargs, self._in)))[0]
+        flat = pytree.tree_flatten((args, reorder_kwargs(kwargs, self._in)))[0]
         out = self.loader.boxed_run([x for x in flat if isinstance(x, torch.Tensor)])
-        return self._pytree.tree_unflatten(out, self._out)
+        return pytree.tree_unflatten(out, self._out)
 
     def get_metadata(self) -> dict:
         return self.loader.get_metadata()
