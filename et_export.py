@@ -227,8 +227,7 @@ def lower(progs: dict, backend: str, constant_methods: dict, verbose: bool = Fal
     log = (lambda *a: print(*a, file=sys.stderr)) if verbose else (lambda *a: None)
     partitioners = _backend_partitioners(backend, log)
     log(f"lowering to {backend}: decompositions, partitioning{', preprocessing' if partitioners else ''} ...")
-    ops = {str(n.target) for ep in progs.values() for n in ep.graph.nodes if n.op == "call_function"}
-    trim = et_passes.xnnpack_without_image_passes(ops) if backend == "xnnpack" else contextlib.nullcontext()
+    trim = et_passes.xnnpack_trimmed_passes() if backend == "xnnpack" else contextlib.nullcontext()
     with _torch_internal_warnings_hidden(), trim:
         edge = to_edge_transform_and_lower(progs, transform_passes=[et_passes.inferred_view_dims],
                                            partitioner=partitioners, constant_methods=constant_methods,

@@ -158,35 +158,60 @@ def reinplace_is_safe(edge) -> bool:
     return True
 
 
-# XNNPACK's own passes over each subgraph it is handed (XNNPACKPassManager's list when the backend passes none) that
-# rewrite ops a language model's graph does not have: upsampling, batch norm, padding's quantization, conv1d, PReLU.
-# Each still walks every subgraph (each ~2-4% of a 1B model's lowering); without them the .pte is the same bytes
-# (tests/test_et_export.py checks it). (ChannelsLastTaggedReshapePass stays: the float32 programs' 4-D norms need it.)
-IMAGE_PASSES = ("ConvertToUpsampleBilinear2d", "FuseBatchNormPass", "DecomposeBatchNorm", "InsertPadQDQPass",
-                "Conv1dUnsqueezePass", "PReLUReshapePass")
+# XNNPACK's preprocess runs its whole pass list (XNNPACKPassManager's default) over each subgraph it takes, and each
+# pass re-traces the subgraph under fake tensors: ~2-4% of a 1B model's lowering apiece. The passes below rewrite only
+# the ops named beside them (PropagateCustomMeta: nodes with a "custom" meta entry); where the subgraph, as the passes
+# before have left it, has none of those, the pass is skipped, and the .pte is the same bytes (tests/test_et_export.py
+# checks it). Passes that can act on any graph always run: constant folding, ChannelsLastTaggedReshape (it tags every
+# node's layout; the float32 programs' 4-D norms need it) and the clone removal.
+_IMAGE_OPS = ("conv", "batch_norm", "upsample", "prelu", "pad", "max_pool", "avg_pool")
+PASS_OPS = {"ConvertToUpsampleBilinear2d": _IMAGE_OPS, "FuseBatchNormPass": _IMAGE_OPS, "DecomposeBatchNorm": _IMAGE_OPS,
+            "InsertPadQDQPass": _IMAGE_OPS, "Conv1dUnsqueezePass": _IMAGE_OPS, "PReLUReshapePass": _IMAGE_OPS,
+            "DimOrderOpsRevertPass": ("dim_order",), "ConvertToLinearPass": ("aten.mm.", "aten.addmm."),
+            "FuseActivationPass": ("relu", "hardtanh"), "DecomposeConcatenate": ("aten.cat",),
+            "RemoveGetItemPass": ("max_pool2d_with_indices", "aten.max."), "ConvertToSDPAPass": ("softmax",),
+            "PropagateCustomMetaPass": ("custom meta",), "RemoveRedundantCopyPass": ("_to_copy",)}
+
+
+def subgraph_names(gm: torch.fx.GraphModule) -> set:
+    """The op names of a graph's calls ("aten.cat.default"), and "custom meta" if a node carries one."""
+    names = {getattr(n.target, "__name__", str(n.target)) for n in gm.graph.nodes if n.op == "call_function"}
+    return names | ({"custom meta"} if any("custom" in n.meta for n in gm.graph.nodes) else set())
+
+
+def pass_needed(p, names: set) -> bool:
+    """Whether XNNPACK pass p may change a graph whose subgraph_names are names (False: a PASS_OPS pass without its
+    ops)."""
+    ops = PASS_OPS.get(p.__name__)
+    return ops is None or any(o in name for o in ops for name in names)
 
 
 @contextlib.contextmanager
-def xnnpack_without_image_passes(graph_ops: set):
-    """While lowering, XNNPACK's preprocess runs its default pass list less IMAGE_PASSES, when graph_ops (the
-    programs' op names) holds none of the ops they rewrite; unchanged where ExecuTorch's names differ."""
+def xnnpack_trimmed_passes():
+    """While lowering, XNNPACK's preprocess runs its default pass list on each subgraph less the passes that have
+    nothing to rewrite there (pass_needed, asked before each pass). Unchanged where ExecuTorch's pass names differ from
+    PASS_OPS's, and where preprocess names the passes itself."""
     import executorch.backends.xnnpack.xnnpack_preprocess as prep
-    image_ops = ("conv", "batch_norm", "upsample", "prelu", "pad", "max_pool", "avg_pool")
     base = prep.XNNPACKPassManager
     probe = base.__new__(base)
     try:
         base.__init__(probe, None)
-        passes = list(probe.passes)
+        default = list(probe.passes)
     except Exception:  # noqa: BLE001 - another ExecuTorch: leave it be
-        passes = []
-    keep = [p for p in passes if p.__name__ not in IMAGE_PASSES]
-    if len(passes) - len(keep) != len(IMAGE_PASSES) or any(o in name for name in graph_ops for o in image_ops):
+        default = []
+    if not set(PASS_OPS) <= {p.__name__ for p in default}:
         yield
         return
 
     class Trimmed(base):
-        def __init__(self, exported_program, passes=None):
-            super().__init__(exported_program, passes or keep)
+        def transform(self):
+            if self.passes != default:
+                return super().transform()
+            ep = self.exported_program
+            for p in self.passes:
+                if pass_needed(p, subgraph_names(ep.graph_module)):
+                    ep = base(ep, [p]).transform()
+            return ep
 
     prep.XNNPACKPassManager = Trimmed
     try:

@@ -192,22 +192,42 @@ def test_8da4w_pte_matches_eager_8da4w(pte_8da4w, tmp_path):
 def test_partitioner_without_decomposition_filter_writes_the_same_pte(pte_8da4w, float_ckpt, float_pte, tmp_path,
                                                                       monkeypatch):
     """et_export's XNNPACK partitioner drops XnnpackPartitioner's per-node decomposition filter (two fewer retraces of
-    the whole program) and XNNPACK's image passes (et_passes.IMAGE_PASSES, which stand aside for a graph with a
-    convolution); the stock partitioner with its whole pass list gives the very same bytes (an 8da4w model: linears
-    and quant ops; a float32 one)."""
+    the whole program) and, per subgraph, the XNNPACK passes with nothing to rewrite there (et_passes.PASS_OPS); the
+    stock partitioner with its whole pass list gives the very same bytes (an 8da4w model: linears and quant ops; a
+    float32 one), while on their subgraphs every one of those passes would be skipped at least once."""
     import et_passes
     import executorch.backends.xnnpack.xnnpack_preprocess as prep
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
-    for ops, trimmed in (({"aten.linear.default", "aten.mul.Tensor"}, True), ({"aten.convolution.default"}, False)):
-        with et_passes.xnnpack_without_image_passes(ops):
-            assert (prep.XNNPACKPassManager.__name__ == "Trimmed") == trimmed
-        assert prep.XNNPACKPassManager.__name__ != "Trimmed"
+    stock = prep.XNNPACKPassManager
+    default = stock(None).passes
+    skipped = lambda names: {p.__name__ for p in default if not et_passes.pass_needed(p, names)}  # noqa: E731
+    assert skipped({"aten.linear.default", "aten.mul.Tensor"}) == set(et_passes.PASS_OPS)
+    assert skipped({"aten.convolution.default", "aten.relu.default", "aten.mm.default", "custom meta",
+                    "dim_order_ops._to_dim_order_copy.default"}) == {
+        "DecomposeConcatenate", "RemoveGetItemPass", "ConvertToSDPAPass", "RemoveRedundantCopyPass"}
+    with et_passes.xnnpack_trimmed_passes():
+        assert prep.XNNPACKPassManager is not stock
+    assert prep.XNNPACKPassManager is stock
+    skips = {}
+
+    class Recording(stock):  # the whole list, a pass at a time, noting those the trimmed list would skip
+        def transform(self):
+            ep = self.exported_program
+            for p in self.passes:
+                if not et_passes.pass_needed(p, et_passes.subgraph_names(ep.graph_module)):
+                    skips[p.__name__] = skips.get(p.__name__, 0) + 1
+                ep = stock(ep, [p]).transform()
+            return ep
+
     monkeypatch.setattr(et_export, "_backend_partitioners", lambda backend, log=None: [XnnpackPartitioner()])
-    monkeypatch.setattr(et_passes, "xnnpack_without_image_passes", lambda ops: contextlib.nullcontext())
+    monkeypatch.setattr(et_passes, "xnnpack_trimmed_passes", contextlib.nullcontext)
+    monkeypatch.setattr(prep, "XNNPACKPassManager", Recording)
     for (ckpt, ours), args in (((pte_8da4w[0], pte_8da4w[1]), _8DA4W_ARGS), ((float_ckpt, float_pte),
                                                                             ["--max_seq_length", "128"])):
+        skips.clear()
         et_export.main(["--checkpoint_path", str(ckpt), "--output_path", str(tmp_path / "stock.pte"), *args])
         assert ours.read_bytes() == (tmp_path / "stock.pte").read_bytes(), ckpt
+        assert set(skips) == set(et_passes.PASS_OPS), (ckpt, skips)  # every rule was taken on these graphs
 
 
 def _perplexity(text: str) -> float:
