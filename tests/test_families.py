@@ -39,22 +39,25 @@ FAMILIES = {  # name: (transformers config class, model class, config overrides)
 }
 
 
-def family_hf(name: str, seed: int = 0):
-    """A tiny random transformers model of the family, weights scaled so logits are well separated."""
+def family_hf(name: str, seed: int = 0, layers: int = None):
+    """A tiny random transformers model of the family (BASE's layers, or layers), weights scaled so logits are well
+    separated."""
     import transformers
     cfg_cls, model_cls, kw = FAMILIES[name]
     torch.manual_seed(seed)
-    hf = getattr(transformers, model_cls)(getattr(transformers, cfg_cls)(**dict(BASE, **kw))).eval()
+    cfg = {**BASE, **kw, **({"num_hidden_layers": layers} if layers else {})}
+    hf = getattr(transformers, model_cls)(getattr(transformers, cfg_cls)(**cfg)).eval()
     with torch.no_grad():
         for p in hf.parameters():
             p.normal_(0, 0.2)
     return hf
 
 
-def convert_family(name: str, root, seed: int = 0):
+def convert_family(name: str, root, seed: int = 0, layers: int = None):
     """save_pretrained + convert_checkpoint.py (CLI). Returns (converted checkpoint dir, the transformers model)."""
-    hf = family_hf(name, seed)
-    src, out = root / f"{name}-hf", root / name
+    hf = family_hf(name, seed, layers)
+    tag = f"{name}-{layers}l" if layers else name
+    src, out = root / f"{tag}-hf", root / tag
     hf.save_pretrained(src)
     r = run_cli("scripts/convert_checkpoint.py", src, "--output_dir", out)
     assert r.returncode == 0, r.stderr
