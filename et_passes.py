@@ -1,7 +1,7 @@
 # Graph passes and checks for lowering model.py's exported programs to ExecuTorch (used by et_export.py): explicit
 # grouped-query attention in place of SDPA, -1 for the dynamic length in reshapes, dropping state the graph never
 # reads, whether the cache writes may be reinplaced, the op summary et_export prints, and XNNPACK's pass list without
-# its image passes while lowering. Imports nothing from this repo.
+# the passes a subgraph gives nothing to rewrite. Imports nothing from this repo.
 import contextlib
 import copy
 import math
