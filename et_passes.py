@@ -193,10 +193,8 @@ def xnnpack_trimmed_passes():
     PASS_OPS's, and where preprocess names the passes itself."""
     import executorch.backends.xnnpack.xnnpack_preprocess as prep
     base = prep.XNNPACKPassManager
-    probe = base.__new__(base)
     try:
-        base.__init__(probe, None)
-        default = list(probe.passes)
+        default = list(base(None).passes)
     except Exception:  # noqa: BLE001 - another ExecuTorch: leave it be
         default = []
     if not set(PASS_OPS) <= {p.__name__ for p in default}:
