@@ -37,7 +37,7 @@ def _hf_to_meta(w: np.ndarray, n_head: int) -> np.ndarray:
 def write(args):
     import gguf
     from quantize import load_model
-    m = load_model(args.checkpoint_path, dtype=torch.float32)
+    m = load_model(args.checkpoint_path)  # (its own dtype, mapped: each tensor becomes float32 only as it is written)
     if m.quantization:
         raise ValueError("write a float checkpoint: the GGUF quantization is done here")
     ck = checkpoint_file(args.checkpoint_path)
@@ -106,8 +106,8 @@ def _write_gguf(gguf, m, ck, qt, out, kind):
         wq, wk, wv = a.wqkv.weight.split([nq * hd, nkv * hd, nkv * hd])
         p = f"blk.{i}."
         tensor(p + "attn_norm.weight", L.attention_norm.weight)
-        tensor(p + "attn_q.weight", torch.from_numpy(_hf_to_meta(wq.numpy(), nq)))
-        tensor(p + "attn_k.weight", torch.from_numpy(_hf_to_meta(wk.numpy(), nkv)))
+        tensor(p + "attn_q.weight", torch.from_numpy(_hf_to_meta(wq.float().numpy(), nq)))
+        tensor(p + "attn_k.weight", torch.from_numpy(_hf_to_meta(wk.float().numpy(), nkv)))
         tensor(p + "attn_v.weight", wv)
         tensor(p + "attn_output.weight", a.wo.weight)
         tensor(p + "ffn_norm.weight", L.ffn_norm.weight)

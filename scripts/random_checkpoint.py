@@ -35,7 +35,7 @@ def random_checkpoint(name: str, out_dir: Path, dtype=torch.float32, seed: int =
     n = sum(p.numel() for p in model.parameters())  # (tied: the table once)
     log(f"writing {out}: {name}'s shape, {n / 1e9:.2f} B parameters of {dtype}, seed {seed} ...")
     torch.manual_seed(seed)
-    model = model.to_empty(device="cpu").to(dtype)
+    model = model.to(dtype).to_empty(device="cpu")  # (in dtype from the start: an 8B in bfloat16 is 15 GB, not 30)
     with torch.no_grad():
         for pname, p in model.named_parameters():
             p.fill_(1.0) if pname.endswith("norm.weight") else p.normal_(0, 0.02)

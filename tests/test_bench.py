@@ -136,3 +136,31 @@ def test_profile_step_times_prompts_and_decode(tmp_path):
                       (["--eager", "--kernels"], "--kernels profiles the compiled decode step; drop --eager")]:
         r = run_cli("scripts/profile_step.py", "--checkpoint_path", d / "model.pth", *args)
         assert r.returncode != 0 and r.stderr.strip().splitlines() == [f"error: {msg}"], r.stderr
+
+
+def test_random_checkpoint_in_bfloat16_and_its_gguf(tmp_path):
+    """scripts/random_checkpoint.py --dtype bfloat16 (an 8B's weights are 15 GB so, 30 in float32: it builds them in
+    bfloat16 from the start) and `llamacpp_peer.py write` from it (the checkpoint mapped in its own dtype, each tensor
+    float32 only as it is written): gguf's own reader finds the checkpoint's values, as float32 (F32) and rounded to
+    float16 (F16), the Q and K rows in llama.cpp's rotary order."""
+    gguf = __import__("pytest").importorskip("gguf")
+    import numpy as np
+    import torch
+    d = make_bpe_tokenizer(tmp_path / "ck")
+    r = run_cli("scripts/random_checkpoint.py", "stories15M", d, "--dtype", "bfloat16", "--seed", "3")
+    assert r.returncode == 0, r.stderr
+    sd = torch.load(d / "model.pth", weights_only=True, mmap=True)
+    assert {v.dtype for k, v in sd.items() if not k.startswith("_")} == {torch.bfloat16}
+    wq = sd["layers.0.attention.wqkv.weight"][:288].float().numpy()
+    meta = wq.reshape(6, 2, 24, 288).swapaxes(1, 2).reshape(288, 288)  # convert_hf_to_gguf's permute (6 heads of 48)
+    for kind, dtype in (("f32", np.float32), ("f16", np.float16)):
+        out = tmp_path / f"{kind}.gguf"
+        r = run_cli("scripts/llamacpp_peer.py", "write", "--checkpoint_path", d / "model.pth", "--type", kind,
+                    "--output", out)
+        assert r.returncode == 0, r.stderr
+        t = {x.name: x.data for x in gguf.GGUFReader(out).tensors}
+        assert len(t) == 2 + 6 * 9  # embeddings, final norm (tied output), 9 tensors a block
+        ffn = sd["layers.0.feed_forward.w2.weight"].float().numpy().astype(dtype)
+        assert np.array_equal(t["blk.0.ffn_down.weight"], ffn) and t["blk.0.ffn_down.weight"].dtype == dtype
+        assert np.array_equal(t["blk.0.attn_q.weight"], meta.astype(dtype))
+        assert np.array_equal(t["token_embd.weight"], sd["tok_embeddings.weight"].float().numpy().astype(dtype))
