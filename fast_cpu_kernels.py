@@ -27,6 +27,7 @@ import torch
 
 import torch_internals as TI
 from common import atomic_path, first_line
+from qops import on_bf16_grid
 
 SOURCE = Path(__file__).with_suffix(".c")
 SOURCE_8DA4W = Path(__file__).with_name("fast_cpu_8da4w.c")  # (8da4w's kernel: its torch op, ExecuTorch's)
@@ -146,7 +147,7 @@ def make_8da4w_records(q: torch.Tensor, s: torch.Tensor, z8: Optional[torch.Tens
     grid) and z8 = z + 8 s (float32, asymmetric weights; None for symmetric ones): (records uint8 [N/16, K/groupsize,
     groupsize / 32 * 256 + 32 (+ 64)], wsum float32 [N] = sum_k (q - 8) s). N % 16 == 0, groupsize % 32 == 0."""
     N, G = q.shape[0], q.shape[1] // groupsize
-    if s.to(torch.bfloat16).float().ne(s.float()).any():
+    if not on_bf16_grid(s):
         raise ValueError("8da4w's kernel takes scales on the bfloat16 grid (quantize.py's 8da4w)")
     lanes = make_tiles(q, s, torch.zeros_like(s), groupsize)[..., :groupsize // 32 * 256]
     tile = lambda v, dt: v.to(dt).view(N // 16, 16, G).transpose(1, 2).contiguous().view(torch.uint8)

@@ -11,7 +11,8 @@ from torch import Tensor
 
 import torch_internals as TI
 from common import release_pages
-from qops import (QuantizedLinear, fake_quant_per_token_int8, group_sums, quant_per_token_int8, unpack_int4)
+from qops import (QuantizedLinear, fake_quant_per_token_int8, group_sums, on_bf16_grid, quant_per_token_int8,
+                  unpack_int4)
 
 try:  # kernels of our own (int4_cpu_mm, fused_linear); without them, ATen's and Inductor's
     import fast_cpu_kernels
@@ -145,8 +146,7 @@ class FastQuantizedLinear(QuantizedLinear):
         elif (qw.symmetric or qw.xnnpack) and not words:  # q - 8 as int8 [N, K]: eager (q - 8) s in one pass
             self.qdata_int8 = unpack_int4(qw.qdata, qw.groupsize).to(torch.int8) - 8
         if (qw.bits == 4 and qw.qdata.is_cpu and N % 16 == 0
-                and (qw.scales.dtype == torch.bfloat16 or qw.weight_only  # (8da4w: see int4_act_linear)
-                     or torch.equal(qw.scales.to(torch.bfloat16).to(qw.scales.dtype), qw.scales))):
+                and (qw.weight_only or on_bf16_grid(qw.scales))):  # (8da4w: see int4_act_linear)
             s = qw.scales  # bfloat16 scales and offsets: (q - 8) s + z'
             z = torch.zeros_like(s) if qw.zeros is None or qw.xnnpack else qw.zeros + 8 * s
             kernel = fast_cpu_kernels is not None and fast_cpu_kernels.takes(N, qw.groupsize)  # (see int4_cpu_mm)

@@ -12,7 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from qops import QuantizedEmbedding, QuantizedLinear, group_sums, unpack_int4
+from qops import QuantizedEmbedding, QuantizedLinear, group_sums, on_bf16_grid, unpack_int4
 
 _TORCHAO = None
 
@@ -102,7 +102,7 @@ class X86Linear(QuantizedLinear):
         qw = getattr(lin, "qweight", None)
         return (isinstance(lin, QuantizedLinear) and lin.act == "int8" and qw.bits == 4 and qw.groupsize % 32 == 0
                 and qw.out_features % 16 == 0 and (qw.symmetric or qw.xnnpack)
-                and qw.scales.to(torch.bfloat16).float().equal(qw.scales.float()))
+                and on_bf16_grid(qw.scales))
 
     def forward(self, x: Tensor) -> Tensor:
         y = torch.ops.llama_flat.q8a4w_mm(x.float(), self.records, self.wsum, self.qweight.groupsize).to(x.dtype)
@@ -111,12 +111,8 @@ class X86Linear(QuantizedLinear):
 
 def scales_not_bf16(model) -> bool:
     """True when an 8da4w weight (4-bit, XNNPACK's pattern) has scales that bfloat16 cannot hold exactly."""
-    for m in model.modules():
-        if isinstance(m, QuantizedLinear) and m.qweight.bits == 4 and xnnpack_kind(m):
-            s = m.qweight.scales.float()
-            if not torch.equal(s, s.to(torch.bfloat16).float()):
-                return True
-    return False
+    return any(isinstance(m, QuantizedLinear) and m.qweight.bits == 4 and xnnpack_kind(m)
+               and not on_bf16_grid(m.qweight.scales) for m in model.modules())
 
 
 class ETEmbedding(nn.Module):
