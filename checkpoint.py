@@ -59,11 +59,11 @@ def load_model(checkpoint_path, device="cpu", dtype: Optional[torch.dtype] = Non
         raise ValueError(f"cannot read checkpoint {path}: not a valid PyTorch weights file ({type(e).__name__})") from None
     if not isinstance(sd, dict):
         raise ValueError(f"checkpoint {path} does not hold a state dict")
-    def cast(k, v):  # as each tensor is checked: cast in the state dict, its checkpoint pages given back (the peak is
-        if v.is_floating_point() and v.dtype != dtype:  # the cast weights plus one tensor, not both copies)
-            sd[k] = v.to(dtype)
-            release_pages(v)
-    check_state(sd, path, each=cast if dtype is not None else None)
+    def cast(k, v):  # as each tensor is checked: cast in the state dict (the peak is the cast weights plus one tensor,
+        if dtype is not None and v.is_floating_point() and v.dtype != dtype:  # not both copies), and its checkpoint
+            sd[k] = v.to(dtype)  # pages given back: the checks read them all, where a quantized model's kernels keep
+        release_pages(v)         # layouts of their own (what is read again comes back from the page cache)
+    check_state(sd, path, each=cast)
     sd.pop(CHECKSUMS, None)
     args = checkpoint_config(sd, path)
     sd.pop("_config", None)

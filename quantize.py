@@ -26,7 +26,9 @@
 # rounded to nearest; an untied output projection gets GPTQ like the other linears.
 #
 # Storage: plain int8 / uint8 / float tensors (torch.load(weights_only=True)). int4 is packed two per byte: in each
-# group of G, byte j holds element j (high nibble) and j + G/2 (low). Scales and zeros are in the model's float dtype.
+# group of G, byte j holds element j (high nibble) and j + G/2 (low). Scales, zeros and the other float tensors are
+# float32 whatever the source's dtype: a float32 run (the CPU default) maps them from the file, where a bfloat16 file's
+# would be cast copies kept beside the kernels' own layouts (1.7 GB for an 8B int4 g32 model).
 # The file stores its recipe; load_model() below has checkpoint.load_model() call apply_recipe() on a meta-device model,
 # then assign the weights.
 #
@@ -295,7 +297,7 @@ def main(argv=None):
                             act_order=args.act_order, damp=args.damp,
                             calibration_seq_length=args.calibration_seq_length)
     out = args.output or output_path(ck, args.mode, recipe["groupsize"])
-    save_checkpoint(checkpoint_state(model.to("cpu"), quantization=recipe), out)
+    save_checkpoint(checkpoint_state(model.to("cpu").float(), quantization=recipe), out)  # (float32: see Storage)
     after = _file_bytes(model)
     print(f"{args.mode}: {before / 1e6:.1f} MB -> {after / 1e6:.1f} MB of weights in {time.perf_counter() - t0:.1f} s",
           file=sys.stderr)

@@ -457,6 +457,29 @@ def test_cli_writes_checkpoint_and_generate_reads_it(tiny_checkpoint, capsys):
     assert capsys.readouterr().out.startswith("The quick")
 
 
+def test_cli_writes_float32_from_a_bfloat16_source(tiny_checkpoint, tmp_path, capsys):
+    """A bfloat16 source (as converted from Hugging Face) quantizes to a float32 file: scales, zeros and norms hold
+    the values the bfloat16 model's quantization gives, and a float32 load maps them from the file (no cast copies,
+    which would outlive the kernels' own layouts)."""
+    d, _ = tiny_checkpoint
+    src = load_model(d / "model.pth", dtype=torch.bfloat16)
+    save_checkpoint(checkpoint_state(src), tmp_path / "model.pth")
+    Q.main(["--checkpoint_path", str(tmp_path / "model.pth"), "--mode", "int4", "--groupsize", "32"])
+    out = tmp_path / "model_int4.g32.pth"
+    assert capsys.readouterr().out.strip().endswith("model_int4.g32.pth")
+    sd = torch.load(out, weights_only=True)
+    assert {v.dtype for v in sd.values() if torch.is_tensor(v) and v.is_floating_point()} == {torch.float32}
+    Q.quantize_model(src, "int4", 32, log=False)  # in memory: the bfloat16 model's own scales and zeros
+    for k, v in src.state_dict().items():
+        if v.is_floating_point() and k in sd:
+            assert v.dtype == torch.bfloat16 and torch.equal(sd[k], v.float()), k
+    m = load_model(out, dtype=torch.float32)
+    maps = [(*(int(a, 16) for a in x[0].split("-")), x[5]) for x in
+            (line.split() for line in open("/proc/self/maps").read().splitlines()) if len(x) > 5]
+    scales = [mod.qweight.scales.data_ptr() for mod in m.modules() if isinstance(mod, qops.QuantizedLinear)]
+    assert scales and all(any(lo <= p < hi and f == str(out) for lo, hi, f in maps) for p in scales)
+
+
 def test_cli_errors(tiny_checkpoint, tmp_path):
     """Two real subprocess runs for the error format (one `error:` line, no traceback); the other checks in-process."""
     d, _ = tiny_checkpoint
