@@ -2,13 +2,16 @@
 # and trusts nothing before validation.py has checked it (config, sizes, names, shapes, finiteness, CRC32s); saves
 # atomically (common.atomic_path) with every tensor's checksum. quantize.load_model wraps load_model for quantized files.
 import contextlib
+import ctypes
 import json
+import sys
 from dataclasses import asdict
+from pathlib import Path
 from typing import Callable, Optional
 
 import torch
 
-from common import atomic_path, checkpoint_file, release_pages
+from common import atomic_path, checkpoint_file
 from model import ModelArgs, Transformer
 from validation import CHECKSUMS, check_shapes, check_sizes, check_state, checked, checksums, json_object
 
@@ -40,6 +43,26 @@ def no_init():
             setattr(torch.nn.init, n, f)
 
 
+def page_releaser(sd: dict) -> Callable:
+    """release(t): give back the resident pages of tensor t of sd, a state dict torch.load(mmap=True) has just mapped
+    from its file (one private mapping) and that was only read since: what is read again comes back from the page
+    cache (written pages would be lost: common.release_pages compares first). A no-op off Linux or off that mapping."""
+    first = next((v for v in sd.values() if isinstance(v, torch.Tensor) and v.numel()), None)
+    span = None
+    if first is not None and sys.platform == "linux":
+        for f in (line.split(maxsplit=5) for line in Path("/proc/self/maps").read_text().splitlines()):
+            lo, hi = (int(a, 16) for a in f[0].split("-"))
+            if lo <= first.data_ptr() < hi and len(f) == 6 and "p" in f[1] and f[5].startswith("/"):
+                span = lo, hi
+
+    def release(t: torch.Tensor) -> None:
+        s = t.untyped_storage()
+        lo, hi = -(-s.data_ptr() // 4096) * 4096, (s.data_ptr() + s.nbytes()) // 4096 * 4096  # whole pages inside
+        if span and span[0] <= lo < hi <= span[1]:
+            ctypes.CDLL("libc.so.6").madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), 4)  # MADV_DONTNEED
+    return release
+
+
 def load_model(checkpoint_path, device="cpu", dtype: Optional[torch.dtype] = None,
                quantized: Optional[Callable] = None) -> Transformer:
     """Load a checkpoint written by scripts/convert_checkpoint.py or quantize.py, safely (weights_only, mmap).
@@ -59,11 +82,15 @@ def load_model(checkpoint_path, device="cpu", dtype: Optional[torch.dtype] = Non
         raise ValueError(f"cannot read checkpoint {path}: not a valid PyTorch weights file ({type(e).__name__})") from None
     if not isinstance(sd, dict):
         raise ValueError(f"checkpoint {path} does not hold a state dict")
-    def cast(k, v):  # as each tensor is checked: cast in the state dict (the peak is the cast weights plus one tensor,
-        if dtype is not None and v.is_floating_point() and v.dtype != dtype:  # not both copies), and its checkpoint
-            sd[k] = v.to(dtype)  # pages given back: the checks read them all, where a quantized model's kernels keep
-        release_pages(v)         # layouts of their own (what is read again comes back from the page cache)
-    check_state(sd, path, each=cast)
+    release, quantized_file = page_releaser(sd), "_quantization" in sd
+
+    def each(k, v):  # as each tensor is checked: cast in the state dict (the peak is the cast weights plus one tensor,
+        cast = dtype is not None and v.is_floating_point() and v.dtype != dtype  # not both copies), its pages given
+        if cast:                                        # back where cast, or where a quantized model's kernels will
+            sd[k] = v.to(dtype)                         # make layouts of their own, one weight at a time (the checks
+        if cast or quantized_file:                      # read every page)
+            release(v)
+    check_state(sd, path, each=each)
     sd.pop(CHECKSUMS, None)
     args = checkpoint_config(sd, path)
     sd.pop("_config", None)
