@@ -52,14 +52,16 @@ def page_releaser(sd: dict) -> Callable:
     if first is not None and sys.platform == "linux":
         for f in (line.split(maxsplit=5) for line in Path("/proc/self/maps").read_text().splitlines()):
             lo, hi = (int(a, 16) for a in f[0].split("-"))
-            if lo <= first.data_ptr() < hi and len(f) == 6 and "p" in f[1] and f[5].startswith("/"):
-                span = lo, hi
+            if lo <= first.data_ptr() < hi:
+                span = (lo, hi) if len(f) == 6 and "p" in f[1] and f[5].startswith("/") else None
+                break
+    madvise = ctypes.CDLL("libc.so.6").madvise if span else None
 
     def release(t: torch.Tensor) -> None:
         s = t.untyped_storage()
         lo, hi = -(-s.data_ptr() // 4096) * 4096, (s.data_ptr() + s.nbytes()) // 4096 * 4096  # whole pages inside
         if span and span[0] <= lo < hi <= span[1]:
-            ctypes.CDLL("libc.so.6").madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), 4)  # MADV_DONTNEED
+            madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), 4)  # MADV_DONTNEED
     return release
 
 
@@ -82,7 +84,8 @@ def load_model(checkpoint_path, device="cpu", dtype: Optional[torch.dtype] = Non
         raise ValueError(f"cannot read checkpoint {path}: not a valid PyTorch weights file ({type(e).__name__})") from None
     if not isinstance(sd, dict):
         raise ValueError(f"checkpoint {path} does not hold a state dict")
-    release, quantized_file = page_releaser(sd), "_quantization" in sd
+    quantized_file = "_quantization" in sd  # (a float file loaded as stored releases nothing: no /proc/self/maps read)
+    release = page_releaser(sd) if quantized_file or dtype is not None else None
 
     def each(k, v):  # as each tensor is checked: cast in the state dict (the peak is the cast weights plus one tensor,
         cast = dtype is not None and v.is_floating_point() and v.dtype != dtype  # not both copies), its pages given

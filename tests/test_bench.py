@@ -143,7 +143,7 @@ def test_random_checkpoint_in_bfloat16_and_its_gguf(tmp_path):
     bfloat16 from the start) and `llamacpp_peer.py write` from it (the checkpoint mapped in its own dtype, each tensor
     float32 only as it is written): gguf's own reader finds the checkpoint's values, as float32 (F32) and rounded to
     float16 (F16), the Q and K rows in llama.cpp's rotary order."""
-    gguf = __import__("pytest").importorskip("gguf")
+    import gguf  # (requirements.txt)
     import numpy as np
     import torch
     d = make_bpe_tokenizer(tmp_path / "ck")
